@@ -1,0 +1,49 @@
+"""fineslab's environment variables, read in one place, only when asked.
+
+Nothing reads `os.environ` at import time; callers take a `FineslabEnv` snapshot with
+`FineslabEnv.from_environ()` at start-up and pass it down. Child processes that fineslab starts get
+their variables from `child_environ()`, so the names live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from fineslab.errors import ConfigError
+
+#: Set to "1" to force CPU mode (stand-ins on the path, CPU device), "0" to forbid it; unset means
+#: CPU mode exactly when no CUDA device is visible.
+CPU_MODE_VAR = "FINESLAB_CPU_MODE"
+#: Where generated models are cached (default: ~/.cache/fineslab/models).
+MODEL_CACHE_VAR = "FINESLAB_MODEL_CACHE"
+#: SGLang's own switch for its CPU engine; without it the scheduler imports vllm and dies.
+SGLANG_CPU_ENGINE_VAR = "SGLANG_USE_CPU_ENGINE"
+
+
+def _parse_tristate(name: str, raw: str | None) -> bool | None:
+    if raw is None or raw == "":
+        return None
+    if raw in ("1", "true", "yes"):
+        return True
+    if raw in ("0", "false", "no"):
+        return False
+    raise ConfigError(f"{name}={raw!r}: expected 1/0, true/false or yes/no")
+
+
+@dataclass(frozen=True)
+class FineslabEnv:
+    """A snapshot of the variables fineslab reads."""
+
+    cpu_mode: bool | None
+    model_cache_dir: str
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> FineslabEnv:
+        env = os.environ if environ is None else environ
+        default_cache = os.path.join(os.path.expanduser("~"), ".cache", "fineslab", "models")
+        return cls(
+            cpu_mode=_parse_tristate(CPU_MODE_VAR, env.get(CPU_MODE_VAR)),
+            model_cache_dir=env.get(MODEL_CACHE_VAR) or default_cache,
+        )

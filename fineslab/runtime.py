@@ -1,0 +1,184 @@
+"""Start, health-check and stop one SGLang server process (`python -m sglang.launch_server`).
+
+An SGLang server is a process tree (the HTTP server, a scheduler per TP rank, a detokenizer).
+`ServerProcess` starts it in its own session so that stopping it reaches the whole tree: SIGTERM
+to the process group, then SIGKILL to whatever is left after a grace period. It never leaves an
+orphan behind, which tests check with `ServerProcess.tree_pids()` after `stop()`.
+
+In CPU mode the child gets the CPU stand-ins on its path and SGLang's CPU flags
+(`fineslab.cpu_mode`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fineslab import cpu_mode
+from fineslab.errors import EnvironmentSetupError
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the caller binds it soon after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What to run: a model directory and the SGLang server arguments beyond the CPU defaults."""
+
+    model_path: str
+    port: int
+    host: str = "127.0.0.1"
+    cpu: bool = True
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def argv(self) -> list[str]:
+        argv = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", self.model_path, "--host", self.host, "--port", str(self.port),
+        ]
+        if self.cpu:
+            argv += ["--device", "cpu", "--attention-backend", "torch_native",
+                     "--sampling-backend", "pytorch", "--disable-cuda-graph"]
+        return argv + list(self.extra_args)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class ServerProcess:
+    """A running SGLang server; use as a context manager or call `stop()`."""
+
+    def __init__(self, spec: ServerSpec, log_path: Path | None = None) -> None:
+        self.spec = spec
+        env = dict(os.environ)
+        if spec.cpu:
+            env = cpu_mode.child_environ(env)
+        env.update(spec.env)
+        self.log_path = log_path
+        self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        logger.info("starting SGLang server: %s", " ".join(spec.argv()))
+        self.proc = subprocess.Popen(
+            spec.argv(), env=env, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait_healthy(self, timeout_s: float = 180.0) -> None:
+        """Block until `/health` answers 200; raise with the log's tail if the server dies."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EnvironmentSetupError(
+                    f"SGLang server exited with code {self.proc.returncode} during start-up.\n"
+                    + self.log_tail()
+                )
+            try:
+                with urllib.request.urlopen(self.spec.base_url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.5)
+        raise EnvironmentSetupError(
+            f"SGLang server not healthy after {timeout_s:.0f} s.\n" + self.log_tail()
+        )
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-num_lines:])
+
+    def tree_pids(self) -> list[int]:
+        """PIDs of live processes in the server's process group (empty once fully stopped)."""
+        return _pids_in_group(self.proc.pid)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the process group, wait up to `grace_s`, then SIGKILL what is left."""
+        pgid = self.proc.pid
+        if self.proc.poll() is None or _pids_in_group(pgid):
+            _signal_group(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and _pids_in_group(pgid):
+                self.proc.poll()
+                time.sleep(0.2)
+            if _pids_in_group(pgid):
+                logger.warning("SGLang server %d ignored SIGTERM for %.0fs; killing", pgid, grace_s)
+                _signal_group(pgid, signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            logger.error("SGLang server %d did not exit after SIGKILL", pgid)
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()  # type: ignore[union-attr]
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def _pids_in_group(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is `pgid`, read from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Fields after the parenthesised command name: state ppid pgrp ...
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def start_server(spec: ServerSpec, log_path: Path | None = None,
+                 timeout_s: float = 180.0) -> ServerProcess:
+    """Start a server and wait until it is healthy; stop it again if it never gets there."""
+    server = ServerProcess(spec, log_path)
+    try:
+        server.wait_healthy(timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def cpu_engine_kwargs(extra: Mapping[str, object] | None = None) -> dict[str, object]:
+    """Keyword arguments for `sglang.Engine(...)` in CPU mode."""
+    kwargs = dict(cpu_mode.CPU_SERVER_ARGS)
+    kwargs.update(extra or {})
+    return kwargs
+
+
+__all__: Sequence[str] = [
+    "ServerProcess", "ServerSpec", "cpu_engine_kwargs", "free_port", "start_server",
+]
