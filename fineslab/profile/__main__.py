@@ -1,0 +1,58 @@
+"""CLI: `python -m fineslab.profile {analytical,measure} ...` (see the package docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from fineslab.scheduler.devices import DEVICES
+from fineslab.scheduler.profile_schema import save_profile
+from fineslab.scheduler.roofline import paper_profiles
+
+logger = logging.getLogger(__name__)
+
+
+def _analytical(args: argparse.Namespace) -> int:
+    for profile in paper_profiles(tuple(args.devices)):
+        path = save_profile(profile, Path(args.out))
+        logger.info("wrote %s", path)
+    return 0
+
+
+def _measure(args: argparse.Namespace) -> int:
+    # Imported here: it imports sglang, which the analytical path must not need.
+    from fineslab.profile.measure import MeasureConfig, run_measure
+
+    config = MeasureConfig(model=args.model, cache_dir=Path(args.cache_dir),
+                           out_dir=Path(args.out), quick=args.quick)
+    path = run_measure(config)
+    logger.info("wrote %s", path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fineslab.profile", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    ana = sub.add_parser("analytical", help="write roofline profiles of the paper's models")
+    ana.add_argument("--out", default="profiles")
+    ana.add_argument("--devices", nargs="+", default=sorted(DEVICES), choices=sorted(DEVICES))
+    ana.set_defaults(func=_analytical)
+    mea = sub.add_parser("measure", help="profile a generated model with SGLang on this device")
+    mea.add_argument("--model", default="llama-tiny", help="a fineslab.models.generate preset")
+    mea.add_argument("--cache-dir", default=str(Path.home() / ".cache/fineslab/models"))
+    mea.add_argument("--out", default="profiles")
+    mea.add_argument("--quick", action="store_true", help="fewer points (for tests)")
+    mea.set_defaults(func=_measure)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

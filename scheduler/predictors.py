@@ -1,0 +1,58 @@
+"""Latency and throughput predictors read off a profile.
+
+The local scheduler's TTFT predictor models chunked prefill: the prompts of a batch are
+concatenated and prefilled in chunks of `chunk_tokens`; the batch's first tokens are all out when
+the last chunk finishes, so
+
+    TTFT(R) = floor(T / C) * prefill_s(C) + prefill_s(T mod C),   T = sum of prompt tokens in R
+
+with prefill_s the profiled step latency of that many batched tokens (0 for 0 tokens). It is
+monotone in R (adding a request never shortens it), which Algorithm 2's guarantee relies on.
+A batch of one request is the same formula, so "TTFT(r)" and "TTFT(S)" are one function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from fineslab.errors import ConfigError
+from fineslab.scheduler.curves import PiecewiseLinear
+from fineslab.scheduler.profile_schema import ModelProfile
+
+
+@dataclass(frozen=True)
+class ChunkedPrefillPredictor:
+    """TTFT of a batch of prompts under chunked prefill (see the module docstring)."""
+
+    prefill_s: PiecewiseLinear
+    chunk_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise ConfigError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+
+    @classmethod
+    def from_profile(cls, profile: ModelProfile) -> ChunkedPrefillPredictor:
+        return cls(profile.prefill_s, profile.chunk_tokens)
+
+    def prefill_tokens_s(self, total_tokens: int) -> float:
+        full_chunks, rest_tokens = divmod(total_tokens, self.chunk_tokens)
+        seconds = full_chunks * self.prefill_s(self.chunk_tokens)
+        return seconds + (self.prefill_s(rest_tokens) if rest_tokens > 0 else 0.0)
+
+    def ttft_s(self, prompt_tokens: Iterable[int]) -> float:
+        """Seconds from now until every prompt in the batch has been prefilled."""
+        return self.prefill_tokens_s(sum(prompt_tokens))
+
+
+def decode_tokens_per_s(profile: ModelProfile, batch_size: int) -> float:
+    """Generated tokens/s at `batch_size` (the profile's throughput table)."""
+    return profile.throughput_tokens_per_s(batch_size)
+
+
+def request_rate_capacity_per_s(profile: ModelProfile, batch_size: int,
+                                output_tokens: int) -> float:
+    """Requests/s one replica completes at `batch_size` when each request emits
+    `output_tokens` tokens."""
+    return decode_tokens_per_s(profile, batch_size) / max(1, output_tokens)
