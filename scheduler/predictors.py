@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from fineslab.errors import ConfigError
 from fineslab.scheduler.curves import PiecewiseLinear
 from fineslab.scheduler.profile_schema import ModelProfile
+
+from fineslab.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fineslab.errors import ConfigError
 from fineslab.scheduler.curves import PiecewiseLinear
+
+from fineslab.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ Per TP rank, with P_lin the linear-layer parameters, n tokens in a step, c their
 
 For decode n = batch, c is the context and each sequence reads its own KV, R = n * c. For
 prefill of a chunk of n fresh tokens c = n / 2 (causal) and a fused attention kernel reads the
-chunk's KV about once, R = n. Throughput at batch b is b / t_decode(b, c_mean) tokens/s, and the MME curve maps a KV
-pool of K bytes to the throughput of the batch it holds, b(K) = K / (c_mean * kv_token_bytes *
-TP). Activation memory of one step (chunk plus decode batch b) is estimated as
+chunk's KV about once, R = n. Throughput at batch b is b / t_decode(b, c_mean) tokens/s,
+and the MME curve maps a KV pool of K bytes to the throughput of the batch it holds,
+b(K) = K / (c_mean * kv_token_bytes * TP). Activation memory of one step (chunk plus decode batch b) is estimated as
 (C + b) * (4 * hidden + 2 * intermediate / TP) * 2 bytes + b * vocab * 4 bytes (FP32 logits).
 The constants (eta_c = 0.6, eta_m = 0.8, t_step = 2 ms) are round numbers, not fits: these
 profiles rank placements, they do not promise latencies. Measured profiles replace them.
@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fineslab.errors import ConfigError
 from fineslab.scheduler.curves import PiecewiseLinear
 from fineslab.scheduler.devices import DeviceSpec, get_device
 from fineslab.scheduler.kv_format import kv_token_bytes
 from fineslab.scheduler.profile_schema import DecodeTable, ModelProfile, ModelShape, Workload
+
+from fineslab.errors import ConfigError
 
 COMPUTE_EFFICIENCY = 0.6
 MEMORY_EFFICIENCY = 0.8

@@ -6,8 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
-from fineslab.errors import ConfigError
 from fineslab.scheduler.curves import PiecewiseLinear, upper_concave_hull
 from fineslab.scheduler.kv_format import kv_token_bytes
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
@@ -19,6 +17,8 @@ from fineslab.scheduler.profile_schema import (
     save_profile,
 )
 from fineslab.scheduler.roofline import PAPER_VARIANTS, analytical_profile
+
+from fineslab.errors import ConfigError
 
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
 
@@ -77,7 +77,7 @@ def test_malformed_profile_names_the_file(tmp_path: Path) -> None:
     data["prefill_s"] = [[16, 0.5], [64, 0.1]]  # latency falling with tokens: invalid
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(data))
-    with pytest.raises(ConfigError, match="bad.json.*must not decrease"):
+    with pytest.raises(ConfigError, match=r"bad\.json.*must not decrease"):
         load_profile(bad)
     del data["decode"]
     with pytest.raises(ConfigError, match="malformed"):
