@@ -11,7 +11,8 @@ For decode n = batch, c is the context and each sequence reads its own KV, R = n
 prefill of a chunk of n fresh tokens c = n / 2 (causal) and a fused attention kernel reads the
 chunk's KV about once, R = n. Throughput at batch b is b / t_decode(b, c_mean) tokens/s,
 and the MME curve maps a KV pool of K bytes to the throughput of the batch it holds,
-b(K) = K / (c_mean * kv_token_bytes * TP). Activation memory of one step (chunk plus decode batch b) is estimated as
+b(K) = K / (c_mean * kv_token_bytes * TP). Activation memory of one step (chunk plus decode
+batch b) is estimated as
 (C + b) * (4 * hidden + 2 * intermediate / TP) * 2 bytes + b * vocab * 4 bytes (FP32 logits).
 The constants (eta_c = 0.6, eta_m = 0.8, t_step = 2 ms) are round numbers, not fits: these
 profiles rank placements, they do not promise latencies. Measured profiles replace them.
