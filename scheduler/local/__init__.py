@@ -1,0 +1,44 @@
+"""Local scheduler: per-model batch policies chosen by name.
+
+    policy = get_batch_policy("adaptive")      # or "fcfs", "moore-hodgson"
+    decision = policy.decide(QueueSnapshot(...), ChunkedPrefillPredictor.from_profile(p))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fineslab.scheduler.local.adaptive import AdaptiveBatchPolicy
+from fineslab.scheduler.local.base import (
+    BatchDecision,
+    BatchLimits,
+    BatchPolicy,
+    DroppedRequest,
+    QueueSnapshot,
+    TtftPredictor,
+    WaitingRequest,
+)
+from fineslab.scheduler.local.baselines import FcfsBatchPolicy, MooreHodgsonBatchPolicy
+
+from fineslab.errors import ConfigError
+
+BATCH_POLICIES: dict[str, Callable[[], BatchPolicy]] = {
+    AdaptiveBatchPolicy.name: AdaptiveBatchPolicy,
+    FcfsBatchPolicy.name: FcfsBatchPolicy,
+    MooreHodgsonBatchPolicy.name: MooreHodgsonBatchPolicy,
+}
+
+
+def get_batch_policy(name: str) -> BatchPolicy:
+    try:
+        return BATCH_POLICIES[name]()
+    except KeyError:
+        raise ConfigError(f"unknown batch policy {name!r}; known: {sorted(BATCH_POLICIES)}") \
+            from None
+
+
+__all__ = [
+    "BATCH_POLICIES", "AdaptiveBatchPolicy", "BatchDecision", "BatchLimits", "BatchPolicy",
+    "DroppedRequest", "FcfsBatchPolicy", "MooreHodgsonBatchPolicy", "QueueSnapshot",
+    "TtftPredictor", "WaitingRequest", "get_batch_policy",
+]
