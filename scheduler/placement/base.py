@@ -1,0 +1,137 @@
+"""The placer's contract: models and GPUs in, a frozen placement plan out.
+
+A `PlacementPolicy` places every `ModelDemand` (a profile, an expected request rate, a TTFT SLO)
+on `GpuSpec`s. Its `PlacementPlan` lists each model replica with the GPUs it runs on, its fixed
+memory per GPU (F_M: weights, profiled activations, base KV) and the share of each GPU's
+contested memory it is expected to use; or, for a model it could not place, the reason. The
+launcher reads the plan; `plan.table()` prints it.
+
+Plan invariants (tests check them):
+
+    for each GPU g:  sum(fixed_bytes of replicas on g) <= g.memory_bytes
+                     sum(fixed_bytes + contested_share_bytes on g) <= g.memory_bytes
+    every model is in `replicas` (one entry per DP replica) or in `unplaced`, never both
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from fineslab.scheduler.profile_schema import ModelProfile
+
+from fineslab.bench.report import format_table
+from fineslab.errors import ConfigError
+
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    gpu_id: int
+    memory_bytes: int
+    #: Device kind; a model is only placed on GPUs of its profile's device.
+    device: str
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes <= 0:
+            raise ConfigError(f"GPU {self.gpu_id}: memory_bytes must be positive")
+
+
+@dataclass(frozen=True)
+class ModelDemand:
+    """One model to serve: its profile on the target device, expected load and TTFT SLO."""
+
+    name: str
+    profile: ModelProfile
+    request_rate_per_s: float
+    ttft_slo_s: float
+
+    def __post_init__(self) -> None:
+        if self.request_rate_per_s <= 0 or self.ttft_slo_s <= 0:
+            raise ConfigError(f"model {self.name}: request rate and TTFT SLO must be positive")
+
+    @property
+    def tp(self) -> int:
+        return self.profile.tp
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    """The smallest profiled batch whose throughput meets the per-replica rate within the SLO."""
+
+    batch_size: int
+    num_replicas: int
+    rate_per_replica_s: float
+    ttft_s: float
+    weights_bytes: int
+    activation_bytes: int
+    kv_base_bytes: int  # per rank
+
+    @property
+    def fixed_bytes(self) -> int:
+        """F_M per GPU of the replica: weights + activations + base KV."""
+        return self.weights_bytes + self.activation_bytes + self.kv_base_bytes
+
+
+@dataclass(frozen=True)
+class ReplicaPlacement:
+    model: str
+    replica: int
+    gpu_ids: tuple[int, ...]
+    operating_point: OperatingPoint
+    #: Expected share of each of its GPUs' contested memory (bytes per GPU).
+    contested_share_bytes: int
+    #: Static partitions only: the hard cap per GPU; None where memory is shared.
+    partition_bytes: int | None
+    score: float
+
+    @property
+    def fixed_bytes(self) -> int:
+        return self.operating_point.fixed_bytes
+
+
+@dataclass(frozen=True)
+class UnplacedModel:
+    model: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    policy: str
+    gpus: tuple[GpuSpec, ...]
+    replicas: tuple[ReplicaPlacement, ...]
+    unplaced: tuple[UnplacedModel, ...]
+
+    def replicas_on(self, gpu_id: int) -> list[ReplicaPlacement]:
+        return [r for r in self.replicas if gpu_id in r.gpu_ids]
+
+    def fixed_bytes_on(self, gpu_id: int) -> int:
+        return sum(r.fixed_bytes for r in self.replicas_on(gpu_id))
+
+    def gpus_of(self, model: str) -> list[tuple[int, ...]]:
+        return [r.gpu_ids for r in self.replicas if r.model == model]
+
+    def table(self) -> str:
+        """One row per replica in placement order, then the unplaced models."""
+        headers = ["order", "model", "replica", "gpus", "batch", "fixed_GiB", "contested_GiB",
+                   "partition_GiB", "score"]
+        rows: list[list[object]] = []
+        for order, r in enumerate(self.replicas, start=1):
+            partition = "-" if r.partition_bytes is None else r.partition_bytes / GIB
+            rows.append([order, r.model, r.replica, ",".join(map(str, r.gpu_ids)),
+                         r.operating_point.batch_size, r.fixed_bytes / GIB,
+                         r.contested_share_bytes / GIB, partition, r.score])
+        text = f"placement by {self.policy}\n" + format_table(headers, rows)
+        for u in self.unplaced:
+            text += f"\nunplaced {u.model}: {u.reason}"
+        return text
+
+
+class PlacementPolicy(Protocol):
+    name: str
+
+    def place(self, models: Sequence[ModelDemand], gpus: Sequence[GpuSpec]) -> PlacementPlan:
+        ...
