@@ -40,3 +40,11 @@ class ArenaExhausted(TransientError):
 
 class InvalidBlockError(FatalError, ValueError):
     """A block id that is out of range, foreign to the caller, or already free."""
+
+
+class PlacementInfeasible(FatalError, ValueError):
+    """A model cannot be placed as asked (no SLO-feasible operating point, or no GPU fits it)."""
+
+
+class IntegrityError(FatalError, AssertionError):
+    """A shared data structure (the slab table) breaks one of its invariants: a defect."""
