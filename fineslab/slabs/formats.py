@@ -11,8 +11,8 @@ Glossary
 
 Invariants
     token_bytes = num_layers * per_layer_bytes
-    per_layer_bytes = 2 * kv_heads * head_dim * elem_bytes              (BF16, FP16, FP8)
-    per_layer_bytes = 2 * kv_heads * head_dim / 2 + 2 * kv_heads * 2 * 2  (INT4: packed + scale/zero)
+    per_layer_bytes = 2 * kv_heads * head_dim * elem_bytes             (BF16, FP16, FP8)
+    per_layer_bytes = 2 * kv_heads * head_dim / 2 + 2 * kv_heads * 4  (INT4, + scale/zero)
     token_bytes <= token_stride_bytes,  token_stride_bytes % alignment_bytes == 0
     block_stride_bytes = tokens_per_block * token_stride_bytes
 

@@ -1,0 +1,219 @@
+"""RuntimeSlabs: one runtime's block allocator over the shared slab table (the hot path).
+
+Each runtime keeps the slabs it holds, like the per-CPU magazines of a slab allocator: it hands
+out and takes back blocks in them without the table lock, and takes the lock only to carve a new
+slab (when its own free blocks run short) or to return a slab that became empty (at once).
+
+Glossary (see table.py for the table's)
+    block id    slab_id * bps + local block index == the global page index of the format's view
+    partial     this runtime's slabs with at least one free block, kept sorted by slab id;
+                blocks come from the lowest-id slab first, so high slabs drain and go back
+
+Invariants (between calls; checked by `check_integrity`)
+    num_free_blocks() == sum(bps - used[s] for s owned)
+    s in partial  <=>  s owned and used[s] < bps
+    every owned slab has used[s] > 0 (an empty slab is returned in the call that emptied it)
+
+Cost (measured in docs/slabs.md): alloc/free of one block is a handful of numpy scalar operations
+(a few microseconds); a batch costs one vectorized pass per slab touched. Not thread-safe: one
+RuntimeSlabs per scheduler thread.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fineslab.errors import IntegrityError, InvalidBlockError
+from fineslab.slabs.formats import BlockFormat
+from fineslab.slabs.integrity import check_integrity, snapshot
+from fineslab.slabs.shm import ArenaPaths
+from fineslab.slabs.table import OwnerUsage, SlabState, SlabTable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RuntimeStats:
+    """This runtime's usage and the device's, in blocks and bytes."""
+
+    runtime_id: str
+    used_blocks: int
+    free_blocks: int
+    num_slabs: int
+    block_stride_bytes: int
+    free_slabs: int
+    owners: tuple[OwnerUsage, ...]
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_blocks * self.block_stride_bytes
+
+
+class RuntimeSlabs:
+    """The block allocator of one runtime (one model replica on one device)."""
+
+    def __init__(self, table: SlabTable, runtime_id: str, fmt: BlockFormat,
+                 owns_table: bool = False) -> None:
+        self.table, self.runtime_id, self.fmt = table, runtime_id, fmt
+        self._owns_table = owns_table
+        self.blocks_per_slab = fmt.blocks_per_slab(table.dims.slab_bytes)
+        self.slot = table.register(runtime_id, fmt.block_stride_bytes)
+        self.num_blocks_total = table.dims.num_slabs * self.blocks_per_slab
+        self._width = table.dims.max_blocks_per_slab
+        self._flat_free = table.free_map.reshape(-1)
+        self._mine = np.zeros(table.dims.num_slabs, dtype=bool)
+        self._partial: list[int] = []
+        self._num_free = 0
+        self._closed = False
+
+    @classmethod
+    def attach(cls, fleet_id: str, device: str, runtime_id: str, fmt: BlockFormat,
+               shm_dir: Path | None = None) -> RuntimeSlabs:
+        """Open the device's table by fleet id and device, and register `runtime_id`."""
+        table = SlabTable.open(ArenaPaths.of(fleet_id, device, shm_dir).table)
+        return cls(table, runtime_id, fmt, owns_table=True)
+
+    # -- allocation -----------------------------------------------------------------------------
+    def alloc(self, num_blocks: int) -> list[int]:
+        """`num_blocks` block ids, all or none; raises ArenaExhausted when the arena is short."""
+        if num_blocks < 0:
+            raise InvalidBlockError(f"cannot allocate {num_blocks} blocks")
+        short = num_blocks - self._num_free
+        if short > 0:
+            carved = self.table.carve(self.slot, -(-short // self.blocks_per_slab))
+            self._adopt(carved)
+        return self._take(num_blocks)
+
+    def _adopt(self, slabs: np.ndarray) -> None:
+        self._mine[slabs] = True
+        for slab in slabs.tolist():
+            bisect.insort(self._partial, slab)
+        self._num_free += slabs.size * self.blocks_per_slab
+
+    def _take(self, num_blocks: int) -> list[int]:
+        bps, used, out = self.blocks_per_slab, self.table.used, []
+        remaining = num_blocks
+        while remaining:
+            slab = self._partial[0]
+            row = self.table.free_map[slab, :bps]
+            local = np.flatnonzero(row)[:remaining]
+            row[local] = 0
+            now_used = int(used[slab]) + local.size
+            used[slab] = now_used
+            if now_used == bps:
+                self.table.state[slab] = SlabState.FULL
+                del self._partial[0]
+            out.append(local + slab * bps)
+            remaining -= local.size
+        self._num_free -= num_blocks
+        if len(out) == 1:
+            return list(out[0].tolist())
+        return list(np.concatenate(out).tolist()) if out else []
+
+    # -- free -----------------------------------------------------------------------------------
+    def free(self, block_ids: Iterable[int] | np.ndarray) -> None:
+        """Give blocks back; InvalidBlockError (nothing changed) on a foreign, free or repeat id."""
+        ids = np.sort(np.fromiter(block_ids, dtype=np.int64) if not isinstance(
+            block_ids, np.ndarray) else block_ids.astype(np.int64).ravel())
+        if ids.size == 0:
+            return
+        slabs, local = np.divmod(ids, self.blocks_per_slab)
+        self._validate_free(ids, slabs, local)
+        self._flat_free[slabs * self._width + local] = 1
+        if ids.size == 1:
+            slab = int(slabs[0])
+            emptied = [slab] if self._give_back(slab, 1) else []
+        else:
+            starts = np.flatnonzero(np.diff(slabs, prepend=-1))
+            counts = np.diff(starts, append=ids.size)
+            emptied = [s for s, c in zip(slabs[starts].tolist(), counts.tolist(), strict=True)
+                       if self._give_back(s, c)]
+        self._num_free += ids.size
+        if emptied:
+            self._return(emptied)
+
+    def _validate_free(self, ids: np.ndarray, slabs: np.ndarray, local: np.ndarray) -> None:
+        if ids[0] < 0 or ids[-1] >= self.num_blocks_total:
+            raise InvalidBlockError(f"{self.runtime_id}: block id out of range "
+                                    f"[0, {self.num_blocks_total}) in free")
+        if not self._mine[slabs].all():
+            bad = ids[~self._mine[slabs]][:8].tolist()
+            raise InvalidBlockError(f"{self.runtime_id}: blocks {bad} are not in its slabs")
+        if self._flat_free[slabs * self._width + local].any():
+            bad = ids[self._flat_free[slabs * self._width + local] == 1][:8].tolist()
+            raise InvalidBlockError(f"{self.runtime_id}: blocks {bad} are already free")
+        if ids.size > 1 and not np.all(np.diff(ids)):
+            raise InvalidBlockError(f"{self.runtime_id}: a block id repeats in one free")
+
+    def _give_back(self, slab: int, count: int) -> bool:
+        """Account `count` freed blocks of `slab`; True when the slab became empty."""
+        before = int(self.table.used[slab])
+        now_used = before - count
+        self.table.used[slab] = now_used
+        if before == self.blocks_per_slab:
+            self.table.state[slab] = SlabState.PARTIAL
+            bisect.insort(self._partial, slab)
+        return now_used == 0
+
+    def _return(self, slabs: list[int]) -> None:
+        self.table.release(self.slot, slabs)
+        for slab in slabs:
+            self._partial.remove(slab)
+            self._mine[slab] = False
+        self._num_free -= len(slabs) * self.blocks_per_slab
+
+    # -- accounting -----------------------------------------------------------------------------
+    def num_free_blocks(self) -> int:
+        """Free blocks in this runtime's own slabs (no lock, no shared read)."""
+        return self._num_free
+
+    def available_blocks(self) -> int:
+        """Own free blocks plus what the free slabs would give this runtime now (lock-free)."""
+        free_slabs = int(np.count_nonzero(self.table.state == SlabState.FREE))
+        return self._num_free + free_slabs * self.blocks_per_slab
+
+    def num_used_blocks(self) -> int:
+        return int(np.count_nonzero(self._mine)) * self.blocks_per_slab - self._num_free
+
+    def stats(self) -> RuntimeStats:
+        snap = snapshot(self.table)
+        return RuntimeStats(self.runtime_id, self.num_used_blocks(), self._num_free,
+                            int(np.count_nonzero(self._mine)), self.fmt.block_stride_bytes,
+                            snap.free_slabs, snap.owners)
+
+    def check_integrity(self) -> None:
+        """The table's invariants, exact for this runtime's slabs, plus this runtime's own."""
+        check_integrity(self.table, exact_owners=[self.slot])
+        owned = np.flatnonzero(self.table.owner == self.slot)
+        if not np.array_equal(owned, np.flatnonzero(self._mine)):
+            raise IntegrityError(f"{self.runtime_id}: local slab set differs from the table's")
+        used = self.table.used[owned].astype(np.int64)
+        if self._num_free != int((self.blocks_per_slab - used).sum()):
+            raise IntegrityError(f"{self.runtime_id}: num_free_blocks differs from the table")
+        partial = owned[used < self.blocks_per_slab].tolist()
+        if partial != self._partial:
+            raise IntegrityError(f"{self.runtime_id}: partial list differs from the table")
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Unregister; every slab still held goes back to the free space (its blocks die)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.table.unregister(self.slot)
+        self._partial, self._num_free = [], 0
+        self._mine[:] = False
+        if self._owns_table:
+            self.table.close()
+
+    def __enter__(self) -> RuntimeSlabs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,103 @@
+"""check_integrity and snapshot: the slab table's invariants verified, and its contents summed.
+
+The invariants T1-T5 are written at the top of `table.py`. `check_integrity` takes the table lock,
+so FREE slabs, owners and keys are exact; the block counts of a runtime's slabs (T3, T4) are only
+exact while that runtime is not mid-operation, so the caller names the owners it knows to be
+quiescent (`exact_owners`; None = all, for a stopped fleet or a single-process test).
+Cost: a few vectorized passes over the table, about 1 ms for 1,000 slabs x 4,096 blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import numpy as np
+
+from fineslab.errors import IntegrityError
+from fineslab.slabs.table import NO_OWNER, OwnerUsage, SlabState, SlabTable, TableSnapshot
+
+
+def _fail(rule: str, mask: np.ndarray) -> None:
+    slabs = np.flatnonzero(mask)
+    if slabs.size:
+        raise IntegrityError(f"slab table breaks {rule} at slab(s) {slabs[:16].tolist()}")
+
+
+def _check_free_slabs(table: SlabTable) -> None:
+    free = table.state == SlabState.FREE
+    _fail("T0: unknown state", table.state > SlabState.FULL)
+    _fail("T1: FREE <=> no owner", free != (table.owner == NO_OWNER))
+    _fail("T1: FREE slab with key/used/free blocks",
+          free & ((table.key != 0) | (table.used != 0) | table.free_map.any(axis=1)))
+
+
+def _check_owned_slabs(table: SlabTable) -> np.ndarray:
+    owned = table.state != SlabState.FREE
+    max_slot = table.dims.max_runtimes - 1
+    slots = np.clip(table.owner, 0, max_slot)
+    _fail("T2: owner out of range", owned & (slots != table.owner))
+    _fail("T2: owner not an active runtime", owned & (table.rt_status[slots] != 1))
+    _fail("T2: key differs from the owner's", owned & (table.rt_key[slots] != table.key))
+    key = np.where(owned, table.key, table.dims.slab_bytes)
+    _fail("T2: key does not divide the slab", owned & ((key <= 0) | (table.dims.slab_bytes %
+                                                                     np.maximum(key, 1) != 0)))
+    return owned
+
+
+def _check_counts(table: SlabTable, exact: np.ndarray) -> None:
+    rows = np.flatnonzero(exact)
+    if rows.size == 0:
+        return
+    bps = table.dims.slab_bytes // table.key[rows]
+    free_rows = table.free_map[rows]
+    inside = np.arange(table.dims.max_blocks_per_slab)[None, :] < bps[:, None]
+    mask = np.zeros_like(exact)
+    mask[rows] = (free_rows > 1).any(axis=1) | (free_rows * ~inside).any(axis=1)
+    _fail("T3: free map value not 0/1, or a free block beyond bps", mask)
+    used = table.used[rows].astype(np.int64)
+    mask[rows] = used + free_rows.sum(axis=1, dtype=np.int64) != bps
+    _fail("T3: used + free != blocks per slab", mask)
+    mask[rows] = (used <= 0) | (used > bps)
+    _fail("T4: owned slab empty (not returned) or over-full", mask)
+    mask[rows] = (table.state[rows] == SlabState.FULL) != (used == bps)
+    _fail("T4: FULL <=> used == bps", mask)
+
+
+def _check_registry(table: SlabTable) -> None:
+    names = list(table.active_runtimes().values())
+    if len(names) != len(set(names)):
+        raise IntegrityError(f"slab table breaks T5: duplicate runtime ids in {names}")
+    if table.writable and table.lock_holder_pid != table.me.pid:
+        raise IntegrityError("slab table breaks T5: lock holder field is not ours under lock")
+
+
+def check_integrity(table: SlabTable, exact_owners: Collection[int] | None = None) -> None:
+    """Verify T1-T5; T3/T4 for slabs of `exact_owners` (registry slots; None = every owner).
+
+    Raises IntegrityError naming the rule and the slabs that break it.
+    """
+    with table.lock():
+        _check_free_slabs(table)
+        owned = _check_owned_slabs(table)
+        exact = owned.copy()
+        if exact_owners is not None:
+            exact &= np.isin(table.owner, np.asarray(list(exact_owners), dtype=np.int32))
+        _check_counts(table, exact)
+        _check_registry(table)
+
+
+def snapshot(table: SlabTable) -> TableSnapshot:
+    """Slabs per (key, state) and usage per owner, read without the lock."""
+    state, key, owner = table.state.copy(), table.key.copy(), table.owner.copy()
+    used = table.used.astype(np.int64)
+    counts: dict[tuple[int, str], int] = {}
+    for slab_key, slab_state in zip(key.tolist(), state.tolist(), strict=True):
+        label = (slab_key, SlabState(slab_state).name)
+        counts[label] = counts.get(label, 0) + 1
+    owners = []
+    for slot, name in sorted(table.active_runtimes().items()):
+        mine = owner == slot
+        identity = table.identity_of(slot)
+        owners.append(OwnerUsage(name, identity.pid, identity.is_alive(),
+                                 int(table.rt_key[slot]), int(mine.sum()), int(used[mine].sum())))
+    return TableSnapshot(table.dims.slab_bytes, table.dims.num_slabs, counts, tuple(owners))

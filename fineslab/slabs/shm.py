@@ -1,0 +1,124 @@
+"""Shared-memory files and process identity: the OS-facing half of the arena and the table.
+
+Files live in /dev/shm (tmpfs; a temp folder where there is none), are created with O_EXCL and
+mode 0600 (only the fleet's user can map them), and are named from the fleet id and the device,
+so that every process of a fleet finds them without passing paths around:
+
+    /dev/shm/fineslab-<fleet_id>-<device>.table    slab table (always)
+    /dev/shm/fineslab-<fleet_id>-<device>.arena    arena bytes (CPU backing only)
+
+A process is identified by (pid, start time in clock ticks since boot): a pid alone is reused by
+the kernel, the pair is not. A zombie (killed, not yet reaped) counts as dead.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from fineslab.errors import ConfigError
+
+_NAME_PART = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def default_shm_dir() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+def shm_stem(fleet_id: str, device: str) -> str:
+    """`fineslab-<fleet_id>-<device>`; `device` "cuda:0" becomes "cuda0"."""
+    device_part = device.replace(":", "")
+    for label, part in (("fleet id", fleet_id), ("device", device_part)):
+        if not _NAME_PART.match(part):
+            raise ConfigError(f"{label} {part!r} must be 1-64 characters of [A-Za-z0-9_.-]")
+    return f"fineslab-{fleet_id}-{device_part}"
+
+
+@dataclass(frozen=True)
+class ArenaPaths:
+    table: Path
+    data: Path
+
+    @classmethod
+    def of(cls, fleet_id: str, device: str, shm_dir: Path | None = None) -> ArenaPaths:
+        folder = shm_dir or default_shm_dir()
+        stem = shm_stem(fleet_id, device)
+        return cls(folder / f"{stem}.table", folder / f"{stem}.arena")
+
+    def unlink(self) -> None:
+        for path in (self.table, self.data):
+            path.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    pid: int
+    start_ticks: int
+
+    @classmethod
+    def current(cls) -> ProcessIdentity:
+        pid = os.getpid()
+        return cls(pid, _start_ticks(pid) or 0)
+
+    def is_alive(self) -> bool:
+        start = _start_ticks(self.pid)
+        if start is None:
+            return False
+        # 0 means "start time unknown" on either side: fall back to the pid alone.
+        return 0 in (start, self.start_ticks) or start == self.start_ticks
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The start time of `pid` from /proc, or None when it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return _alive_by_signal(pid)
+    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
+    fields = stat[stat.rindex(")") + 2:].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def _alive_by_signal(pid: int) -> int | None:
+    """Fallback where /proc is unreadable: alive if signal 0 reaches it (start time unknown)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return 0
+    return 0
+
+
+def create_file(path: Path, size_bytes: int) -> int:
+    """Create `path` exclusively with mode 0600 and size `size_bytes`; returns the fd.
+
+    Raises FileExistsError when it exists (the caller decides whether it is stale).
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, size_bytes)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    return fd
+
+
+def open_file(path: Path, writable: bool) -> int:
+    return os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+
+
+def map_fd(fd: int, size_bytes: int, writable: bool) -> mmap.mmap:
+    access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+    return mmap.mmap(fd, size_bytes, access=access)

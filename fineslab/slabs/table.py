@@ -1,0 +1,398 @@
+"""The slab table: which slab holds which block size, for whom, and which of its blocks are free.
+
+It lives in one shared-memory file per device (shm.py) so that every runtime on the device, the
+launcher and the router see the same table; numpy views over the mapping make it fast to scan.
+
+Glossary
+    slab        slab_bytes of the arena at offset slab_id * slab_bytes, holding blocks of one
+                size only. Slab states: FREE (in the free space), PARTIAL, FULL.
+    key         the block stride in bytes a slab is formatted to (0 while FREE).
+    owner       the registry slot of the runtime that holds the slab (NO_OWNER while FREE).
+    bps         blocks per slab = slab_bytes // key.
+    free map    one byte per block slot of a slab: 1 = free, 0 = in use or beyond bps (a byte, not a
+                bit, so numpy scans and sets it without bit twiddling; 8x a bitmap's size, 5 MB
+                for an 80 GB arena of 64 MiB slabs at 4,096 blocks per slab).
+    registry    max_runtimes slots: runtime id, (pid, start ticks), key, status FREE/ACTIVE.
+
+Invariants (check_integrity verifies each; T3 and T4 only for owners that are quiescent)
+    T1  state[s] == FREE  <=>  owner[s] == NO_OWNER
+        state[s] == FREE  =>  key[s] == used[s] == 0,  free_map[s] == 0
+    T2  state[s] != FREE  =>  registry[owner[s]] ACTIVE,  key[s] == its registry key,
+                              slab_bytes % key[s] == 0
+    T3  state[s] != FREE  =>  used[s] + sum(free_map[s, :bps]) == bps,  free_map[s, bps:] == 0
+    T4  state[s] != FREE  =>  0 < used[s] <= bps,  state[s] == FULL <=> used[s] == bps
+        (an empty slab goes back to the free space at once)
+    T5  active runtime ids are unique; header.lock_holder == 0 whenever the lock is free
+    free_bytes + slab_bytes * #{s: state[s] != FREE} == num_slabs * slab_bytes
+
+Ownership and locking
+    One lock: an exclusive flock on the table file (released by the kernel if its holder dies).
+    No other lock exists, so there is no lock order to respect; never hold it while calling out.
+    Under the lock only: carve (FREE -> owned), release (owned -> FREE), register/unregister,
+    reclaim of dead owners. Without the lock: the owner of a slab, and only it, changes that
+    slab's used count, free map and PARTIAL/FULL state (RuntimeSlabs' fast path). So under the
+    lock every FREE slab and every owner/key field is stable; the block counts of another
+    runtime's slabs are a best-effort view (exact once that runtime is quiescent).
+    Crash safety: the lock holder writes its pid into the header; a process that takes the lock
+    and finds a pid there knows the holder died mid-update and repairs the table first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fineslab.errors import ArenaExhausted, ConfigError, EnvironmentSetupError, IntegrityError
+from fineslab.slabs.shm import ProcessIdentity, create_file, map_fd, open_file
+
+logger = logging.getLogger(__name__)
+
+MAGIC = 0x3142_5441_4C53_4946  # "FISLATB1" little-endian
+VERSION = 1
+NO_OWNER = -1
+RUNTIME_ID_BYTES = 64
+HANDLE_CAPACITY_BYTES = 4096
+_READY_TIMEOUT_S = 5.0
+
+
+class SlabState(enum.IntEnum):
+    FREE = 0
+    PARTIAL = 1
+    FULL = 2
+
+
+class _Hdr(enum.IntEnum):
+    """Word indices of the int64 header."""
+
+    MAGIC = 0
+    VERSION = 1
+    NUM_SLABS = 2
+    SLAB_BYTES = 3
+    MAX_BLOCKS_PER_SLAB = 4
+    MAX_RUNTIMES = 5
+    CREATOR_PID = 6
+    CREATOR_START = 7
+    LOCK_HOLDER = 8
+    BACKING = 9
+    HANDLE_LEN = 10
+    READY = 11
+
+
+_HEADER_WORDS = 16
+
+
+@dataclass(frozen=True)
+class TableDims:
+    """The sizes a table is created with; they fix its file layout."""
+
+    num_slabs: int
+    slab_bytes: int
+    max_blocks_per_slab: int
+    max_runtimes: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("num_slabs", "slab_bytes", "max_blocks_per_slab", "max_runtimes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"slab table: {name} must be positive")
+
+    def fields(self) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+        n, m, r = self.num_slabs, self.max_blocks_per_slab, self.max_runtimes
+        return [
+            ("header", np.dtype(np.int64), (_HEADER_WORDS,)),
+            ("handle", np.dtype(np.uint8), (HANDLE_CAPACITY_BYTES,)),
+            ("state", np.dtype(np.uint8), (n,)),
+            ("key", np.dtype(np.int64), (n,)),
+            ("owner", np.dtype(np.int32), (n,)),
+            ("used", np.dtype(np.int32), (n,)),
+            ("free_map", np.dtype(np.uint8), (n, m)),
+            ("rt_status", np.dtype(np.uint8), (r,)),
+            ("rt_pid", np.dtype(np.int64), (r,)),
+            ("rt_start", np.dtype(np.int64), (r,)),
+            ("rt_key", np.dtype(np.int64), (r,)),
+            ("rt_name", np.dtype(np.uint8), (r, RUNTIME_ID_BYTES)),
+        ]
+
+    def offsets(self) -> tuple[dict[str, int], int]:
+        """Byte offset of every field (64-byte aligned) and the file size."""
+        offsets, cursor = {}, 0
+        for name, dtype, shape in self.fields():
+            offsets[name] = cursor
+            cursor += -(-dtype.itemsize * int(np.prod(shape)) // 64) * 64
+        return offsets, cursor
+
+
+@dataclass(frozen=True)
+class OwnerUsage:
+    runtime_id: str
+    pid: int
+    alive: bool
+    key: int
+    num_slabs: int
+    used_blocks: int
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_blocks * self.key
+
+
+@dataclass(frozen=True)
+class TableSnapshot:
+    """A lock-free reading of the table (exact for quiescent runtimes)."""
+
+    slab_bytes: int
+    num_slabs: int
+    slabs_by_key_state: dict[tuple[int, str], int]
+    owners: tuple[OwnerUsage, ...]
+
+    @property
+    def free_slabs(self) -> int:
+        return sum(c for (_, state), c in self.slabs_by_key_state.items() if state == "FREE")
+
+    @property
+    def free_bytes(self) -> int:
+        return self.free_slabs * self.slab_bytes
+
+
+class SlabTable:
+    """The shared slab table of one device. Use `create` (launcher) or `open` (everyone else)."""
+
+    def __init__(self, path: Path, fd: int, dims: TableDims, writable: bool) -> None:
+        offsets, size = dims.offsets()
+        self.path, self.dims, self.writable = path, dims, writable
+        self._fd = fd
+        self._mm = map_fd(fd, size, writable)
+        views = {name: np.frombuffer(self._mm, dtype, int(np.prod(shape)), offsets[name])
+                 .reshape(shape) for name, dtype, shape in dims.fields()}
+        self.header, self.handle = views["header"], views["handle"]
+        self.state, self.key, self.owner = views["state"], views["key"], views["owner"]
+        self.used, self.free_map = views["used"], views["free_map"]
+        self.rt_status, self.rt_pid = views["rt_status"], views["rt_pid"]
+        self.rt_start, self.rt_key, self.rt_name = (
+            views["rt_start"], views["rt_key"], views["rt_name"])
+        self.me = ProcessIdentity.current()
+
+    # -- create / open / close ------------------------------------------------------------------
+    @classmethod
+    def create(cls, path: Path, dims: TableDims, backing: int, handle: bytes = b"") -> SlabTable:
+        """Create the file (FileExistsError if present); returns the table, marked ready."""
+        if len(handle) > HANDLE_CAPACITY_BYTES:
+            raise ConfigError(f"arena handle of {len(handle)} B exceeds the table's capacity")
+        fd = create_file(path, dims.offsets()[1])
+        table = cls(path, fd, dims, writable=True)
+        hdr = table.header
+        hdr[_Hdr.VERSION], hdr[_Hdr.NUM_SLABS] = VERSION, dims.num_slabs
+        hdr[_Hdr.SLAB_BYTES], hdr[_Hdr.MAX_BLOCKS_PER_SLAB] = (
+            dims.slab_bytes, dims.max_blocks_per_slab)
+        hdr[_Hdr.MAX_RUNTIMES], hdr[_Hdr.BACKING] = dims.max_runtimes, backing
+        hdr[_Hdr.CREATOR_PID], hdr[_Hdr.CREATOR_START] = table.me.pid, table.me.start_ticks
+        table.owner[:] = NO_OWNER
+        table.handle[: len(handle)] = np.frombuffer(handle, np.uint8)
+        hdr[_Hdr.HANDLE_LEN] = len(handle)
+        hdr[_Hdr.MAGIC] = MAGIC
+        hdr[_Hdr.READY] = 1
+        return table
+
+    @classmethod
+    def open(cls, path: Path, writable: bool = True) -> SlabTable:
+        """Open an existing table; waits up to 5 s for a creator still initializing it."""
+        try:
+            fd = open_file(path, writable)
+        except FileNotFoundError:
+            raise EnvironmentSetupError(f"no slab table at {path}: is the launcher running?"
+                                        ) from None
+        header = read_header(fd)
+        dims = TableDims(int(header[_Hdr.NUM_SLABS]), int(header[_Hdr.SLAB_BYTES]),
+                         int(header[_Hdr.MAX_BLOCKS_PER_SLAB]), int(header[_Hdr.MAX_RUNTIMES]))
+        return cls(path, fd, dims, writable)
+
+    def close(self) -> None:
+        for name in ("header", "handle", "state", "key", "owner", "used", "free_map",
+                     "rt_status", "rt_pid", "rt_start", "rt_key", "rt_name"):
+            setattr(self, name, None)
+        try:
+            self._mm.close()
+        except BufferError:
+            logger.debug("slab table %s: views still alive; the mapping closes with them",
+                         self.path)
+        os.close(self._fd)
+
+    @property
+    def creator(self) -> ProcessIdentity:
+        return ProcessIdentity(int(self.header[_Hdr.CREATOR_PID]),
+                               int(self.header[_Hdr.CREATOR_START]))
+
+    @property
+    def backing(self) -> int:
+        return int(self.header[_Hdr.BACKING])
+
+    def raw(self) -> bytes:
+        """A copy of the whole table file (tests compare it before and after a refused call)."""
+        return bytes(self._mm)
+
+    @property
+    def lock_holder_pid(self) -> int:
+        return int(self.header[_Hdr.LOCK_HOLDER])
+
+    def handle_bytes(self) -> bytes:
+        return self.handle[: int(self.header[_Hdr.HANDLE_LEN])].tobytes()
+
+    # -- the lock -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the table lock; repairs the table first if the previous holder died in it."""
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            holder = int(self.header[_Hdr.LOCK_HOLDER])
+            if self.writable:
+                if holder:
+                    logger.warning("slab table %s: pid %d died holding the lock; repairing",
+                                   self.path, holder)
+                    self._repair_locked()
+                self.header[_Hdr.LOCK_HOLDER] = self.me.pid
+            yield
+        finally:
+            if self.writable:
+                self.header[_Hdr.LOCK_HOLDER] = 0
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    # -- registry (under the lock) --------------------------------------------------------------
+    def register(self, runtime_id: str, key: int) -> int:
+        """Give `runtime_id` a registry slot for blocks of stride `key`; returns the slot.
+
+        A dead runtime of the same id is reclaimed first; a live one is refused (ConfigError).
+        """
+        name = runtime_id.encode()
+        if not name or len(name) > RUNTIME_ID_BYTES:
+            raise ConfigError(f"runtime id {runtime_id!r} must be 1-{RUNTIME_ID_BYTES} bytes")
+        if key <= 0 or self.dims.slab_bytes % key or self.dims.slab_bytes // key > \
+                self.dims.max_blocks_per_slab:
+            raise ConfigError(
+                f"block stride {key} B does not fit slab {self.dims.slab_bytes} B with at most "
+                f"{self.dims.max_blocks_per_slab} blocks per slab")
+        with self.lock():
+            self._reclaim_dead_locked()
+            if runtime_id in self.active_runtimes().values():
+                raise ConfigError(f"runtime id {runtime_id!r} is attached by a live process")
+            free_slots = np.flatnonzero(self.rt_status == 0)
+            if free_slots.size == 0:
+                raise ConfigError(f"all {self.dims.max_runtimes} runtime slots are taken")
+            slot = int(free_slots[0])
+            self.rt_name[slot] = 0
+            self.rt_name[slot, : len(name)] = np.frombuffer(name, np.uint8)
+            self.rt_pid[slot], self.rt_start[slot] = self.me.pid, self.me.start_ticks
+            self.rt_key[slot] = key
+            self.rt_status[slot] = 1
+        return slot
+
+    def unregister(self, slot: int) -> None:
+        """Free `slot` and every slab it still holds (its blocks die with it)."""
+        with self.lock():
+            self._drop_runtime_locked(slot)
+
+    def active_runtimes(self) -> dict[int, str]:
+        """Registry slot -> runtime id of every active runtime (lock-free read)."""
+        return {int(slot): self.rt_name[slot].tobytes().rstrip(b"\0").decode()
+                for slot in np.flatnonzero(self.rt_status == 1)}
+
+    def identity_of(self, slot: int) -> ProcessIdentity:
+        return ProcessIdentity(int(self.rt_pid[slot]), int(self.rt_start[slot]))
+
+    # -- carve / release (under the lock) -------------------------------------------------------
+    def carve(self, slot: int, num_slabs: int) -> np.ndarray:
+        """Take `num_slabs` FREE slabs (lowest ids) for `slot`, formatted PARTIAL and all free.
+
+        Reclaims dead owners before giving up; raises ArenaExhausted (nothing changed) if short.
+        """
+        with self.lock():
+            free = np.flatnonzero(self.state == SlabState.FREE)
+            if free.size < num_slabs and self._reclaim_dead_locked():
+                free = np.flatnonzero(self.state == SlabState.FREE)
+            if free.size < num_slabs:
+                raise ArenaExhausted(
+                    f"{num_slabs} slab(s) wanted, {free.size} free of {self.dims.num_slabs}")
+            chosen = free[:num_slabs]
+            key = int(self.rt_key[slot])
+            self.key[chosen], self.used[chosen] = key, 0
+            self.free_map[chosen, : self.dims.slab_bytes // key] = 1
+            self.owner[chosen] = slot
+            self.state[chosen] = SlabState.PARTIAL
+        return chosen
+
+    def release(self, slot: int, slab_ids: Collection[int]) -> None:
+        """Return empty slabs of `slot` to the free space."""
+        with self.lock():
+            for slab in slab_ids:
+                if self.owner[slab] != slot or self.used[slab] != 0:
+                    raise IntegrityError(f"slab {slab}: release by slot {slot} of a slab it "
+                                         f"does not own empty (owner {self.owner[slab]}, used "
+                                         f"{self.used[slab]})")
+                self._free_slab_locked(int(slab))
+
+    def reclaim_dead_owners(self) -> list[str]:
+        """Free the slots and slabs of runtimes whose process is gone; returns their ids."""
+        with self.lock():
+            return self._reclaim_dead_locked()
+
+    def _free_slab_locked(self, slab: int) -> None:
+        self.state[slab] = SlabState.FREE
+        self.owner[slab], self.key[slab], self.used[slab] = NO_OWNER, 0, 0
+        self.free_map[slab] = 0
+
+    def _drop_runtime_locked(self, slot: int) -> None:
+        for slab in np.flatnonzero(self.owner == slot):
+            self._free_slab_locked(int(slab))
+        self.rt_status[slot] = 0
+        self.rt_pid[slot] = self.rt_start[slot] = self.rt_key[slot] = 0
+        self.rt_name[slot] = 0
+
+    def _reclaim_dead_locked(self) -> list[str]:
+        dead = [(slot, name) for slot, name in self.active_runtimes().items()
+                if not self.identity_of(slot).is_alive()]
+        for slot, name in dead:
+            num_slabs = int(np.count_nonzero(self.owner == slot))
+            logger.warning("slab table %s: runtime %r (pid %d) is dead; reclaiming %d slab(s)",
+                           self.path, name, self.rt_pid[slot], num_slabs)
+            self._drop_runtime_locked(slot)
+        return [name for _, name in dead]
+
+    def _repair_locked(self) -> None:
+        """After a holder died mid-update: drop dead runtimes, make FREE slabs canonical."""
+        self._reclaim_dead_locked()
+        for slab in np.flatnonzero(self.state == SlabState.FREE):
+            self._free_slab_locked(int(slab))
+        slots = np.clip(self.owner, 0, self.dims.max_runtimes - 1)
+        orphaned = (self.state != SlabState.FREE) & (
+            (self.owner != slots) | (self.rt_status[slots] != 1))
+        for slab in np.flatnonzero(orphaned):
+            self._free_slab_locked(int(slab))
+        for slot in np.flatnonzero(self.rt_status == 0):
+            self._drop_runtime_locked(int(slot))
+
+
+def read_header(fd: int, wait_s: float = _READY_TIMEOUT_S) -> np.ndarray:
+    """The header of the table file `fd`, after it is ready; raises if it is not a table."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        raw = os.pread(fd, _HEADER_WORDS * 8, 0)
+        header = np.frombuffer(raw.ljust(_HEADER_WORDS * 8, b"\0"), np.int64)
+        if header[_Hdr.READY] == 1:
+            break
+        if time.monotonic() >= deadline:
+            raise EnvironmentSetupError("slab table never became ready (creator died early?)")
+        time.sleep(0.01)
+    if header[_Hdr.MAGIC] != MAGIC or header[_Hdr.VERSION] != VERSION:
+        raise EnvironmentSetupError("file is not a fineslab slab table of this version")
+    return header
+
+
+def creator_of_header(header: np.ndarray) -> ProcessIdentity:
+    return ProcessIdentity(int(header[_Hdr.CREATOR_PID]), int(header[_Hdr.CREATOR_START]))
