@@ -38,7 +38,12 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = SpecialTokens(
-    bos="<|begin_of_text|>", eos="<|end_of_text|>", extra=("<|im_start|>", "<|im_end|>")
+    bos="<|begin_of_text|>",
+    eos="<|end_of_text|>",
+    # transformers loads a qwen2 model's tokenizer as Qwen2Tokenizer, which appends
+    # <|endoftext|> unless the vocabulary has it (the new id would fall outside the embedding
+    # table), so every generated tokenizer carries it.
+    extra=("<|im_start|>", "<|im_end|>", "<|endoftext|>"),
 )
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 

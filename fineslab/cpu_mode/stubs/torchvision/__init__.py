@@ -2,8 +2,8 @@
 
 The registry's torchvision wheels need CUDA torch (`operator torchvision::nms does not exist`
 with the CPU build). SGLang imports torchvision in its multimodal processors, which the text
-path never runs. Every attribute is a stub that raises `NotImplementedError` if called.
-There is no distribution metadata, so `transformers` reports torchvision as unavailable.
+path never runs. Every attribute is a stub that raises `NotImplementedError` if called. (`transformers` sees the
+package and reports torchvision as available; only its image processors would call into it.)
 """
 
 import _fineslab_stubpkg
