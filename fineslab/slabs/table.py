@@ -179,6 +179,7 @@ class SlabTable:
         self.rt_start, self.rt_key, self.rt_name = (
             views["rt_start"], views["rt_key"], views["rt_name"])
         self.me = ProcessIdentity.current()
+        self._repaired_ids: list[str] = []  # runtimes dropped by a repair, for reclaim's report
 
     # -- create / open / close ------------------------------------------------------------------
     @classmethod
@@ -256,7 +257,7 @@ class SlabTable:
                 if holder:
                     logger.warning("slab table %s: pid %d died holding the lock; repairing",
                                    self.path, holder)
-                    self._repair_locked()
+                    self._repaired_ids = self._repair_locked()
                 self.header[_Hdr.LOCK_HOLDER] = self.me.pid
             yield
         finally:
@@ -340,7 +341,9 @@ class SlabTable:
     def reclaim_dead_owners(self) -> list[str]:
         """Free the slots and slabs of runtimes whose process is gone; returns their ids."""
         with self.lock():
-            return self._reclaim_dead_locked()
+            reclaimed = self._repaired_ids + self._reclaim_dead_locked()
+            self._repaired_ids = []
+            return reclaimed
 
     def _free_slab_locked(self, slab: int) -> None:
         self.state[slab] = SlabState.FREE
@@ -364,9 +367,9 @@ class SlabTable:
             self._drop_runtime_locked(slot)
         return [name for _, name in dead]
 
-    def _repair_locked(self) -> None:
+    def _repair_locked(self) -> list[str]:
         """After a holder died mid-update: drop dead runtimes, make FREE slabs canonical."""
-        self._reclaim_dead_locked()
+        reclaimed = self._reclaim_dead_locked()
         for slab in np.flatnonzero(self.state == SlabState.FREE):
             self._free_slab_locked(int(slab))
         slots = np.clip(self.owner, 0, self.dims.max_runtimes - 1)
@@ -376,6 +379,7 @@ class SlabTable:
             self._free_slab_locked(int(slab))
         for slot in np.flatnonzero(self.rt_status == 0):
             self._drop_runtime_locked(int(slot))
+        return reclaimed
 
 
 def read_header(fd: int, wait_s: float = _READY_TIMEOUT_S) -> np.ndarray:

@@ -1,0 +1,104 @@
+"""Hypothesis state machine: alloc/free/carve/return against a model of live blocks per runtime.
+
+The model knows only which block ids each runtime holds. From it follow every slab's owner and
+count (an empty slab is FREE at once), so the machine checks the table slab by slab, plus
+check_integrity, after every step; and it predicts exactly when an alloc must fail.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from tempfile import mkdtemp
+
+import numpy as np
+from conftest import FMT_A, FMT_B, NUM_SLABS, SLAB_BYTES
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from fineslab.errors import ArenaExhausted, InvalidBlockError
+from fineslab.slabs.arena import ArenaSpec, SlabArena
+from fineslab.slabs.integrity import check_integrity
+from fineslab.slabs.table import SlabState
+
+RUNTIMES = st.sampled_from([0, 1])
+
+
+class SlabMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        spec = ArenaSpec("hyp", "cpu0", NUM_SLABS * SLAB_BYTES, SLAB_BYTES, 8)
+        self.arena = SlabArena.create(spec, shm_dir=Path(mkdtemp()))
+        self.clients = [self.arena.client("ra", FMT_A), self.arena.client("rb", FMT_B)]
+        self.live: list[set[int]] = [set(), set()]
+
+    def _slabs_of(self, rt: int) -> set[int]:
+        return {b // self.clients[rt].blocks_per_slab for b in self.live[rt]}
+
+    def _room(self, rt: int) -> int:
+        bps = self.clients[rt].blocks_per_slab
+        own_free = len(self._slabs_of(rt)) * bps - len(self.live[rt])
+        taken = len(self._slabs_of(0) | self._slabs_of(1))
+        return own_free + (NUM_SLABS - taken) * bps
+
+    @rule(rt=RUNTIMES, num_blocks=st.integers(0, 20))
+    def alloc(self, rt: int, num_blocks: int) -> None:
+        room = self._room(rt)
+        before = self.arena.table.raw()
+        try:
+            ids = self.clients[rt].alloc(num_blocks)
+        except ArenaExhausted:
+            assert num_blocks > room, "alloc fails only when the model says it must"
+            assert self.arena.table.raw() == before, "a failed alloc changes nothing"
+            return
+        assert num_blocks <= room
+        assert len(ids) == num_blocks == len(set(ids)), "distinct ids, as many as asked"
+        assert not set(ids) & self.live[rt], "never a live block twice"
+        self.live[rt] |= set(ids)
+        assert not self._slabs_of(0) & self._slabs_of(1), "no slab holds two runtimes' blocks"
+
+    @precondition(lambda self: self.live[0] or self.live[1])
+    @rule(rt=RUNTIMES, data=st.data())
+    def free(self, rt: int, data: st.DataObject) -> None:
+        if not self.live[rt]:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(sorted(self.live[rt])), min_size=1,
+                                    unique=True))
+        self.clients[rt].free(chosen)
+        self.live[rt] -= set(chosen)
+
+    @rule(rt=RUNTIMES, block=st.integers(-2, NUM_SLABS * 8 + 2))
+    def bad_free(self, rt: int, block: int) -> None:
+        if block in self.live[rt]:
+            return
+        before = self.arena.table.raw()
+        try:
+            self.clients[rt].free([block])
+        except InvalidBlockError:
+            assert self.arena.table.raw() == before, "a refused free changes nothing"
+        else:
+            raise AssertionError(f"freeing block {block} not held by runtime {rt} succeeded")
+
+    @invariant()
+    def table_matches_model(self) -> None:
+        for client in self.clients:
+            client.check_integrity()
+        check_integrity(self.arena.table)
+        table = self.arena.table
+        expected_used = np.zeros(NUM_SLABS, dtype=np.int64)
+        for rt, client in enumerate(self.clients):
+            for block in self.live[rt]:
+                slab = block // client.blocks_per_slab
+                expected_used[slab] += 1
+                assert table.owner[slab] == client.slot, "a live block's slab is its owner's"
+        assert table.used.tolist() == expected_used.tolist(), "used counts match the model"
+        assert ((table.state == SlabState.FREE) == (expected_used == 0)).all(), (
+            "a slab is FREE exactly when it holds no live block")
+
+    def teardown(self) -> None:
+        self.arena.close()
+
+
+SlabMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                         derandomize=True)
+TestSlabMachine = SlabMachine.TestCase
