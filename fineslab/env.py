@@ -20,6 +20,11 @@ CPU_MODE_VAR = "FINESLAB_CPU_MODE"
 MODEL_CACHE_VAR = "FINESLAB_MODEL_CACHE"
 #: SGLang's own switch for its CPU engine; without it the scheduler imports vllm and dies.
 SGLANG_CPU_ENGINE_VAR = "SGLANG_USE_CPU_ENGINE"
+#: The slab arena an SGLang runtime joins (set by the launcher; read by the SGLang plugin).
+#: Unset: the plugin does nothing and SGLang keeps its own KV pool.
+ARENA_VAR = "FINESLAB_ARENA"
+#: This runtime's id in the arena's slab table (required when FINESLAB_ARENA is set).
+RUNTIME_ID_VAR = "FINESLAB_RUNTIME_ID"
 
 
 def _parse_tristate(name: str, raw: str | None) -> bool | None:
@@ -38,6 +43,8 @@ class FineslabEnv:
 
     cpu_mode: bool | None
     model_cache_dir: str
+    arena_name: str | None = None
+    runtime_id: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> FineslabEnv:
@@ -46,4 +53,6 @@ class FineslabEnv:
         return cls(
             cpu_mode=_parse_tristate(CPU_MODE_VAR, env.get(CPU_MODE_VAR)),
             model_cache_dir=env.get(MODEL_CACHE_VAR) or default_cache,
+            arena_name=env.get(ARENA_VAR) or None,
+            runtime_id=env.get(RUNTIME_ID_VAR) or None,
         )

@@ -1,0 +1,37 @@
+"""fineslab's SGLang plugin: keep a runtime's KV cache in the shared slab arena.
+
+The only fineslab package that imports SGLang at module level (its pool and allocator subclass
+SGLang's). Everything else talks to it through the environment and the slab table.
+
+Public API
+    register()                    entry point, group `sglang.srt.plugins` (pyproject.toml);
+                                  joins the arena named by FINESLAB_ARENA / FINESLAB_RUNTIME_ID,
+                                  does nothing when they are unset
+    install(join) -> session      the same for a custom SGLang build: call it in the scheduler
+                                  process before SGLang builds its KV pool
+    ArenaJoin(arena_name, runtime_id)   the join request; `.environ()` gives the variables,
+                                  `ArenaJoin.from_env()` reads them
+    check_hooks()                 raise EnvironmentSetupError if this SGLang lacks a hook target
+    SlabKVPool, SlabAllocator     the pool and allocator SGLang runs with (see their modules)
+    refuse_unsupported(settings)  the start-up refusal of features the arena layout cannot serve
+
+Memory accounting for the router and the launcher is read from the slab table itself
+(`fineslab.slabs`), not from the runtime: see `accounting.py`.
+"""
+
+from __future__ import annotations
+
+from fineslab.sglang_plugin.config import TESTED_SGLANG_VERSION, ArenaJoin
+from fineslab.sglang_plugin.install import HOOK_TARGETS, HookTarget, check_hooks, install, register
+from fineslab.sglang_plugin.refusals import refuse_unsupported
+
+__all__ = [
+    "HOOK_TARGETS",
+    "TESTED_SGLANG_VERSION",
+    "ArenaJoin",
+    "HookTarget",
+    "check_hooks",
+    "install",
+    "refuse_unsupported",
+    "register",
+]

@@ -1,0 +1,47 @@
+"""How a runtime is told to join an arena, and which SGLang the plugin was written against.
+
+The one configuration channel is the environment of the SGLang processes: the launcher sets
+`FINESLAB_ARENA` (the arena's name) and `FINESLAB_RUNTIME_ID` (this model replica's id in the
+slab table). Both unset: the plugin stays out of the way. One without the other is an error,
+never a silent fallback to SGLang's own pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fineslab.env import ARENA_VAR, RUNTIME_ID_VAR, FineslabEnv
+from fineslab.errors import ConfigError
+
+#: The SGLang release whose hook targets and signatures this plugin was written and tested on.
+TESTED_SGLANG_VERSION = "0.5.23"
+
+
+@dataclass(frozen=True)
+class ArenaJoin:
+    """The arena this runtime keeps its KV in, and its id there."""
+
+    arena_name: str
+    runtime_id: str
+
+    def __post_init__(self) -> None:
+        if not self.arena_name:
+            raise ConfigError(f"{ARENA_VAR} is empty: name the arena to join")
+        if not self.runtime_id:
+            raise ConfigError(f"{RUNTIME_ID_VAR} is empty: give this runtime's id in the arena")
+
+    @classmethod
+    def from_env(cls, env: FineslabEnv | None = None) -> ArenaJoin | None:
+        """The join request in the environment, or None when the runtime is not asked to join."""
+        env = env or FineslabEnv.from_environ()
+        if env.arena_name is None and env.runtime_id is None:
+            return None
+        if env.arena_name is None or env.runtime_id is None:
+            missing = ARENA_VAR if env.arena_name is None else RUNTIME_ID_VAR
+            raise ConfigError(
+                f"{ARENA_VAR} and {RUNTIME_ID_VAR} go together; {missing} is not set")
+        return cls(env.arena_name, env.runtime_id)
+
+    def environ(self) -> dict[str, str]:
+        """The variables a launcher puts in a runtime's environment to make it join."""
+        return {ARENA_VAR: self.arena_name, RUNTIME_ID_VAR: self.runtime_id}

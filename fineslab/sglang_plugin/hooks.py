@@ -1,0 +1,140 @@
+"""The hook bodies: what the plugin changes inside SGLang's KV set-up, per runtime process.
+
+A `PluginSession` holds one runtime's link to the arena; its methods are installed as AROUND
+hooks (`install.py` lists the targets). In a scheduler process the calls come in this order:
+
+    _profile_available_bytes  -> join the arena, refuse what cannot work, report its capacity
+    _resolve_kv_pool_class    -> SlabKVPool over the arena views (kind "mha")
+    _build_token_to_kv_pool_allocator -> SlabAllocator over this runtime's blocks
+    _check_full_pool (idle)   -> SGLang's leak check, with the neighbours' memory accounted for
+
+Processes that never build a pool (the tokenizer, the detokenizer) never call them, and so never
+open the arena.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fineslab.errors import ConfigError
+from fineslab.sglang_plugin.allocator import SlabAllocator
+from fineslab.sglang_plugin.config import ArenaJoin
+from fineslab.sglang_plugin.link import ArenaLink, arena_device, join_arena
+from fineslab.sglang_plugin.pool import SlabKVPool
+from fineslab.sglang_plugin.refusals import refuse_unsupported, settings_of
+from fineslab.slabs.formats import KVDtype, KVShape
+
+logger = logging.getLogger(__name__)
+
+_KV_DTYPES = {
+    torch.bfloat16: KVDtype.BF16,
+    torch.float16: KVDtype.FP16,
+    torch.float8_e4m3fn: KVDtype.FP8_E4M3,
+}
+
+
+def kv_shape_of(configurator: Any, runtime_id: str) -> KVShape:
+    """This rank's KV geometry, from SGLang's KV cache configurator (heads already per rank)."""
+    dtype = configurator.kv_cache_dtype
+    if dtype not in _KV_DTYPES:
+        raise ConfigError(
+            f"unknown model format: KV dtype {dtype} has no slab block format (supported: "
+            "bfloat16, float16, fp8_e4m3); set --dtype / --kv-cache-dtype accordingly")
+    model_config = configurator.model_config
+    if model_config.v_head_dim != model_config.head_dim:
+        raise ConfigError("unknown model format: K and V head dims differ")
+    return KVShape(
+        name=runtime_id,
+        num_layers=configurator.layer_info.num_effective_layers,
+        num_kv_heads=model_config.get_num_kv_heads(1),
+        head_dim=model_config.head_dim,
+        kv_dtype=_KV_DTYPES[dtype],
+    )
+
+
+def refuse_model_kinds(configurator: Any) -> None:
+    """Models whose KV is not one plain MHA pool (MLA, sliding window, Mamba hybrids)."""
+    kinds = {
+        "MLA attention": configurator.use_mla_backend,
+        "hybrid sliding-window attention": configurator.is_hybrid_swa,
+        "hybrid Mamba/linear attention": configurator.mambaish_config is not None,
+        "a speculative draft worker": configurator.is_draft_worker,
+    }
+    found = [name for name, on in kinds.items() if on]
+    if found:
+        raise ConfigError(
+            f"unknown model format: the slab KV pool serves plain MHA models, not {found}")
+
+
+class PluginSession:
+    """One runtime's membership of an arena, and the hooks that put it to use."""
+
+    def __init__(self, join: ArenaJoin,
+                 opener: Callable[[ArenaJoin, KVShape, int, str], ArenaLink] = join_arena) -> None:
+        self.join = join
+        self._opener = opener
+        self.link: ArenaLink | None = None
+
+    def _require_link(self) -> ArenaLink:
+        if self.link is None:
+            raise ConfigError(
+                "fineslab plugin: SGLang built a KV pool before sizing it; this SGLang version "
+                "calls the configurator in an order the plugin does not know")
+        return self.link
+
+    def profile_available_bytes(self, original: Callable[..., int], configurator: Any,
+                                *args: Any, **kwargs: Any) -> int:
+        """Join the arena and report its capacity instead of profiling device memory."""
+        refuse_unsupported(settings_of(configurator.server_args))
+        refuse_model_kinds(configurator)
+        shape = kv_shape_of(configurator, self.join.runtime_id)
+        if self.link is None:
+            device = arena_device(str(configurator.device), configurator.gpu_id)
+            self.link = self._opener(self.join, shape, configurator.page_size, device)
+        link = self.link
+        capacity_tokens = link.capacity_tokens
+        logger.info(
+            "fineslab: runtime %r joined arena %r: %d slots of %d B (%d-token blocks); "
+            "KV capacity %d tokens", self.join.runtime_id, self.join.arena_name,
+            link.num_slots, link.fmt.token_stride_bytes, link.fmt.tokens_per_block,
+            capacity_tokens)
+        # config_from_budget divides by the unpadded token size, so this budget gives back
+        # exactly `capacity_tokens` (or fewer under --max-total-tokens).
+        return capacity_tokens * shape.token_bytes
+
+    def resolve_kv_pool_class(self, original: Callable[..., type], configurator: Any,
+                              *args: Any, kind: str, default: type, **kwargs: Any) -> type:
+        if kind != "mha":
+            return original(configurator, *args, kind=kind, default=default, **kwargs)
+        return SlabKVPool.over(self._require_link().views)
+
+    def build_allocator(self, original: Callable[..., Any], configurator: Any,
+                        *args: Any, **kwargs: Any) -> SlabAllocator:
+        link = self._require_link()
+        if kwargs.get("token_to_kv_pool_allocator") is not None:
+            raise ConfigError("fineslab plugin: a shared (draft) allocator is not supported")
+        pool = kwargs["token_to_kv_pool"]
+        if not isinstance(pool, SlabKVPool):
+            raise ConfigError(
+                f"fineslab plugin: SGLang built a {type(pool).__name__}, not the SlabKVPool; "
+                "a server setting picked another pool (e.g. --kv-cache-dtype mxfp8)")
+        return SlabAllocator(
+            kwargs["sizes"].max_total_num_tokens, configurator.page_size,
+            configurator.kv_cache_dtype, str(configurator.device), pool, need_sort=False,
+            source=link.source)
+
+    def check_full_pool(self, original: Callable[..., Any], checker: Any, ps: Any,
+                        *args: Any, **kwargs: Any) -> Any:
+        """SGLang's leak check sees only this runtime: blocks held by neighbours count as used
+        by nobody here, so `available` becomes capacity minus what this runtime holds."""
+        allocator = checker.token_to_kv_pool_allocator
+        if isinstance(allocator, SlabAllocator):
+            own_free = (checker.max_total_num_tokens - allocator.held_tokens()
+                        + allocator.parked_tokens())
+            ps = dataclasses.replace(ps, full_available_size=own_free)
+        return original(checker, ps, *args, **kwargs)

@@ -1,0 +1,90 @@
+"""ArenaLink: one runtime's attachment to its device's arena (the only caller of fineslab.slabs'
+attach path inside SGLang processes).
+
+Joining means: attach the arena by fleet id and device, fit this model's KV shape to the arena's
+slab size at SGLang's page size (the same `fit_format` the launcher's slab plan used, so both
+sides agree on the padded token stride), register with the slab table, and build the per-layer
+views. Anything that does not fit is a start-up ConfigError naming the numbers.
+
+Capacity (what SGLang is told it has, in tokens):
+    num_slots       = arena_bytes // token_stride_bytes  (a multiple of tokens_per_block)
+    capacity_tokens = num_slots - tokens_per_block
+SGLang's views have capacity_tokens + page_size rows, so every block id of the format
+(0 .. num_slots / tokens_per_block - 1) is a valid SGLang page id; page 0 is SGLang's padding page
+and `SlabAllocator` never hands it out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fineslab.errors import ConfigError
+from fineslab.sglang_plugin.allocator import BlockSource
+from fineslab.sglang_plugin.config import ArenaJoin
+from fineslab.slabs.arena import SlabArena
+from fineslab.slabs.formats import BlockFormat, KVShape
+from fineslab.slabs.sizing import fit_format
+from fineslab.slabs.views import LayerKV, layer_views
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ArenaLink:
+    """What a runtime holds while it is a member of an arena."""
+
+    arena: SlabArena
+    fmt: BlockFormat
+    views: Sequence[LayerKV]
+    source: BlockSource
+
+    @property
+    def num_slots(self) -> int:
+        return self.arena.spec.arena_bytes // self.fmt.token_stride_bytes
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_slots - self.fmt.tokens_per_block
+
+
+def arena_device(device: str, gpu_id: int) -> str:
+    """The arena's device name for SGLang's `device` and `gpu_id` ("cpu", "cuda:0", ...)."""
+    return f"{device}:{gpu_id}" if device == "cuda" else device
+
+
+def fit_to_arena(shape: KVShape, slab_bytes: int, arena_bytes: int, page_size: int) -> BlockFormat:
+    """This model's block format in an arena, or ConfigError saying why there is none."""
+    fmt = fit_format(shape, slab_bytes, [page_size])
+    if fmt is None:
+        raise ConfigError(
+            f"unknown model format: no {page_size}-token block of {shape.name!r} "
+            f"({shape.token_bytes} B a token) divides the arena's {slab_bytes} B slabs; plan "
+            "the arena with this model and page size (fineslab.slabs.sizing.plan_slabs)")
+    if arena_bytes // fmt.token_stride_bytes < 2 * page_size:
+        raise ConfigError(
+            f"arena too small: {arena_bytes} B holds fewer than two {fmt.block_stride_bytes} B "
+            f"blocks of {shape.name!r} (one is SGLang's padding page)")
+    return fmt
+
+
+def join_arena(join: ArenaJoin, shape: KVShape, page_size: int, device: str) -> ArenaLink:
+    """Attach to the arena `join` names on `device` and register this runtime in its table."""
+    try:
+        arena = SlabArena.attach(join.arena_name, device)
+    except FileNotFoundError as exc:
+        raise ConfigError(
+            f"no arena {join.arena_name!r} on {device}: the launcher creates it before starting "
+            f"runtimes ({exc})") from exc
+    try:
+        fmt = fit_to_arena(shape, arena.spec.slab_bytes, arena.spec.arena_bytes, page_size)
+        views = layer_views(arena.tensor(), fmt)  # type: ignore[arg-type]
+        source = arena.client(join.runtime_id, fmt)
+    except BaseException:
+        arena.close()
+        raise
+    logger.info("fineslab: %r format: %d B token (stride %d B), %d blocks a slab",
+                join.runtime_id, fmt.token_bytes, fmt.token_stride_bytes,
+                fmt.blocks_per_slab(arena.spec.slab_bytes))
+    return ArenaLink(arena, fmt, views, source)
