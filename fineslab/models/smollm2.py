@@ -59,7 +59,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
     tensors = {key: value.contiguous() for key, value in model.state_dict().items()}
     if model.config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)  # shared with the embedding; safetensors refuses aliases
+        # Shared with the embedding table; safetensors refuses aliased tensors.
+        tensors.pop("lm_head.weight", None)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
