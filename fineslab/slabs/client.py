@@ -82,6 +82,10 @@ class RuntimeSlabs:
     # -- allocation -----------------------------------------------------------------------------
     def alloc(self, num_blocks: int) -> list[int]:
         """`num_blocks` block ids, all or none; raises ArenaExhausted when the arena is short."""
+        return list(self.alloc_array(num_blocks).tolist())
+
+    def alloc_array(self, num_blocks: int) -> np.ndarray:
+        """Like `alloc`, as an int64 array (no Python list: `torch.from_numpy` takes it as is)."""
         if num_blocks < 0:
             raise InvalidBlockError(f"cannot allocate {num_blocks} blocks")
         short = num_blocks - self._num_free
@@ -96,13 +100,15 @@ class RuntimeSlabs:
             bisect.insort(self._partial, slab)
         self._num_free += slabs.size * self.blocks_per_slab
 
-    def _take(self, num_blocks: int) -> list[int]:
+    def _take(self, num_blocks: int) -> np.ndarray:
+        if num_blocks == 1:
+            return self._take_one()
         bps, used, out = self.blocks_per_slab, self.table.used, []
         remaining = num_blocks
         while remaining:
             slab = self._partial[0]
             row = self.table.free_map[slab, :bps]
-            local = np.flatnonzero(row)[:remaining]
+            local = row.nonzero()[0][:remaining]
             row[local] = 0
             now_used = int(used[slab]) + local.size
             used[slab] = now_used
@@ -113,8 +119,22 @@ class RuntimeSlabs:
             remaining -= local.size
         self._num_free -= num_blocks
         if len(out) == 1:
-            return list(out[0].tolist())
-        return list(np.concatenate(out).tolist()) if out else []
+            return out[0]
+        return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+
+    def _take_one(self) -> np.ndarray:
+        """The decode case: one block, with scalar operations only."""
+        bps, slab = self.blocks_per_slab, self._partial[0]
+        row = self.table.free_map[slab]
+        local = int(row.argmax())  # the first free block: the slab is partial, so one exists
+        row[local] = 0
+        now_used = int(self.table.used[slab]) + 1
+        self.table.used[slab] = now_used
+        if now_used == bps:
+            self.table.state[slab] = SlabState.FULL
+            del self._partial[0]
+        self._num_free -= 1
+        return np.array([slab * bps + local], dtype=np.int64)
 
     # -- free -----------------------------------------------------------------------------------
     def free(self, block_ids: Iterable[int] | np.ndarray) -> None:
