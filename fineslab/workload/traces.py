@@ -80,7 +80,8 @@ def _read_columns(path: Path, needed: tuple[str, ...]) -> dict[str, np.ndarray]:
     missing = [c for c in needed if c not in names]
     if missing:
         raise ConfigError(f"trace {path} lacks column(s) {missing}; it has {list(names)}")
-    return {c: np.atleast_1d(data[c]) for c in needed}
+    return {c: np.atleast_1d(np.asarray(data[c], dtype=np.float64))  # type: ignore[call-overload]
+            for c in needed}
 
 
 def _clip(prompt: np.ndarray, output: np.ndarray, max_prompt_tokens: int,
