@@ -65,6 +65,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config.pop("quantization_config", None)  # the saved weights are plain bf16
+    # Configs built from GGUF metadata name no architecture; SGLang picks its model class by it.
+    config["architectures"] = [type(model).__name__]
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save_pretrained(str(out_dir))
     return out_dir
