@@ -1,0 +1,47 @@
+"""`python -m fineslab.launch --config FLEET.yaml [--dry-run]`: plan, start, serve, stop."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from fineslab.errors import FatalError
+from fineslab.launch.config import load_fleet_config
+from fineslab.launch.plan import make_plan
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fineslab.launch", description=(
+        "Start a fineslab fleet: place the models, create one KV arena per device, start one "
+        "SGLang runtime per model replica, then serve the OpenAI API through the router."))
+    parser.add_argument("--config", required=True, help="fleet YAML (see docs/serving.md)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    parser.add_argument("--port", type=int, default=None, help="router port (overrides YAML)")
+    parser.add_argument("--log-dir", default=None,
+                        help="runtime logs (default: a temporary folder, printed at start)")
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        plan = make_plan(load_fleet_config(args.config))
+        print(plan.describe(), flush=True)
+        if args.dry_run:
+            return 0
+        from fineslab.launch.fleet import run_fleet
+
+        return run_fleet(plan, port=args.port, log_dir=args.log_dir)
+    except FatalError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""The fleet configuration: YAML in, frozen dataclasses out, every problem a `ConfigError`.
+
+pydantic checks the YAML's shape at the boundary (unknown keys, types, ranges) and the errors are
+rewritten into one message per problem naming the path in the file (`models[1].kv_dtype: ...`).
+What the rest of fineslab sees are the frozen dataclasses below, validated once more for the
+rules that span fields (unique names, KV dtype vs activation dtype, precision per device).
+
+    fleet_id: demo                  # names the arenas: /dev/shm/fineslab-<fleet_id>-<device>.*
+    devices: auto                   # or a list: [{name: cpu, kind: cpu, memory_gib: 8,
+                                    #               kv_arena_mib: 256}, {name: "cuda:0", ...}]
+    kv_pool: arena                  # "sglang": runtimes keep SGLang's own pool (no plugin)
+    placement: mme                  # global placer (fineslab.scheduler.placement)
+    batch_policy: adaptive          # local scheduler (fineslab.scheduler.local)
+    router: {host: 127.0.0.1, port: 8000, api_key_env: null, on_drop: reject,
+             drop_status: 429, retry_after_s: 1, max_running_requests: 32}
+    models:
+      - name: llama-bf16            # the OpenAI `model` field
+        preset: llama-tiny          # or path: /models/x (exactly one of them)
+        precision: bf16             # weights: bf16 | fp16 | fp8 | awq
+        kv_dtype: auto              # auto | bf16 | fp16 | fp8_e4m3
+        tp: 1
+        ttft_slo_s: 2.0
+        request_rate_per_s: 1.0
+        replicas: null              # null: as many as the placer sizes
+        profile: null               # a profile name or file; null: <preset>--<precision>--<kind>
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fineslab.errors import ConfigError
+
+MIB = 1 << 20
+GIB = 1 << 30
+PRECISIONS = ("bf16", "fp16", "fp8", "awq")
+KV_DTYPES = ("auto", "bf16", "fp16", "fp8_e4m3")
+#: The dtype activations (and "auto" KV) run in for each weight precision.
+ACTIVATION_DTYPE = {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16", "awq": "fp16"}
+#: Sizes of the CPU device when the config says `devices: auto`.
+AUTO_CPU_MEMORY_FRACTION = 0.5
+AUTO_CPU_ARENA_BYTES = 256 * MIB
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """One device of the node: `name` is what runtimes use ("cpu", "cuda:0"), `kind` selects
+    profiles ("cpu", "h100", ...). `kv_arena_bytes` None: what the placement leaves free."""
+
+    name: str
+    kind: str
+    memory_bytes: int
+    kv_arena_bytes: int | None
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.kind == "cpu"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    model_path: str | None
+    preset: str | None
+    precision: str
+    kv_dtype: str
+    tp: int
+    ttft_slo_s: float
+    request_rate_per_s: float
+    replicas: int | None
+    profile: str | None
+    max_running_requests: int | None
+    extra_args: tuple[str, ...]
+
+    @property
+    def activation_dtype(self) -> str:
+        return ACTIVATION_DTYPE[self.precision]
+
+    @property
+    def resolved_kv_dtype(self) -> str:
+        """The KV storage type: "auto" means the activation dtype."""
+        return self.activation_dtype if self.kv_dtype == "auto" else self.kv_dtype
+
+    @property
+    def profile_model(self) -> str:
+        """The model part of the default profile name: the preset, else the folder name."""
+        return self.preset or Path(self.model_path or self.name).name
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str
+    port: int
+    api_key_env: str | None
+    on_drop: str
+    drop_status: int
+    retry_after_s: int
+    max_running_requests: int
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    fleet_id: str
+    devices: tuple[DeviceConfig, ...] | None  # None: "auto", resolved by the launcher
+    kv_pool: str
+    placement: str
+    batch_policy: str
+    router: RouterConfig
+    models: tuple[ModelConfig, ...]
+    profile_dirs: tuple[str, ...]
+    source: str = "<dict>"
+
+    def model(self, name: str) -> ModelConfig:
+        for model in self.models:
+            if model.name == name:
+                return model
+        raise ConfigError(f"no model named {name!r} in {self.source}")
+
+
+# --- the YAML boundary -------------------------------------------------------------------------
+
+_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Device(_Strict):
+    name: str = Field(pattern=r"^(cpu|cuda:\d+)$")
+    kind: str = Field(min_length=1)
+    memory_gib: float = Field(gt=0)
+    kv_arena_mib: float | None = Field(default=None, gt=0)
+
+
+class _Router(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    api_key_env: str | None = None
+    on_drop: Literal["reject", "best_effort"] = "reject"
+    drop_status: Literal[429, 503] = 429
+    retry_after_s: int = Field(default=1, ge=0)
+    max_running_requests: int = Field(default=32, ge=1)
+
+
+class _Model(_Strict):
+    name: str = Field(pattern=_NAME)
+    path: str | None = None
+    preset: str | None = None
+    precision: Literal["bf16", "fp16", "fp8", "awq"] = "bf16"
+    kv_dtype: Literal["auto", "bf16", "fp16", "fp8_e4m3"] = "auto"
+    tp: int = Field(default=1, ge=1)
+    ttft_slo_s: float = Field(gt=0)
+    request_rate_per_s: float = Field(gt=0)
+    replicas: int | None = Field(default=None, ge=1)
+    profile: str | None = None
+    max_running_requests: int | None = Field(default=None, ge=1)
+    extra_args: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> _Model:
+        if (self.path is None) == (self.preset is None):
+            raise ValueError("give exactly one of `path` (a model folder) or `preset` "
+                             "(a generated model: llama-tiny, qwen2-tiny, llama-small)")
+        return self
+
+
+class _Fleet(_Strict):
+    fleet_id: str = Field(default="fineslab", pattern=_NAME)
+    devices: Literal["auto"] | list[_Device] = "auto"
+    kv_pool: Literal["arena", "sglang"] = "arena"
+    placement: str = "mme"
+    batch_policy: str = "adaptive"
+    router: _Router = Field(default_factory=_Router)
+    models: list[_Model] = Field(min_length=1)
+    profile_dirs: list[str] = Field(default_factory=list)
+
+
+def _format_errors(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
+        lines.append(f"  {where.lstrip('.') or '(top level)'}: {err['msg']}")
+    return f"invalid fleet config {source}:\n" + "\n".join(lines)
+
+
+def _to_dataclasses(fleet: _Fleet, source: str, base_dir: Path) -> FleetConfig:
+    devices = None if fleet.devices == "auto" else tuple(
+        DeviceConfig(d.name, d.kind.lower(), int(d.memory_gib * GIB),
+                     None if d.kv_arena_mib is None else int(d.kv_arena_mib * MIB))
+        for d in fleet.devices)
+    models = tuple(
+        ModelConfig(m.name, _resolve_path(m.path, base_dir), m.preset, m.precision, m.kv_dtype,
+                    m.tp, m.ttft_slo_s, m.request_rate_per_s, m.replicas, m.profile,
+                    m.max_running_requests, tuple(m.extra_args))
+        for m in fleet.models)
+    r = fleet.router
+    router = RouterConfig(r.host, r.port, r.api_key_env, r.on_drop, r.drop_status,
+                          r.retry_after_s, r.max_running_requests)
+    dirs = tuple(_resolve_path(d, base_dir) or d for d in fleet.profile_dirs)
+    return FleetConfig(fleet.fleet_id, devices, fleet.kv_pool, fleet.placement,
+                       fleet.batch_policy, router, models, dirs, source)
+
+
+def _resolve_path(path: str | None, base_dir: Path) -> str | None:
+    """Relative paths in a config file are relative to the file's folder."""
+    if path is None:
+        return None
+    expanded = Path(path).expanduser()
+    return str(expanded if expanded.is_absolute() else (base_dir / expanded).resolve())
+
+
+def check_fleet(config: FleetConfig) -> None:
+    """Rules spanning fields; raises one ConfigError listing every problem."""
+    problems = []
+    names = [m.name for m in config.models]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        problems.append(f"models: duplicate names {duplicates}")
+    for i, model in enumerate(config.models):
+        kv, act = model.resolved_kv_dtype, model.activation_dtype
+        if kv in ("bf16", "fp16") and kv != act:
+            problems.append(
+                f"models[{i}] ({model.name}): kv_dtype {kv} needs activations in {kv}, but "
+                f"precision {model.precision} computes in {act}; use precision {kv} or "
+                "kv_dtype auto")
+    if config.devices is not None:
+        device_names = [d.name for d in config.devices]
+        if len(set(device_names)) != len(device_names):
+            problems.append(f"devices: duplicate names {device_names}")
+    if problems:
+        raise ConfigError(f"invalid fleet config {config.source}:\n  " + "\n  ".join(problems))
+
+
+def fleet_from_dict(data: Any, source: str = "<dict>", base_dir: Path | None = None,
+                    ) -> FleetConfig:
+    """Validate a parsed YAML document; ConfigError lists every problem with its path."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid fleet config {source}: expected a mapping at the top level, "
+                          f"got {type(data).__name__}")
+    try:
+        fleet = _Fleet.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source)) from None
+    config = _to_dataclasses(fleet, source, base_dir or Path.cwd())
+    check_fleet(config)
+    return config
+
+
+def load_fleet_config(path: str | Path) -> FleetConfig:
+    """Read and validate a fleet YAML file."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read fleet config {path}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"fleet config {path} is not valid YAML: {exc}") from exc
+    return fleet_from_dict(data, str(path), path.resolve().parent)

@@ -1,0 +1,138 @@
+"""Fleet config validation, profile lookup, placement and `--dry-run` (no SGLang process)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fineslab.errors import ConfigError
+from fineslab.launch.config import fleet_from_dict, load_fleet_config
+from fineslab.launch.plan import make_plan
+from fineslab.launch.profiles import find_profile
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "examples" / "cpu-demo.yaml"
+
+
+def _demo() -> dict:
+    return yaml.safe_load(DEMO.read_text())
+
+
+def _error_of(data: object) -> str:
+    with pytest.raises(ConfigError) as info:
+        fleet_from_dict(data, "test.yaml")
+    return str(info.value)
+
+
+def test_demo_config_loads_with_three_models_of_two_kv_dtypes() -> None:
+    config = load_fleet_config(DEMO)
+    assert [m.name for m in config.models] == ["llama-bf16", "llama-small-fp16", "qwen2-bf16"]
+    assert {m.resolved_kv_dtype for m in config.models} == {"bf16", "fp16"}
+    assert config.router.host == "127.0.0.1", "the router binds loopback by default"
+
+
+def test_unknown_key_and_bad_value_are_named_with_their_path() -> None:
+    data = _demo()
+    data["models"][1]["kv_dtype"] = "int3"
+    data["models"][0]["colour"] = "red"
+    message = _error_of(data)
+    assert "models[1].kv_dtype" in message, message
+    assert "models[0].colour" in message, message
+
+
+def test_model_needs_exactly_one_of_path_and_preset() -> None:
+    data = _demo()
+    data["models"][0]["path"] = "/tmp/x"
+    assert "exactly one of `path`" in _error_of(data)
+    del data["models"][0]["path"], data["models"][0]["preset"]
+    assert "exactly one of `path`" in _error_of(data)
+
+
+def test_kv_dtype_must_match_the_activation_dtype() -> None:
+    data = _demo()
+    data["models"][0]["kv_dtype"] = "fp16"  # precision bf16 computes in bf16
+    assert "kv_dtype fp16 needs activations in fp16" in _error_of(data)
+
+
+def test_duplicate_model_names_and_missing_models_are_refused() -> None:
+    data = _demo()
+    data["models"][1]["name"] = "llama-bf16"
+    assert "duplicate names ['llama-bf16']" in _error_of(data)
+    assert "models" in _error_of({"fleet_id": "x", "models": []})
+    assert "expected a mapping" in _error_of(["not", "a", "mapping"])
+
+
+def test_negative_slo_and_bad_drop_status_are_refused() -> None:
+    data = _demo()
+    data["models"][2]["ttft_slo_s"] = -1
+    data["router"]["drop_status"] = 500
+    message = _error_of(data)
+    assert "models[2].ttft_slo_s" in message and "router.drop_status" in message, message
+
+
+def test_missing_gpu_profile_names_the_file_to_make(tmp_path: Path) -> None:
+    config = fleet_from_dict(_demo(), "test.yaml")
+    with pytest.raises(ConfigError, match=r"llama-tiny--bf16--h100\.json.*fineslab\.profile"):
+        find_profile(config.models[0], "h100", [tmp_path], None)
+
+
+def test_measured_profile_beats_analytical_and_kv_bytes_follow_the_served_dtype(
+        tmp_path: Path) -> None:
+    config = fleet_from_dict(_demo(), "test.yaml")
+    model = config.models[1]  # llama-small, fp16 KV
+    model_dir = Path(make_plan(config).runtimes_of(model.name)[0].model_dir)
+    estimate = find_profile(model, "cpu", [tmp_path], model_dir)
+    assert estimate.source == "analytical", "no profile on disk: the CPU estimate is used"
+    from fineslab.scheduler.profile_schema import profile_to_dict
+
+    measured = profile_to_dict(estimate) | {"source": "measured", "kv_dtype": "bf16"}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    name = "llama-small--fp16--cpu.json"
+    (tmp_path / "a" / name).write_text(json.dumps(profile_to_dict(estimate)))
+    (tmp_path / "b" / name).write_text(json.dumps(measured))
+    found = find_profile(model, "cpu", [tmp_path / "a", tmp_path / "b"], None)
+    assert found.source == "measured", "a measured profile wins over an analytical one"
+    assert found.kv_dtype == "fp16" and found.kv_token_bytes == estimate.kv_token_bytes
+
+
+def test_demo_plan_puts_three_runtimes_in_one_cpu_arena() -> None:
+    plan = make_plan(load_fleet_config(DEMO))
+    assert len(plan.arenas) == 1 and plan.arenas[0].device.name == "cpu"
+    assert sorted(r.model.name for r in plan.runtimes) == [
+        "llama-bf16", "llama-small-fp16", "qwen2-bf16"]
+    slab_bytes = plan.arenas[0].slab_plan.slab_bytes
+    assert plan.arenas[0].arena_bytes % slab_bytes == 0
+    assert all(r.page_size and r.page_size > 0 for r in plan.runtimes)
+
+
+def test_fp8_weights_on_cpu_are_refused_with_a_reason() -> None:
+    data = _demo()
+    data["models"][0]["precision"] = "fp8"
+    data["models"][0]["kv_dtype"] = "auto"
+    with pytest.raises(ConfigError, match="need a GPU"):
+        make_plan(fleet_from_dict(data, "test.yaml"))
+
+
+def test_dry_run_prints_the_plan_and_starts_nothing() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "fineslab.launch", "--config", str(DEMO), "--dry-run"],
+        capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert "placement by mme" in result.stdout and "arenas" in result.stdout
+    assert "qwen2-bf16-r0" in result.stdout
+
+
+def test_dry_run_with_a_bad_config_exits_2_with_the_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: [{name: x, preset: llama-tiny}]\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "fineslab.launch", "--config", str(bad), "--dry-run"],
+        capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 2
+    assert "models[0].ttft_slo_s" in result.stderr, result.stderr
