@@ -1,0 +1,70 @@
+"""What the router serves: one `ModelRoute` per model, and `RouterSettings` for the node.
+
+Routes are plain frozen data so that the launcher builds them from its plan and tests build them
+by hand against a standalone SGLang runtime or a fake backend. The live parts (replica state,
+queues) are in `replicas.py` and `queues.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fineslab.errors import ConfigError
+from fineslab.scheduler.local import TtftPredictor
+
+ON_DROP = ("reject", "best_effort")
+
+
+@dataclass(frozen=True)
+class ReplicaRoute:
+    """One runtime serving the model: its id (also its slab-table owner name) and base URL."""
+
+    runtime_id: str
+    base_url: str
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    """A model the router serves.
+
+    `kv_free_tokens(runtime_id)` reports how many more KV tokens that runtime can get now (its
+    free blocks plus the arena's free slabs, from the slab table); None when unknown (SGLang's
+    own pool). It caps T_max of the local scheduler.
+    """
+
+    name: str
+    replicas: tuple[ReplicaRoute, ...]
+    ttft_slo_s: float
+    predictor: TtftPredictor
+    tokenizer_dir: str | None
+    context_tokens: int
+    max_running_requests: int = 32
+    max_batched_tokens: int = 16384
+    kv_free_tokens: Callable[[str], int | None] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            raise ConfigError(f"route {self.name}: no replica")
+        if self.ttft_slo_s <= 0 or self.context_tokens < 1 or self.max_running_requests < 1:
+            raise ConfigError(f"route {self.name}: SLO, context and max running must be positive")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """Node-wide router behaviour (from the fleet config's `router:` section)."""
+
+    api_key: str | None = None
+    on_drop: str = "reject"
+    drop_status: int = 429
+    retry_after_s: int = 1
+    batch_policy: str = "adaptive"
+    #: How often a queue re-decides when nothing happens (deadlines move with the clock).
+    tick_s: float = 0.05
+    upstream_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.on_drop not in ON_DROP:
+            raise ConfigError(f"on_drop must be one of {ON_DROP}, got {self.on_drop!r}")
+        if self.drop_status not in (429, 503):
+            raise ConfigError(f"drop_status must be 429 or 503, got {self.drop_status}")

@@ -1,0 +1,167 @@
+"""Per-model queues released to the runtimes by the local scheduler (paper Algorithm 2).
+
+A request waits in its model's queue as a `Ticket` until the queue's dispatcher decides. Each
+round (on an arrival, a completion, a replica change, or every `tick_s`) the dispatcher:
+
+    1. reads live state: free request slots  N_max = sum over up replicas of
+       (max_running - inflight), and KV room  T_max = min(max_batched_tokens, KV free tokens of
+       the emptiest replica, from the slab table);
+    2. asks the batch policy for a decision on a `QueueSnapshot` (arrival times on the router's
+       monotonic clock, the model's TTFT SLO, the chunked-prefill TTFT predictor);
+    3. admitted: hands each ticket the least-loaded up replica (a lease, inflight += 1);
+       dropped: rejects the ticket with the policy's reason (-> 429/503 + Retry-After), or with
+       `on_drop: best_effort` moves it to a FIFO served from the slots left after admission;
+       deferred: stays.
+
+With no free slot the policy still runs with N_max = 1 so that requests that can no longer meet
+their deadline are dropped on time, but nothing is admitted. Invariant, per model:
+
+    sum(replica.inflight) == leases handed out - leases released
+    every ticket ends exactly once: leased, rejected, or cancelled by its client
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fineslab.errors import TransientError
+from fineslab.router.config import ModelRoute, RouterSettings
+from fineslab.router.metrics import RouterMetrics
+from fineslab.router.replicas import Replica
+from fineslab.scheduler.local import BatchLimits, BatchPolicy, QueueSnapshot, WaitingRequest
+
+logger = logging.getLogger(__name__)
+
+
+class RequestDropped(TransientError):
+    """The local scheduler dropped the request: it cannot meet its TTFT deadline."""
+
+
+@dataclass
+class Ticket:
+    request: WaitingRequest
+    future: asyncio.Future[Replica]
+    best_effort: bool = False
+
+
+@dataclass
+class Lease:
+    """A request's claim on one replica's slot; give it back with `ModelQueue.release`."""
+
+    replica: Replica
+    arrival_s: float
+    best_effort: bool
+    released: bool = field(default=False)
+
+
+class ModelQueue:
+    def __init__(self, route: ModelRoute, replicas: list[Replica], policy: BatchPolicy,
+                 settings: RouterSettings, metrics: RouterMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.route, self.replicas, self.policy = route, replicas, policy
+        self.settings, self.metrics, self.clock = settings, metrics, clock
+        self._waiting: dict[str, Ticket] = {}
+        self._best_effort: deque[Ticket] = deque()
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._waiting) + len(self._best_effort)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def acquire(self, prompt_tokens: int) -> Lease:
+        """Wait until the scheduler releases this request; raises RequestDropped."""
+        now_s = self.clock()
+        request = WaitingRequest(f"{self.route.name}-{next(self._ids)}", now_s, prompt_tokens)
+        ticket = Ticket(request, asyncio.get_running_loop().create_future())
+        self._waiting[request.request_id] = ticket
+        self.wake()
+        try:
+            replica = await ticket.future
+        finally:
+            self._waiting.pop(request.request_id, None)
+        return Lease(replica, now_s, ticket.best_effort)
+
+    def release(self, lease: Lease) -> None:
+        if not lease.released:
+            lease.released = True
+            lease.replica.inflight -= 1
+            self.wake()
+
+    async def run(self) -> None:
+        """The dispatcher loop; runs until cancelled."""
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self.settings.tick_s)
+            self._wake.clear()
+            try:
+                self.dispatch_once()
+            except Exception:  # a bug here must not stop the model's queue for good
+                logger.exception("dispatcher of %s failed a round", self.route.name)
+
+    # -- one round ------------------------------------------------------------------------------
+
+    def dispatch_once(self) -> None:
+        live = [t for t in self._waiting.values() if not t.future.done() and not t.best_effort]
+        up = [r for r in self.replicas if r.up]
+        free_slots = sum(max(0, self.route.max_running_requests - r.inflight) for r in up)
+        if live and up:
+            self._decide(live, up, free_slots)
+        self._serve_best_effort()
+
+    def _limits(self, up: list[Replica], free_slots: int) -> BatchLimits:
+        max_tokens = self.route.max_batched_tokens
+        if self.route.kv_free_tokens is not None:
+            known = [self.route.kv_free_tokens(r.runtime_id) for r in up]
+            kv = [k for k in known if k is not None]
+            if kv:
+                max_tokens = min(max_tokens, max(kv))
+        return BatchLimits(max(1, free_slots), max(1, max_tokens))
+
+    def _decide(self, live: list[Ticket], up: list[Replica], free_slots: int) -> None:
+        snapshot = QueueSnapshot(tuple(t.request for t in live), self.clock(),
+                                 self.route.ttft_slo_s, self._limits(up, free_slots))
+        decision = self.policy.decide(snapshot, self.route.predictor)
+        by_id = {t.request.request_id: t for t in live}
+        if free_slots > 0:
+            for request in decision.admitted:
+                self._lease(by_id[request.request_id], up)
+        for dropped in decision.dropped:
+            ticket = by_id[dropped.request.request_id]
+            if self.settings.on_drop == "best_effort":
+                ticket.best_effort = True
+                self._best_effort.append(ticket)
+                self.metrics.dropped(self.route.name, "best_effort")
+            else:
+                ticket.future.set_exception(RequestDropped(
+                    f"model {self.route.name}: {dropped.reason}"))
+                self.metrics.dropped(self.route.name, "rejected")
+
+    def _lease(self, ticket: Ticket, up: list[Replica]) -> bool:
+        candidates = [r for r in up if r.up and r.inflight < self.route.max_running_requests]
+        if not candidates or ticket.future.done():
+            return False
+        replica = min(candidates, key=lambda r: r.inflight)
+        replica.inflight += 1
+        ticket.future.set_result(replica)
+        self.metrics.admitted(self.route.name, ticket.best_effort)
+        return True
+
+    def _serve_best_effort(self) -> None:
+        while self._best_effort:
+            ticket = self._best_effort[0]
+            if ticket.future.done():
+                self._best_effort.popleft()
+                continue
+            if not self._lease(ticket, [r for r in self.replicas if r.up]):
+                return
+            self._best_effort.popleft()

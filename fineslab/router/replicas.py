@@ -1,0 +1,78 @@
+"""Live state of each runtime behind the router: up or down, requests in flight, restarts.
+
+A `Replica` is touched only on the router's event loop. The supervisor (another thread) calls
+`Router.mark_down` / `mark_up`, which hop onto the loop. Going down sets `down`, an event every
+in-flight proxy call races against, so a dead runtime's requests end with an error at once
+instead of waiting for a TCP timeout; going up installs a fresh event.
+
+    inflight == number of leases handed out on this replica and not yet released
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import httpx
+
+from fineslab.router.config import ReplicaRoute
+
+T = TypeVar("T")
+
+
+class RuntimeDown(Exception):
+    """The runtime serving a request died (or was marked down) before it finished."""
+
+    def __init__(self, runtime_id: str) -> None:
+        super().__init__(f"runtime {runtime_id} went down while serving this request")
+        self.runtime_id = runtime_id
+
+
+class Replica:
+    def __init__(self, route: ReplicaRoute, client: httpx.AsyncClient) -> None:
+        self.route = route
+        self.client = client
+        self.up = True
+        self.inflight = 0
+        self.restarts = 0
+        self.pid: int | None = None
+        self.down = asyncio.Event()
+
+    @property
+    def runtime_id(self) -> str:
+        return self.route.runtime_id
+
+    def mark_down(self) -> None:
+        self.up = False
+        self.down.set()
+
+    def mark_up(self, restarted: bool) -> None:
+        if self.down.is_set():
+            self.down = asyncio.Event()
+        self.up = True
+        if restarted:
+            self.restarts += 1
+
+    async def guard(self, awaitable: Awaitable[T]) -> T:
+        """Await `awaitable`, or raise RuntimeDown as soon as this replica goes down."""
+        if self.down.is_set():
+            raise RuntimeDown(self.runtime_id)
+        work = asyncio.ensure_future(awaitable)
+        down = asyncio.ensure_future(self.down.wait())
+        try:
+            done, _ = await asyncio.wait({work, down}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            work.cancel()
+            down.cancel()
+            raise
+        if work in done:
+            down.cancel()
+            return work.result()
+        work.cancel()
+        raise RuntimeDown(self.runtime_id)
+
+    def state(self) -> dict[str, object]:
+        return {"runtime_id": self.runtime_id, "url": self.route.base_url,
+                "state": "up" if self.up else "down", "inflight": self.inflight,
+                "restarts": self.restarts, "pid": self.pid}

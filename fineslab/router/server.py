@@ -1,0 +1,60 @@
+"""Run the router's uvicorn server in a background thread (the launcher and tests use it).
+
+    server = RouterServer(router, host="127.0.0.1", port=0)   # port 0: any free port
+    server.start()          # returns once the socket accepts connections
+    server.base_url         # "http://127.0.0.1:PORT"
+    server.stop()           # graceful: in-flight responses finish, then the loop ends
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import uvicorn
+
+from fineslab.errors import EnvironmentSetupError
+from fineslab.router.app import Router, create_app
+from fineslab.runtime import free_port
+
+logger = logging.getLogger(__name__)
+
+
+class RouterServer:
+    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning") -> None:
+        self.router = router
+        self.host = host
+        self.port = port or free_port(host)
+        config = uvicorn.Config(create_app(router), host=host, port=self.port,
+                                log_level=log_level, access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="fineslab-router",
+                                        daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise EnvironmentSetupError(f"router failed to start on {self.base_url}")
+            if time.monotonic() > deadline:
+                raise EnvironmentSetupError(f"router not listening on {self.base_url} after "
+                                            f"{timeout_s:.0f} s")
+            time.sleep(0.02)
+        logger.info("router listening on %s", self.base_url)
+
+    def serve_in_foreground(self) -> None:
+        """Run in the calling thread until `stop()` is called from elsewhere."""
+        self._server.run()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)

@@ -1,0 +1,202 @@
+"""The router against a real local HTTP backend (the echo backend): endpoints, errors, the local
+scheduler's drops, best effort, API key, supervision, metrics. Runs in about 10 s."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterable, Iterator
+
+import httpx
+import pytest
+
+from fineslab.router import ModelRoute, ReplicaRoute, Router, RouterServer, RouterSettings
+from fineslab.router.testing import start_echo_backend
+from fineslab.runtime import free_port
+
+
+class LinearPredictor:
+    """TTFT = seconds_per_token x batched prompt tokens (a stand-in for a profile)."""
+
+    def __init__(self, seconds_per_token: float) -> None:
+        self.seconds_per_token = seconds_per_token
+
+    def ttft_s(self, prompt_tokens: Iterable[int]) -> float:
+        return self.seconds_per_token * sum(prompt_tokens)
+
+
+@pytest.fixture(scope="module")
+def backend_url() -> Iterator[str]:
+    port = free_port()
+    proc = start_echo_backend(port, delay_s=0.3, token_gap_s=0.01)
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(10)
+
+
+def _route(name: str, url: str, slo_s: float = 5.0, s_per_token: float = 0.001,
+           max_running: int = 4) -> ModelRoute:
+    return ModelRoute(name, (ReplicaRoute(f"{name}-r0", url),), slo_s,
+                      LinearPredictor(s_per_token), tokenizer_dir=None, context_tokens=256,
+                      max_running_requests=max_running)
+
+
+def _serve(routes: list[ModelRoute], **settings: object) -> RouterServer:
+    server = RouterServer(Router(routes, RouterSettings(**settings)))  # type: ignore[arg-type]
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def router(backend_url: str) -> Iterator[RouterServer]:
+    server = _serve([_route("fast", backend_url),
+                     # a prompt of 100 chars (25 tokens) takes 2.5 s alone: over its 1 s SLO
+                     _route("strict", backend_url, slo_s=1.0, s_per_token=0.1)])
+    yield server
+    server.stop()
+
+
+def test_models_and_health_list_every_model(router: RouterServer) -> None:
+    models = httpx.get(router.base_url + "/v1/models").json()
+    assert sorted(m["id"] for m in models["data"]) == ["fast", "strict"]
+    health = httpx.get(router.base_url + "/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_completion_and_chat_are_proxied(router: RouterServer) -> None:
+    body = {"model": "fast", "prompt": "hi", "max_tokens": 3}
+    reply = httpx.post(router.base_url + "/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == "tok0 tok1 tok2"
+    chat = {"model": "fast", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    reply = httpx.post(router.base_url + "/v1/chat/completions", json=chat, timeout=30)
+    assert reply.json()["choices"][0]["message"]["content"] == "tok0 tok1"
+
+
+def test_streaming_passes_every_event_through(router: RouterServer) -> None:
+    body = {"model": "fast", "prompt": "hi", "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", router.base_url + "/v1/completions", json=body, timeout=30) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    texts = [json.loads(line[5:])["choices"][0]["text"] for line in lines[:-1]]
+    assert texts == [f" tok{i}" for i in range(5)]
+
+
+@pytest.mark.parametrize(("payload", "status", "code"), [
+    (b"{not json", 400, "invalid_request"),
+    (b"[1, 2]", 400, "invalid_request"),
+    (json.dumps({"prompt": "no model"}).encode(), 400, "invalid_request"),
+    (json.dumps({"model": "fast"}).encode(), 400, "invalid_request"),
+    (json.dumps({"model": "fast", "prompt": "x", "max_tokens": -1}).encode(), 400,
+     "invalid_request"),
+    (json.dumps({"model": "fast", "prompt": "x" * 2000}).encode(), 400,
+     "context_length_exceeded"),
+    (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404, "model_not_found"),
+])
+def test_bad_requests_get_their_status_and_a_json_error(router: RouterServer, payload: bytes,
+                                                        status: int, code: str) -> None:
+    reply = httpx.post(router.base_url + "/v1/completions", content=payload,
+                       headers={"content-type": "application/json"})
+    assert reply.status_code == status, reply.text
+    assert reply.json()["error"]["code"] == code
+    assert httpx.get(router.base_url + "/health").status_code == 200, "still healthy"
+
+
+def test_a_request_that_cannot_meet_its_slo_gets_429_with_retry_after(
+        router: RouterServer) -> None:
+    body = {"model": "strict", "prompt": "x" * 100, "max_tokens": 1}
+    reply = httpx.post(router.base_url + "/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 429, reply.text
+    assert reply.headers["retry-after"] == "1"
+    assert "cannot meet its deadline" in reply.json()["error"]["message"]
+    ok = httpx.post(router.base_url + "/v1/completions",
+                    json={"model": "strict", "prompt": "x", "max_tokens": 1}, timeout=30)
+    assert ok.status_code == 200, "a short prompt fits the SLO and is served"
+
+
+def test_queue_releases_at_most_max_running_and_drops_what_waits_too_long(
+        router: RouterServer) -> None:
+    """16 requests on max_running 4 with a 0.3 s backend and a 1 s SLO: the first waves are
+    served; what waits past its deadline is dropped, not served late."""
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(base_url=router.base_url, timeout=30) as client:
+            body = {"model": "strict", "prompt": "xxxx", "max_tokens": 1}
+            replies = await asyncio.gather(*[client.post("/v1/completions", json=body)
+                                             for _ in range(16)])
+        return [r.status_code for r in replies]
+
+    codes = asyncio.run(burst())
+    assert codes.count(200) >= 4, codes
+    assert codes.count(429) >= 1, f"some requests must miss a 1 s SLO behind 0.3 s waves: {codes}"
+    assert set(codes) <= {200, 429}, codes
+    metrics = httpx.get(router.base_url + "/metrics").text
+    assert 'fineslab_requests_dropped_total{model="strict",outcome="rejected"}' in metrics
+    assert 'fineslab_queue_length{model="strict"} 0.0' in metrics, "the queue drains"
+
+
+def test_metrics_expose_ttft_tpot_and_slo_attainment(router: RouterServer) -> None:
+    body = {"model": "fast", "prompt": "hi", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", router.base_url + "/v1/completions", json=body, timeout=30) as r:
+        r.read()
+    text = httpx.get(router.base_url + "/metrics").text
+    for series in ('fineslab_ttft_seconds_count{model="fast"}',
+                   'fineslab_tpot_seconds_count{model="fast"}',
+                   'fineslab_ttft_slo_attainment{model="fast"} 1.0',
+                   'fineslab_requests_admitted_total{model="fast"}',
+                   'fineslab_runtime_up{model="fast",runtime="fast-r0"} 1.0'):
+        assert series in text, series
+
+
+def test_best_effort_serves_what_the_scheduler_would_drop(backend_url: str) -> None:
+    server = _serve([_route("strict", backend_url, slo_s=1.0, s_per_token=0.1)],
+                    on_drop="best_effort", drop_status=503)
+    try:
+        body = {"model": "strict", "prompt": "x" * 100, "max_tokens": 1}
+        reply = httpx.post(server.base_url + "/v1/completions", json=body, timeout=30)
+        assert reply.status_code == 200, reply.text
+        metrics = httpx.get(server.base_url + "/metrics").text
+        assert 'fineslab_requests_dropped_total{model="strict",outcome="best_effort"} 1.0' \
+            in metrics
+    finally:
+        server.stop()
+
+
+def test_api_key_is_required_when_configured(backend_url: str) -> None:
+    server = _serve([_route("fast", backend_url)], api_key="s3cret")
+    try:
+        body = {"model": "fast", "prompt": "hi", "max_tokens": 1}
+        url = server.base_url + "/v1/completions"
+        assert httpx.post(url, json=body).status_code == 401
+        assert httpx.post(url, json=body, headers={"Authorization": "Bearer nope"}) \
+            .status_code == 401
+        ok = httpx.post(url, json=body, headers={"Authorization": "Bearer s3cret"}, timeout=30)
+        assert ok.status_code == 200
+        assert httpx.get(server.base_url + "/health").status_code == 200, "health stays open"
+    finally:
+        server.stop()
+
+
+def test_a_runtime_marked_down_fails_its_inflight_requests_at_once(backend_url: str) -> None:
+    server = _serve([_route("fast", backend_url)])
+    try:
+        async def scenario() -> tuple[int, str, int]:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+                body = {"model": "fast", "prompt": "hi", "max_tokens": 2}
+                pending = asyncio.ensure_future(client.post("/v1/completions", json=body))
+                await asyncio.sleep(0.1)  # admitted, the backend sleeps 0.3 s
+                server.router.mark_down("fast-r0")
+                reply = await pending
+                health = await client.get("/health")
+                return reply.status_code, reply.json()["error"]["code"], health.status_code
+
+        status, code, health = asyncio.run(scenario())
+        assert (status, code) == (502, "runtime_down")
+        assert health == 503, "a model with no live runtime makes /health fail"
+        server.router.mark_up("fast-r0", pid=123)
+        reply = httpx.post(server.base_url + "/v1/completions",
+                           json={"model": "fast", "prompt": "hi", "max_tokens": 1}, timeout=30)
+        assert reply.status_code == 200, "served again once the runtime is back"
+        text = httpx.get(server.base_url + "/metrics").text
+        assert 'fineslab_runtime_restarts{model="fast",runtime="fast-r0"} 1.0' in text
+    finally:
+        server.stop()
