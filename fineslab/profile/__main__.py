@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("sglang").setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

@@ -78,7 +78,7 @@ class StaticPlacer:
         per_replica = {key: min(partitions[g][key] for g in group)
                        for replica, group, _ in state.placed
                        for key in [replica.resident.key]}
-        return to_plan(self.name, state, list[UnplacedModel](unplaced),
+        return to_plan(self.name, state, unplaced,
                        shares=lambda _state, g: shares[g], partitions=per_replica)
 
     @staticmethod

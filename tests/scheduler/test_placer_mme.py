@@ -15,7 +15,7 @@ from fineslab.scheduler.placement import (
     get_placement_policy,
 )
 from fineslab.scheduler.placement.scoring import Resident, exact_score, proxy_score, water_fill
-from fineslab.scheduler.profile_schema import ModelProfile, load_profiles
+from fineslab.scheduler.profile_schema import load_profiles
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -160,7 +160,3 @@ def test_plan_never_exceeds_memory_and_accounts_for_every_model(
 def test_plan_table_lists_every_replica() -> None:
     text = table4("mme").table()
     assert "placement by mme" in text and all(f"  {m}  " in text for m in "ABC")
-
-
-def profile_of(name: str) -> ModelProfile:
-    return PROFILES[name]
