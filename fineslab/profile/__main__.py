@@ -26,7 +26,8 @@ def _measure(args: argparse.Namespace) -> int:
     from fineslab.profile.measure import MeasureConfig, run_measure
 
     config = MeasureConfig(model=args.model, cache_dir=Path(args.cache_dir),
-                           out_dir=Path(args.out), quick=args.quick)
+                           out_dir=Path(args.out), quick=args.quick,
+                           repeats=2 if args.quick else 3)
     path = run_measure(config)
     logger.info("wrote %s", path)
     return 0
