@@ -3,10 +3,20 @@
 SGLang imports `sgl_kernel` at module level in files that its CPU path loads, but never calls
 its ops there. The real wheel fails to import without `libcuda.so.1`. This stand-in imports, and
 every op raises `NotImplementedError` if called. It is only on the path in CPU mode.
+
+Exception, real plain-torch ops (explicit attributes win over the stub `__getattr__`):
+    awq_dequantize   AWQ's dequantization (`awq_cpu.py`); importing this package also registers
+                     it as the CPU kernel of `torch.ops.sglang.awq_dequantize`, the op SGLang's
+                     AWQ linear layers call on a machine without Intel AMX kernels.
 """
 
 import _fineslab_stubpkg
 
+from sgl_kernel.awq_cpu import awq_dequantize, register_cpu_kernels
+
 __version__ = "0.0.0+fineslab.cpu"
 
 _fineslab_stubpkg.install(__import__(__name__), "sgl_kernel is CUDA-only")
+register_cpu_kernels()
+
+__all__ = ["awq_dequantize"]
