@@ -16,7 +16,7 @@ Plan invariants (tests check them):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 from fineslab.scheduler.profile_schema import ModelProfile
@@ -113,6 +113,15 @@ class PlacementPlan:
 
     def gpus_of(self, model: str) -> list[tuple[int, ...]]:
         return [r.gpu_ids for r in self.replicas if r.model == model]
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready form for the launcher and for logs (bytes as integers)."""
+        return {
+            "policy": self.policy,
+            "gpus": [asdict(g) for g in self.gpus],
+            "replicas": [{**asdict(r), "fixed_bytes": r.fixed_bytes} for r in self.replicas],
+            "unplaced": [asdict(u) for u in self.unplaced],
+        }
 
     def table(self) -> str:
         """One row per replica in placement order, then the unplaced models."""

@@ -3,6 +3,7 @@ and properties over random fleets (memory never exceeded; every model accounted 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,13 @@ def test_plan_never_exceeds_memory_and_accounts_for_every_model(
     unplaced = {u.model for u in plan.unplaced}
     assert placed | unplaced == {m.name for m in models}, "a model vanished from the plan"
     assert all(u.reason for u in plan.unplaced)
+
+
+def test_plan_to_dict_is_json_ready() -> None:
+    data = json.loads(json.dumps(table4("static").to_dict()))
+    assert [r["model"] for r in data["replicas"]] == ["C", "A", "B"]
+    assert data["replicas"][0]["gpu_ids"] == [0]
+    assert data["replicas"][1]["partition_bytes"] > data["replicas"][1]["fixed_bytes"]
 
 
 def test_plan_table_lists_every_replica() -> None:
