@@ -1,25 +1,30 @@
 """SlabAllocator: SGLang's page allocator, drawing pages from this runtime's share of the arena.
 
 Glossary
-    block source   this runtime's allocator over the shared slab table (`fineslab.slabs`):
+    block source   this runtime's allocator over the shared slab table (`RuntimeSlabs`):
                    alloc(n) -> block ids (all or nothing), free(ids), available_blocks()
     page           SGLang's allocation unit; page id == arena block id (tokens_per_block ==
                    SGLang's page size), so page p holds slots [p * page_size, (p+1) * page_size)
-    held page      a page this runtime drew from the block source and has not returned
-    parked page    a held page never handed to SGLang: page 0, which SGLang reserves for
-                   padded-token writes and never frees
+    held page      drawn from the block source and not yet given back
+    reserved page  held, not yet handed to SGLang: drawn when SGLang *checks* capacity, so that
+                   the allocation that follows cannot fail because a neighbour took the memory
+    parked page    page 0, held and never handed out (SGLang's padding page)
 
-Invariants (checked by `check_integrity`, which SGLang's idle check calls)
-    num_held_pages == count(held_mask) == num_used_pages + num_parked_pages
-    every page SGLang owns is held;  no page is held twice
-    available_size() == min(source.available_blocks(), max_pages - num_used_pages) * page_size
+Invariants (`check_integrity`; SGLang's idle check calls it through verify_byte_accounting)
+    num_held == count(held_mask) == num_used + len(reserved) + len(parked)
+    reserved, parked and the pages SGLang owns are disjoint subsets of the held pages
+    num_used + len(reserved) <= max_pages           (SGLang's capacity, --max-total-tokens)
+    available_size() == (len(reserved) + min(source.available_blocks(), room)) * page_size,
+        room = max_pages - num_used - len(reserved)
 
-There is no private free list: a page SGLang frees goes straight back to the block source, which
-keeps it in this runtime's partial slab or returns the slab to the shared free space once it is
-empty. So what this runtime does not use is always visible to its neighbours, and
-`available_size` (what SGLang admits, retracts and evicts against) falls when a neighbour grows.
-Cost: one call into the block source per alloc and per free (a few microseconds plus the list of
-ids); SGLang's own kernels then pick slots from the drawn pages as usual.
+Why a reservation: SGLang decides (admission, `check_decode_capacity`) and allocates later in
+the same step; with a neighbour allocating from the same free slabs in between, a plain
+"check available, then allocate" would fail the allocation, which SGLang treats as fatal. So
+the checks draw the pages they promise, the allocations consume them, and what an allocation
+did not need goes straight back. Between steps this runtime holds only the pages its requests
+use: everything else is visible to its neighbours.
+Cost: one call into the block source per check and per allocation (microseconds), plus a
+tensor of the drawn ids.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any, Protocol
 
 import torch
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 from sglang.srt.utils import get_num_new_pages
 
 from fineslab.errors import ArenaExhausted, InvalidBlockError
@@ -49,6 +55,26 @@ class BlockSource(Protocol):
     def available_blocks(self) -> int: ...
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SlabPrefillBudget(PrefillBudget):
+    """SGLang's prefill budget, reserving the pages of each admitted prefill as it admits it."""
+
+    allocator: SlabAllocator
+
+    def can_allocate_prefill(self, *, paged_input: int, extend_input_len: int,
+                             max_new_tokens: int, chunk_limit: int | None) -> bool:
+        # Pages for everything admitted so far in this step plus this request (and the page
+        # each request may open), drawn now so the batch's alloc_extend cannot come up short.
+        tokens = self.current_offset + paged_input + self.page_size
+        self.allocator.reserve_tokens(tokens)
+        return super().can_allocate_prefill(
+            paged_input=paged_input, extend_input_len=extend_input_len,
+            max_new_tokens=max_new_tokens, chunk_limit=chunk_limit)
+
+
 class SlabAllocator(PagedTokenToKVPoolAllocator):
     """A `PagedTokenToKVPoolAllocator` whose free pages live in the shared slab table.
 
@@ -62,78 +88,109 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         # clear() runs inside the base constructor and needs these.
         self._source = source
         self._max_pages = size // page_size
-        num_pages_total = kvcache.k_buffer[0].shape[0] // page_size
-        self._held = torch.zeros(num_pages_total, dtype=torch.bool)
+        self._held = torch.zeros(kvcache.k_buffer[0].shape[0] // page_size, dtype=torch.bool)
         self._num_held = 0
+        self._reserved: list[int] = []
         self._parked: list[int] = []
         super().__init__(size, page_size, dtype, device, kvcache, need_sort=False)
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
 
     # -- capacity ---------------------------------------------------------------------------
 
+    def _num_used(self) -> int:
+        return self._num_held - len(self._reserved) - len(self._parked)
+
     def available_size(self) -> int:
-        """Tokens this runtime could allocate now: its free blocks plus the shared free slabs'."""
-        room = self._max_pages - (self._num_held - len(self._parked))
-        return max(0, min(self._source.available_blocks(), room)) * self.page_size
+        """Tokens this runtime could allocate now: its reserve, its free blocks, and what the
+        shared free slabs would give it."""
+        room = self._max_pages - self._num_used() - len(self._reserved)
+        shared = max(0, min(self._source.available_blocks(), room))
+        return (len(self._reserved) + shared) * self.page_size
 
-    def held_tokens(self) -> int:
-        """Slots this runtime holds in the arena (used by SGLang or parked)."""
-        return self._num_held * self.page_size
+    def used_tokens(self) -> int:
+        """Slots SGLang owns (requests and its prefix cache)."""
+        return self._num_used() * self.page_size
 
-    def parked_tokens(self) -> int:
-        return len(self._parked) * self.page_size
+    # -- reservation ------------------------------------------------------------------------
 
-    # -- drawing and returning pages --------------------------------------------------------
+    def reserve_tokens(self, num_tokens: int) -> bool:
+        """Hold pages for `num_tokens` tokens until the next allocation; False if short."""
+        return self._top_up(_ceil_div(num_tokens, self.page_size))
 
-    def _draw(self, num_pages: int) -> torch.Tensor | None:
-        """`num_pages` fresh pages from the block source, or None if the arena cannot give them."""
+    def _top_up(self, num_pages: int) -> bool:
+        short = num_pages - len(self._reserved)
+        if short <= 0:
+            return True
+        if self._num_used() + num_pages > self._max_pages:
+            return False
+        try:
+            ids = self._source.alloc(short)
+        except ArenaExhausted:
+            return False
+        self._mark_held(ids)
+        if PADDING_PAGE in ids:
+            # SGLang writes padded tokens into page 0: keep it held and unused, draw again.
+            ids.remove(PADDING_PAGE)
+            self._parked.append(PADDING_PAGE)
+            self._reserved += ids
+            return self._top_up(num_pages)
+        self._reserved += ids
+        return True
+
+    def _take(self, num_pages: int) -> torch.Tensor | None:
+        """`num_pages` pages for SGLang, from the reserve first; None if the arena is short."""
         if num_pages <= 0:
             return self._empty
-        if self._num_held - len(self._parked) + num_pages > self._max_pages:
-            return None  # this runtime's cap (--max-total-tokens)
-        try:
-            ids = self._source.alloc(num_pages)
-        except ArenaExhausted:
+        if not self._top_up(num_pages):
             return None
-        if PADDING_PAGE in ids:
-            # SGLang writes padded tokens into page 0 and never frees it: keep it held, unused.
-            ids.remove(PADDING_PAGE)
-            self._mark_held([PADDING_PAGE])
-            self._parked.append(PADDING_PAGE)
-            try:
-                ids += self._source.alloc(1)
-            except ArenaExhausted:
-                self._source.free(ids)
-                return None
-        self._mark_held(ids)
+        ids, self._reserved = self._reserved[:num_pages], self._reserved[num_pages:]
         return torch.tensor(ids, dtype=torch.int64, device=self.device)
+
+    def release_reserve(self) -> None:
+        """Give the reserved pages back to the block source (after each allocation)."""
+        if self._reserved:
+            ids, self._reserved = self._reserved, []
+            self._unmark_held(torch.tensor(ids, dtype=torch.int64))
+            self._source.free(ids)
 
     def _mark_held(self, ids: list[int]) -> None:
         index = torch.tensor(ids, dtype=torch.int64)
         if bool(self._held[index].any()):
-            raise InvalidBlockError(f"block source handed out held pages {ids}")
+            raise InvalidBlockError(f"block source handed out held pages {ids[:16]}")
         self._held[index] = True
         self._num_held += len(ids)
 
-    def _return(self, page_ids: torch.Tensor) -> None:
-        """Give pages back to the block source at once (no private free list)."""
-        if page_ids.numel() == 0:
-            return
-        index = page_ids.to("cpu", torch.int64)
+    def _unmark_held(self, index: torch.Tensor) -> None:
         if not bool(self._held[index].all()) or index.unique().numel() != index.numel():
             raise InvalidBlockError(
-                f"SGLang freed pages this runtime does not hold: {index.tolist()[:16]}")
+                f"pages freed that this runtime does not hold: {index.tolist()[:16]}")
         self._held[index] = False
         self._num_held -= index.numel()
-        self._source.free(index.tolist())
+
+    def _release_page_ids(self, *page_ids: torch.Tensor) -> None:
+        # The base class's free(), free_page_ids() and free_group_end() all end here: pages go
+        # straight back to the block source (no private free list).
+        for ids in page_ids:
+            if ids.numel():
+                index = ids.to("cpu", torch.int64)
+                self._unmark_held(index)
+                self._source.free(index.tolist())
 
     # -- SGLang's allocator interface -------------------------------------------------------
 
+    def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0
+                              ) -> SlabPrefillBudget:
+        return SlabPrefillBudget(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
+
+    def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests: Any = None,
+                              spec_algorithm: Any = None) -> bool:
+        self.evict_to_free_tokens(tree_cache, num_tokens)
+        return self.reserve_tokens(num_tokens)
+
     def alloc(self, need_size: int) -> torch.Tensor | None:
-        pages = self._draw(need_size // self.page_size)
-        if pages is None:
-            return None
-        if self.page_size == 1:
+        pages = self._take(need_size // self.page_size)
+        self.release_reserve()
+        if pages is None or self.page_size == 1:
             return pages
         offsets = torch.arange(self.page_size, device=self.device)
         return (pages[:, None] * self.page_size + offsets).reshape(-1)
@@ -145,38 +202,30 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         if num_new_pages is None:
             num_new_pages = int(get_num_new_pages(
                 seq_lens=seq_lens_cpu, page_size=self.page_size, prefix_lens=prefix_lens_cpu))
-        pages = self._draw(num_new_pages)
-        if pages is None:
-            return None
-        self.free_pages = pages
-        try:
-            out: torch.Tensor | None = super().alloc_extend(
-                prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
-                extend_num_tokens, num_new_pages)
-        finally:
-            leftover, self.free_pages = self.free_pages, self._empty
-        self._return(leftover)
-        return out
+        return self._with_pages(num_new_pages, lambda: super(SlabAllocator, self).alloc_extend(
+            prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens,
+            num_new_pages))
 
     def alloc_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
                      last_loc: torch.Tensor) -> torch.Tensor | None:
         num_new_pages = int(get_num_new_pages(
             seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True))
-        pages = self._draw(num_new_pages)
+        return self._with_pages(num_new_pages, lambda: super(SlabAllocator, self).alloc_decode(
+            seq_lens, seq_lens_cpu, last_loc))
+
+    def _with_pages(self, num_pages: int, kernel: Any) -> torch.Tensor | None:
+        """Run SGLang's slot-picking kernel over exactly `num_pages` freshly taken pages."""
+        pages = self._take(num_pages)
+        self.release_reserve()
         if pages is None:
             return None
         self.free_pages = pages
         try:
-            out: torch.Tensor | None = super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
+            out: torch.Tensor | None = kernel()
         finally:
             leftover, self.free_pages = self.free_pages, self._empty
-        self._return(leftover)
+        self._release_page_ids(leftover)
         return out
-
-    def _release_page_ids(self, *page_ids: torch.Tensor) -> None:
-        # The base class's free(), free_page_ids() and free_group_end() all end here.
-        for ids in page_ids:
-            self._return(ids)
 
     def merge_and_sort_free(self) -> None:
         """Nothing to merge: freed pages are already back in the slab table."""
@@ -190,8 +239,8 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         if held.numel():
             self._held[:] = False
             self._num_held = 0
-            self._parked = []
             self._source.free(held.tolist())
+        self._reserved, self._parked = [], []
         self.free_pages = torch.empty((0,), dtype=torch.int64, device=self.device)
         self.free_group = None
         self.free_page_ids_group: list[torch.Tensor] = []
@@ -205,10 +254,11 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         problems = []
         if int(self._held.sum()) != self._num_held:
             problems.append(f"held count {self._num_held} != held pages {int(self._held.sum())}")
-        if any(not bool(self._held[p]) for p in self._parked):
-            problems.append(f"parked pages {self._parked} are not held")
-        if self._num_held - len(self._parked) > self._max_pages:
-            problems.append(f"holds {self._num_held} pages, cap {self._max_pages}")
+        private = self._reserved + self._parked
+        if len(set(private)) != len(private) or not all(bool(self._held[p]) for p in private):
+            problems.append("reserved/parked pages are not distinct held pages")
+        if self._num_used() + len(self._reserved) > self._max_pages:
+            problems.append(f"uses {self._num_used()} pages, cap {self._max_pages}")
         return problems
 
     def verify_byte_accounting(self) -> list[str]:

@@ -134,7 +134,6 @@ class PluginSession:
         by nobody here, so `available` becomes capacity minus what this runtime holds."""
         allocator = checker.token_to_kv_pool_allocator
         if isinstance(allocator, SlabAllocator):
-            own_free = (checker.max_total_num_tokens - allocator.held_tokens()
-                        + allocator.parked_tokens())
+            own_free = checker.max_total_num_tokens - allocator.used_tokens()
             ps = dataclasses.replace(ps, full_available_size=own_free)
         return original(checker, ps, *args, **kwargs)

@@ -50,8 +50,11 @@ class ArenaLink:
 
 
 def arena_device(device: str, gpu_id: int) -> str:
-    """The arena's device name for SGLang's `device` and `gpu_id` ("cpu", "cuda:0", ...)."""
-    return f"{device}:{gpu_id}" if device == "cuda" else device
+    """The arena's device name for SGLang's `device` and `gpu_id`: "cpu:0", "cuda:1", ...
+
+    The arena's file names drop the colon (`shm_stem`), so a launcher may call it "cpu0".
+    """
+    return f"{device}:{gpu_id}"
 
 
 def fit_to_arena(shape: KVShape, slab_bytes: int, arena_bytes: int, page_size: int) -> BlockFormat:

@@ -71,7 +71,7 @@ class SlabKVPool(MHATokenToKVPool):
             raise _refuse(f"the {type(self.quant_method).__name__} KV quantization method")
         if self.kv_cache_layout != "nhd":
             raise _refuse(f"the {self.kv_cache_layout!r} KV layout")
-        self._check_views(self.size + self.page_size)
+        self._check_views(int(self.size) + self.page_size)  # type: ignore[has-type]
         self.k_scale_buffer = None
         self.v_scale_buffer = None
         self.native_k_scale_buffer = None
@@ -82,6 +82,8 @@ class SlabKVPool(MHATokenToKVPool):
         # `size` only caps how much this runtime uses, while its blocks may sit anywhere.
         self.k_buffer = [view.k for view in self.arena_views]
         self.v_buffer = [view.v for view in self.arena_views]
+        # SGLang bounds KV writes by `size + page_size` (store_cache's size_limit): cover them all.
+        self.size = self.k_buffer[0].shape[0] - self.page_size
         # The descriptors serve PD transfer and post-capture backing, both refused.
         self._kv_buffer_descs: list[Any] = []
         self._init_data_ptrs_and_strides()

@@ -1,0 +1,176 @@
+"""Helpers shared by the SGLang plugin tests: arenas, engines, servers, prompts, table readings."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from fineslab.runtime import cpu_engine_kwargs
+from fineslab.sglang_plugin import ArenaJoin
+from fineslab.slabs import ArenaSpec, KVDtype, KVShape, SlabArena, snapshot
+from fineslab.slabs.sizing import fit_format
+
+#: stock_outputs(model, page_size, dtype, prompts, max_new_tokens) -> outputs (conftest.py).
+Reference = Callable[[str, int, str, tuple[tuple[int, ...], ...], int], list[list[int]]]
+
+#: (num_layers, num_kv_heads, head_dim) of the generated presets.
+GEOMETRY = {"llama-tiny": (4, 2, 64), "qwen2-tiny": (3, 2, 64)}
+KV_DTYPES = {"bfloat16": KVDtype.BF16, "float16": KVDtype.FP16}
+
+
+def prompts(num: int, length: int, seed: int, vocab: int = 2000) -> list[list[int]]:
+    """`num` random prompts of `length` token ids (ids 10.. to stay clear of special tokens)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(num)]
+
+
+def kv_shape(model: str, dtype: str, name: str | None = None) -> KVShape:
+    layers, heads, head_dim = GEOMETRY[model]
+    return KVShape(name or model, layers, heads, head_dim, KV_DTYPES[dtype])
+
+
+@dataclass
+class TestArena:
+    """An arena created by the test process (the launcher's role), closed at teardown."""
+
+    arena: SlabArena
+    fleet_id: str
+
+    @classmethod
+    def create(cls, slab_bytes: int, num_slabs: int, max_blocks_per_slab: int) -> TestArena:
+        fleet_id = f"t{uuid.uuid4().hex[:10]}"
+        spec = ArenaSpec(fleet_id, "cpu:0", slab_bytes * num_slabs, slab_bytes,
+                         max_blocks_per_slab)
+        return cls(SlabArena.create(spec), fleet_id)
+
+    def join(self, runtime_id: str) -> ArenaJoin:
+        return ArenaJoin(self.fleet_id, runtime_id)
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.arena.spec.arena_bytes
+
+    def used_bytes(self) -> dict[str, int]:
+        """Bytes of blocks in use per live runtime id, from the shared slab table."""
+        return {o.runtime_id: o.used_bytes for o in snapshot(self.arena.table).owners if o.alive}
+
+    def close(self) -> None:
+        self.arena.close()
+
+
+def arena_for(models: Sequence[KVShape], page_size: int, slab_bytes: int,
+              num_slabs: int) -> TestArena:
+    """An arena whose slab size fits every model at `page_size`."""
+    bps = []
+    for shape in models:
+        fmt = fit_format(shape, slab_bytes, [page_size])
+        assert fmt is not None, f"{shape.name} must fit a {slab_bytes} B slab"
+        bps.append(fmt.blocks_per_slab(slab_bytes))
+    return TestArena.create(slab_bytes, num_slabs, max(bps))
+
+
+@contextlib.contextmanager
+def joined(join: ArenaJoin | None) -> Iterator[None]:
+    """The join variables in os.environ while an Engine spawns its scheduler."""
+    saved = {k: os.environ.get(k) for k in ArenaJoin("a", "b").environ()}
+    if join is not None:
+        os.environ.update(join.environ())
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def engine_outputs(model_path: Path, input_ids: list[list[int]], *, page_size: int,
+                   dtype: str = "bfloat16", join: ArenaJoin | None = None,
+                   max_new_tokens: int = 16, extra: dict[str, object] | None = None
+                   ) -> list[list[int]]:
+    """Greedy outputs of an in-process SGLang Engine (plugin when `join` is given)."""
+    import sglang
+
+    kwargs: dict[str, object] = dict(model_path=str(model_path), dtype=dtype, log_level="error",
+                                     page_size=page_size, **cpu_engine_kwargs())
+    if join is None:
+        kwargs["max_total_tokens"] = 4096
+    kwargs.update(extra or {})
+    with joined(join):
+        engine = sglang.Engine(**kwargs)
+    try:
+        out = engine.generate(input_ids=input_ids, sampling_params={
+            "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True})
+    finally:
+        engine.shutdown()
+    return [o["output_ids"] for o in out]
+
+
+def generate_http(base_url: str, input_ids: list[int], max_new_tokens: int,
+                  timeout_s: float = 300.0) -> list[int]:
+    """One greedy /generate request to a server; returns the output token ids."""
+    resp = httpx.post(base_url + "/generate", timeout=timeout_s, json={
+        "input_ids": input_ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens,
+                            "ignore_eos": True}})
+    resp.raise_for_status()
+    return list(resp.json()["output_ids"])
+
+
+def generate_concurrently(base_url: str, input_ids: list[list[int]], max_new_tokens: int
+                          ) -> list[list[int] | BaseException]:
+    """All requests at once, one thread each; an exception stands in for a failed request."""
+    results: list[list[int] | BaseException] = [RuntimeError("not run")] * len(input_ids)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = generate_http(base_url, input_ids[i], max_new_tokens)
+        except BaseException as exc:  # reported to the caller as a result
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(input_ids))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@dataclass
+class UsageSampler:
+    """Samples per-runtime used bytes from the slab table in a background thread."""
+
+    arena: TestArena
+    period_s: float = 0.02
+    peaks: dict[str, int] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> UsageSampler:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for rid, used in self.arena.used_bytes().items():
+                self.peaks[rid] = max(self.peaks.get(rid, 0), used)
+            time.sleep(self.period_s)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def peak_fraction(self, runtime_id: str, arena_bytes: int | None = None) -> float:
+        return self.peaks.get(runtime_id, 0) / (arena_bytes or self.arena.arena_bytes)

@@ -1,0 +1,82 @@
+"""Identity: greedy output with the slab pool equals output with SGLang's own pool.
+
+Real in-process SGLang engines (scheduler in its own process) on CPU, torch_native attention:
+Llama and Qwen2, page sizes 1 and 16, BF16 KV. FP8 KV cannot run end to end on CPU (SGLang
+0.5.23 serves CPU FP8 KV only through the intel_amx backend, which needs the CUDA-less
+sgl_kernel build), so FP8 is checked here at the pool level, through SGLang's own write and
+read paths, and end to end on a GPU (test_plugin_gpu.py, marked gpu).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from plugin_test_support import Reference, arena_for, engine_outputs, kv_shape, prompts
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+from fineslab.sglang_plugin.pool import SlabKVPool
+from fineslab.slabs import KVDtype, KVShape
+from fineslab.slabs.sizing import fit_format
+from fineslab.slabs.views import layer_views
+
+PROMPTS = tuple(tuple(p) for p in prompts(3, 24, seed=7))
+NEW_TOKENS = 16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("model", ["llama-tiny", "qwen2-tiny"])
+def test_greedy_output_equals_stock_pool(model_cache: Path, stock_outputs: Reference,
+                                         model: str, page_size: int) -> None:
+    arena = arena_for([kv_shape(model, "bfloat16", "m")], page_size, 1 << 20, num_slabs=4)
+    try:
+        plugin = engine_outputs(model_cache / model, [list(p) for p in PROMPTS],
+                                page_size=page_size, join=arena.join("m"),
+                                max_new_tokens=NEW_TOKENS)
+        # The engine is gone; its blocks must be back in the free space (dead owner reclaimed).
+        assert arena.arena.table.reclaim_dead_owners() in ([], ["m"])
+        assert arena.used_bytes() == {}, "a stopped runtime must hold no arena memory"
+    finally:
+        arena.close()
+    stock = stock_outputs(model, page_size, "bfloat16", PROMPTS, NEW_TOKENS)
+    assert plugin == stock, f"{model} page {page_size}: slab pool output differs from stock"
+
+
+def _pool_pair(dtype: torch.dtype, kv: KVDtype, page_size: int
+               ) -> tuple[MHATokenToKVPool, MHATokenToKVPool]:
+    """A stock pool and a slab pool of the same geometry (2 layers, 2 heads, head_dim 64)."""
+    shape = KVShape("p", 2, 2, 64, kv)
+    fmt = fit_format(shape, 1 << 18, [page_size])
+    assert fmt is not None
+    arena = torch.zeros(1 << 20, dtype=torch.uint8)
+    size = arena.numel() // fmt.token_stride_bytes - page_size
+    common = dict(page_size=page_size, dtype=dtype, head_num=2, head_dim=64, layer_num=2,
+                  device="cpu", enable_memory_saver=False)
+    stock = MHATokenToKVPool(size, **common)  # type: ignore[arg-type]
+    slab = SlabKVPool.over(layer_views(arena, fmt))(size, **common)  # type: ignore[arg-type]
+    return stock, slab
+
+
+@pytest.mark.parametrize("kv", [KVDtype.FP8_E4M3, KVDtype.BF16])
+def test_pool_writes_and_reads_like_stock(kv: KVDtype) -> None:
+    dtype = torch.float8_e4m3fn if kv is KVDtype.FP8_E4M3 else torch.bfloat16
+    stock, slab = _pool_pair(dtype, kv, page_size=16)
+    gen = torch.Generator().manual_seed(0)
+    loc = torch.randperm(stock.size, generator=gen)[:40] + 16
+    for layer_id in range(2):
+        layer = SimpleNamespace(layer_id=layer_id)
+        k = torch.randn(40, 2, 64, generator=gen, dtype=torch.bfloat16)
+        v = torch.randn(40, 2, 64, generator=gen, dtype=torch.bfloat16)
+        for pool in (stock, slab):
+            pool.set_kv_buffer(layer, loc, k.clone(), v.clone())
+    for layer_id in range(2):
+        for get in ("get_key_buffer", "get_value_buffer"):
+            want = getattr(stock, get)(layer_id)[loc]
+            got = getattr(slab, get)(layer_id)[loc]
+            assert got.dtype == want.dtype == dtype, "reads must come back in the KV dtype"
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (
+                f"{kv.name} layer {layer_id} {get}: slab pool bytes differ from stock")
+    assert slab.k_buffer[0].data_ptr() != slab.k_buffer[1].data_ptr(), "layers must not alias"
