@@ -142,3 +142,13 @@ def test_layer_views_refuse_a_non_byte_arena() -> None:
     fmt = BlockFormat.unpadded(TINY[0], 4)
     with pytest.raises(ConfigError):
         layer_views(torch.zeros(1024, dtype=torch.float32), fmt)
+
+
+def test_fp8_views_reinterpret_as_float8_like_sglang() -> None:
+    fmt = BlockFormat.unpadded(TINY[2], 4)
+    arena = torch.zeros(fmt.token_stride_bytes * 8, dtype=torch.uint8)
+    k = layer_views(arena, fmt)[2].k
+    as_fp8 = k.view(torch.float8_e4m3fn)
+    as_fp8[3] = 1.0
+    assert k[3].eq(0x38).all(), "1.0 in e4m3 is 0x38, written through the strided uint8 view"
+    assert int(arena.count_nonzero()) == k[3].numel()
