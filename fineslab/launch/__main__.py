@@ -4,13 +4,47 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 
 from fineslab.errors import FatalError
 from fineslab.launch.config import load_fleet_config
-from fineslab.launch.plan import make_plan
+from fineslab.launch.plan import FleetPlan, make_plan
 
 logger = logging.getLogger(__name__)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _progress(message: str) -> None:
+    print(message, flush=True)
+
+
+def run_fleet(plan: FleetPlan, port: int | None = None, log_dir: str | None = None) -> int:
+    """Start the fleet, serve until SIGINT/SIGTERM, stop everything (whatever phase it is in).
+
+    Both signals raise KeyboardInterrupt in the main thread; the `finally` stops the router,
+    every runtime's process group and the arenas, with further signals ignored meanwhile.
+    """
+    from fineslab.launch.fleet import Fleet
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    fleet = Fleet(plan, port, log_dir, _progress)
+    try:
+        fleet.start()
+        _progress("ready")
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        _progress("stopping the fleet")
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        fleet.stop()
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
         print(plan.describe(), flush=True)
         if args.dry_run:
             return 0
-        from fineslab.launch.fleet import run_fleet
-
         return run_fleet(plan, port=args.port, log_dir=args.log_dir)
     except FatalError as exc:
         print(f"error: {exc}", file=sys.stderr)

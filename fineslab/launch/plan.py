@@ -88,6 +88,12 @@ class FleetPlan:
         return "\n".join(text)
 
 
+def arena_device(device: DeviceConfig) -> str:
+    """The device name the arena is created under: the SGLang plugin attaches
+    `f"{device}:{gpu_id}"`, which is "cpu:0" for a CPU runtime (shm files `...-cpu0.*`)."""
+    return "cpu:0" if device.name == "cpu" else device.name
+
+
 def resolve_devices(config: FleetConfig) -> tuple[DeviceConfig, ...]:
     """The configured devices, or for "auto" the CUDA GPUs, else one CPU device."""
     if config.devices is not None:

@@ -1,0 +1,166 @@
+"""A running fleet: arenas, supervised runtimes and the router, started and stopped in order.
+
+    start: arenas (one per device, SlabArena.create) -> runtimes (all at once, each joining its
+           device's arena through the plugin env) -> wait until healthy -> router -> supervisor
+    stop:  router (no new requests) -> runtimes (process groups, SIGTERM then SIGKILL) ->
+           arenas (close unlinks /dev/shm/fineslab-<fleet>-<device>.{table,arena})
+
+The CLI (`fineslab.launch.__main__`) runs a Fleet until SIGINT or SIGTERM; `Fleet.stop` is safe
+to call from any phase of `start` (it stops what exists).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from fineslab.errors import ConfigError
+from fineslab.launch.plan import FleetPlan, arena_device
+from fineslab.launch.runtimes import SupervisedRuntime, Supervisor, server_spec
+from fineslab.router import ModelRoute, ReplicaRoute, Router, RouterServer, RouterSettings
+from fineslab.scheduler.predictors import ChunkedPrefillPredictor
+from fineslab.slabs import ArenaSpec, SlabArena, TableSnapshot, snapshot
+
+logger = logging.getLogger(__name__)
+
+#: Slab-table snapshots are reused for this long (the router asks every dispatch round).
+SNAPSHOT_TTL_S = 0.1
+
+
+class Fleet:
+    def __init__(self, plan: FleetPlan, port: int | None = None, log_dir: str | None = None,
+                 progress: Callable[[str], None] = logger.info) -> None:
+        self.plan, self.progress = plan, progress
+        config = plan.config
+        self.port = config.router.port if port is None else port
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"fineslab-{config.fleet_id}-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.arenas: dict[str, SlabArena] = {}
+        self.supervisor: Supervisor | None = None
+        self.server: RouterServer | None = None
+        self._snapshots: tuple[float, dict[str, TableSnapshot]] = (0.0, {})
+        self._snapshot_lock = threading.Lock()
+
+    def __enter__(self) -> Fleet:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- start ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        config = self.plan.config
+        for arena_plan in self.plan.arenas:
+            spec = ArenaSpec.fit(config.fleet_id, arena_device(arena_plan.device),
+                                 arena_plan.arena_bytes,
+                                 arena_plan.slab_plan.slab_bytes,
+                                 list(arena_plan.slab_plan.formats))
+            self.arenas[arena_plan.device.name] = SlabArena.create(spec)
+            self.progress(f"arena {config.fleet_id}/{arena_plan.device.name}: "
+                          f"{spec.num_slabs} slabs of {spec.slab_bytes} B")
+        self.progress(f"starting {len(self.plan.runtimes)} runtimes (logs in {self.log_dir})")
+        runtimes = [SupervisedRuntime(r, server_spec(
+            r, config.fleet_id, config.kv_pool == "arena",
+            max_running_requests=config.router.max_running_requests),
+            self.log_dir / f"{r.runtime_id}.log") for r in self.plan.runtimes]
+        router = Router(self._routes(runtimes), self._settings(), slabs=self.slab_snapshots)
+        self.supervisor = Supervisor(runtimes, on_down=router.mark_down, on_up=router.mark_up,
+                                     reclaim=self._reclaim, progress=self.progress)
+        self.supervisor.start_all()
+        for r in runtimes:
+            router.mark_up(r.plan.runtime_id, self.supervisor.pid_of(r.plan.runtime_id),
+                           restarted=False)
+        self.server = RouterServer(router, config.router.host, self.port)
+        self.server.start()
+        self.supervisor.watch()
+        self.progress(f"router serving {[m.name for m in config.models]} on "
+                      f"{self.server.base_url}/v1")
+
+    def _settings(self) -> RouterSettings:
+        r = self.plan.config.router
+        api_key = None
+        if r.api_key_env is not None:
+            api_key = os.environ.get(r.api_key_env)
+            if not api_key:
+                raise ConfigError(f"router.api_key_env names {r.api_key_env}, which is not set")
+        return RouterSettings(api_key=api_key, on_drop=r.on_drop, drop_status=r.drop_status,
+                              retry_after_s=r.retry_after_s,
+                              batch_policy=self.plan.config.batch_policy)
+
+    def _routes(self, runtimes: list[SupervisedRuntime]) -> list[ModelRoute]:
+        routes = []
+        for model in self.plan.config.models:
+            mine = [r for r in runtimes if r.plan.model.name == model.name]
+            model_dir = mine[0].plan.model_dir
+            hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+            routes.append(ModelRoute(
+                model.name, tuple(ReplicaRoute(r.plan.runtime_id, r.spec.base_url) for r in mine),
+                model.ttft_slo_s, ChunkedPrefillPredictor.from_profile(
+                    self.plan.profiles[model.name]),
+                tokenizer_dir=model_dir,
+                context_tokens=int(hf_config.get("max_position_embeddings", 2048)),
+                max_running_requests=(model.max_running_requests
+                                      or self.plan.config.router.max_running_requests),
+                kv_free_tokens=self.kv_free_tokens if self.plan.arenas else None))
+        return routes
+
+    # -- slab table views (router thread) and reclaim (supervisor thread) -----------------------
+
+    def slab_snapshots(self) -> dict[str, TableSnapshot]:
+        with self._snapshot_lock:
+            taken_s, snaps = self._snapshots
+            if time.monotonic() - taken_s > SNAPSHOT_TTL_S:
+                snaps = {device: snapshot(arena.table) for device, arena in self.arenas.items()}
+                self._snapshots = (time.monotonic(), snaps)
+            return snaps
+
+    def kv_free_tokens(self, runtime_id: str) -> int | None:
+        """Tokens the runtime can still get: its free blocks plus the free slabs' worth."""
+        runtime = next(r for r in self.plan.runtimes if r.runtime_id == runtime_id)
+        snap = self.slab_snapshots().get(runtime.device.name)
+        owner = next((o for o in snap.owners if o.runtime_id == runtime_id), None) \
+            if snap else None
+        if snap is None or owner is None or owner.key <= 0 or runtime.page_size is None:
+            return None
+        blocks_per_slab = snap.slab_bytes // owner.key
+        free_blocks = ((snap.free_slabs + owner.num_slabs) * blocks_per_slab
+                       - owner.used_blocks)
+        return free_blocks * runtime.page_size
+
+    def _reclaim(self, device: str) -> list[str]:
+        arena = self.arenas.get(device)
+        return arena.table.reclaim_dead_owners() if arena is not None else []
+
+    # -- stop -----------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        if self.supervisor is not None:
+            self.supervisor.stop_all()
+            self.supervisor = None
+        for device, arena in self.arenas.items():
+            try:
+                arena.close()
+            except Exception:
+                logger.exception("closing the arena of %s failed", device)
+        self.arenas.clear()
+        self.progress("fleet stopped")
+
+    @property
+    def base_url(self) -> str:
+        assert self.server is not None, "the fleet is not started"
+        return self.server.base_url

@@ -1,0 +1,183 @@
+"""SGLang runtimes of a fleet: their command lines, start-up with progress, and supervision.
+
+`server_spec(plan)` turns a `RuntimePlan` into the SGLang server arguments: the served name is
+the model's name in the fleet (the OpenAI `model` field), the page size is the arena block's
+tokens, the KV dtype and weight precision become `--dtype` / `--kv-cache-dtype` /
+`--quantization`, and the environment carries the plugin's join request
+(`FINESLAB_ARENA=<fleet_id>`, `FINESLAB_RUNTIME_ID=<runtime id>`).
+
+`Supervisor` owns the processes. Its watcher thread polls them every `poll_s`; when one has
+exited it (1) tells the router (`on_down`: in-flight requests of that runtime fail at once),
+(2) stops what is left of the process group, (3) reclaims the dead runtime's slabs in the slab
+table, (4) starts it again on the same port and, once healthy, tells the router (`on_up`).
+A runtime that keeps dying is given up after `max_restarts`. Lock order: `_lock` only (held
+while the process table changes, never while waiting for health).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fineslab.errors import EnvironmentSetupError
+from fineslab.launch.plan import RuntimePlan
+from fineslab.runtime import ServerProcess, ServerSpec, free_port
+from fineslab.sglang_plugin import ArenaJoin
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
+#: KV tokens for a runtime on SGLang's own pool (no arena to size it): enough for the demo.
+OWN_POOL_MAX_TOTAL_TOKENS = 16384
+
+
+def server_spec(plan: RuntimePlan, fleet_id: str, use_arena: bool, port: int | None = None,
+                max_running_requests: int | None = None) -> ServerSpec:
+    """The SGLang server for one runtime of the plan (see the module docstring)."""
+    model = plan.model
+    args = ["--served-model-name", model.name, "--dtype", _TORCH_DTYPE[model.activation_dtype]]
+    if model.resolved_kv_dtype == "fp8_e4m3":
+        args += ["--kv-cache-dtype", "fp8_e4m3"]
+    if model.precision in ("fp8", "awq"):
+        args += ["--quantization", model.precision]
+    if use_arena:
+        if plan.page_size is None:
+            raise EnvironmentSetupError(f"runtime {plan.runtime_id}: no arena page size planned")
+        args += ["--page-size", str(plan.page_size)]
+    else:
+        args += ["--max-total-tokens", str(OWN_POOL_MAX_TOTAL_TOKENS)]
+    running = model.max_running_requests or max_running_requests
+    if running is not None:
+        args += ["--max-running-requests", str(running)]
+    cpu = plan.device.is_cpu
+    if not cpu:
+        args += ["--base-gpu-id", plan.device.name.split(":")[1]]
+    env = ArenaJoin(fleet_id, plan.runtime_id).environ() if use_arena else {}
+    return ServerSpec(plan.model_dir, port or free_port(), cpu=cpu,
+                      extra_args=(*args, *model.extra_args), env=env)
+
+
+@dataclass
+class SupervisedRuntime:
+    plan: RuntimePlan
+    spec: ServerSpec
+    log_path: Path
+    process: ServerProcess | None = None
+    restarts: int = 0
+    restarting: bool = field(default=False)
+    given_up: bool = field(default=False)
+
+
+class Supervisor:
+    """Starts, watches, restarts and stops the runtimes of a fleet."""
+
+    def __init__(self, runtimes: list[SupervisedRuntime], *,
+                 on_down: Callable[[str], None], on_up: Callable[[str, int], None],
+                 reclaim: Callable[[str], list[str]], progress: Callable[[str], None],
+                 health_timeout_s: float = 600.0, poll_s: float = 0.5,
+                 max_restarts: int = 5) -> None:
+        self.runtimes = {r.plan.runtime_id: r for r in runtimes}
+        self.on_down, self.on_up, self.reclaim = on_down, on_up, reclaim
+        self.progress = progress
+        self.health_timeout_s, self.poll_s, self.max_restarts = (
+            health_timeout_s, poll_s, max_restarts)
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- start ----------------------------------------------------------------------------------
+
+    def start_all(self) -> None:
+        """Start every runtime at once, then wait for each to be healthy, reporting progress."""
+        with self._lock:
+            for r in self.runtimes.values():
+                r.process = ServerProcess(r.spec, r.log_path)
+        start_s = time.monotonic()
+        for i, r in enumerate(self.runtimes.values(), start=1):
+            assert r.process is not None
+            try:
+                r.process.wait_healthy(self.health_timeout_s)
+            except EnvironmentSetupError as exc:
+                raise EnvironmentSetupError(
+                    f"runtime {r.plan.runtime_id} did not start (log: {r.log_path}): {exc}"
+                ) from exc
+            self.progress(f"[{i}/{len(self.runtimes)}] runtime {r.plan.runtime_id} healthy on "
+                          f"{r.spec.base_url} after {time.monotonic() - start_s:.0f} s")
+
+    def pid_of(self, runtime_id: str) -> int | None:
+        process = self.runtimes[runtime_id].process
+        return process.proc.pid if process is not None else None
+
+    # -- watch and restart ----------------------------------------------------------------------
+
+    def watch(self) -> None:
+        thread = threading.Thread(target=self._watch_loop, name="fineslab-supervisor",
+                                  daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _watch_loop(self) -> None:
+        while not self._stopping.wait(self.poll_s):
+            for r in list(self.runtimes.values()):
+                if r.restarting or r.given_up or r.process is None:
+                    continue
+                if r.process.proc.poll() is not None:
+                    self._on_exit(r)
+
+    def _on_exit(self, r: SupervisedRuntime) -> None:
+        assert r.process is not None
+        code = r.process.proc.returncode
+        logger.error("runtime %s (pid %d) exited with %s; log: %s", r.plan.runtime_id,
+                     r.process.proc.pid, code, r.log_path)
+        self.on_down(r.plan.runtime_id)
+        r.restarting = True
+        thread = threading.Thread(target=self._restart, args=(r,), daemon=True,
+                                  name=f"fineslab-restart-{r.plan.runtime_id}")
+        self._threads.append(thread)
+        thread.start()
+
+    def _restart(self, r: SupervisedRuntime) -> None:
+        assert r.process is not None
+        r.process.stop(grace_s=5)
+        reclaimed = self.reclaim(r.plan.device.name)
+        if reclaimed:
+            self.progress(f"reclaimed the slabs of {reclaimed}")
+        if r.restarts >= self.max_restarts:
+            r.given_up, r.restarting = True, False
+            self.progress(f"runtime {r.plan.runtime_id} died {r.restarts + 1} times; giving up")
+            return
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            r.restarts += 1
+            self.progress(f"restarting runtime {r.plan.runtime_id} (restart {r.restarts})")
+            r.process = ServerProcess(r.spec, r.log_path.with_suffix(f".{r.restarts}.log"))
+        try:
+            r.process.wait_healthy(self.health_timeout_s)
+        except EnvironmentSetupError as exc:
+            logger.error("restart of %s failed: %s", r.plan.runtime_id, exc)
+            r.restarting = False  # the watcher sees the exit and tries again
+            return
+        r.restarting = False
+        self.on_up(r.plan.runtime_id, r.process.proc.pid)
+        self.progress(f"runtime {r.plan.runtime_id} is back on {r.spec.base_url}")
+
+    # -- stop -----------------------------------------------------------------------------------
+
+    def stop_all(self) -> None:
+        """Stop watching, then stop every runtime's process group (no orphan is left)."""
+        self._stopping.set()
+        with self._lock:
+            processes = [r.process for r in self.runtimes.values() if r.process is not None]
+        for process in processes:
+            process.stop(grace_s=10)
+        for thread in self._threads:
+            thread.join(timeout=15)
+        with self._lock:  # a restart that raced the stop
+            for r in self.runtimes.values():
+                if r.process is not None and r.process.tree_pids():
+                    r.process.stop(grace_s=5)
