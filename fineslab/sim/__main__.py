@@ -1,0 +1,84 @@
+"""CLI: `python -m fineslab.sim {fig10,fig11,fig12,fig13,fidelity,run} [--quick] [--json]`.
+
+Each experiment writes `<out>/<name>.md` and PNG plots (default out: results/<name>/), prints
+a table, and with --json prints its acceptance numbers as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from fineslab.bench.report import add_json_flag, emit
+from fineslab.sim.config import SimConfig
+from fineslab.sim.experiments.common import Traces
+from fineslab.workload import AZURE_CONV, SHAREGPT_STATS
+
+logger = logging.getLogger(__name__)
+
+
+def _common(args: argparse.Namespace, name: str) -> tuple[Path, Traces, SimConfig]:
+    out = Path(args.out or f"results/{name}")
+    config = SimConfig(interference_per_neighbor=args.interference)
+    return out, Traces(Path(args.sharegpt), Path(args.azure)), config
+
+
+def _finish(args: argparse.Namespace, title: str, text: str,
+            acceptance: dict[str, float]) -> int:
+    print(text)
+    rows = [[k, v] for k, v in sorted(acceptance.items())]
+    emit(title, ["metric", "value"], rows, acceptance, args.json)
+    return 0
+
+
+def _fig10(args: argparse.Namespace) -> int:
+    from fineslab.sim.experiments.fig10 import Fig10Config, run_fig10
+
+    out, traces, config = _common(args, "fig10")
+    cfg = Fig10Config(out, traces, quick=args.quick,
+                      duration_s=args.duration or (60.0 if args.quick else 120.0),
+                      seed=args.seed)
+    acceptance, text = run_fig10(cfg, config)
+    return _finish(args, "fig10 acceptance (Poisson, rate scale 8, SLO scale 20)", text,
+                   acceptance)
+
+
+COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
+    "fig10": ("end-to-end SLO attainment and tokens/s on 4 H100s", _fig10),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fineslab.sim", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, func) in COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text)
+        cmd.add_argument("--quick", action="store_true", help="the acceptance points only")
+        cmd.add_argument("--out", default=None, help=f"report folder (results/{name}/)")
+        cmd.add_argument("--seed", type=int, default=0)
+        cmd.add_argument("--duration", type=float, default=None,
+                         help="seconds of arrivals per point")
+        cmd.add_argument("--sharegpt", default=str(SHAREGPT_STATS),
+                         help="ShareGPT length stats CSV")
+        cmd.add_argument("--azure", default=str(AZURE_CONV), help="Azure-format trace CSV")
+        cmd.add_argument("--interference", type=float,
+                         default=SimConfig().interference_per_neighbor,
+                         help="step slowdown per busy co-located replica")
+        add_json_flag(cmd)
+        cmd.set_defaults(func=func)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    logging.getLogger("fineslab.slabs").setLevel(logging.WARNING)
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Figure 10: end-to-end SLO attainment and token throughput on 4 H100s (paper section 7.2).
+
+Systems: fineslab (MME placer + Algorithm 2 + shared slabs), Prism* (KVPR + Moore-Hodgson +
+shared slabs), Static* (MME placement, F_M-proportional static partitions, FCFS).
+Sweeps: SLO scale at rate scale 8, rate scale 2x..8x at SLO scale 20; Poisson arrivals with
+ShareGPT lengths, then the Azure conversation trace replayed at the same mean rate.
+
+The mix is Table 3 without Llama-3.1-70B FP16 (TP4 would take all four GPUs) and Qwen3-32B
+FP16 (its TP2 weights leave too little KV on four GPUs for any placer to fit the rest); the
+base rates (req/s at rate scale 1) are ours, chosen so that rate scale 8 offers about 7,700
+output tokens/s, the edge of what the four GPUs sustain in the simulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from fineslab.sim.config import SYSTEMS, SimConfig, SystemSpec
+from fineslab.sim.experiments.common import MixEntry, PointResult, PointSpec, Traces, run_point
+from fineslab.sim.experiments.report import (
+    ATTAINMENT,
+    TOKENS,
+    per_model_section,
+    sweep_section,
+    text_table,
+    write_report,
+)
+
+FIG10_MIX = (
+    MixEntry("llama-3.1-8b", "fp16", 0.5), MixEntry("llama-3.1-8b", "fp8", 0.5),
+    MixEntry("llama-3.1-8b", "awq", 0.5), MixEntry("llama-3-8b", "qoq", 0.5),
+    MixEntry("llama-3.1-70b", "awq", 0.12), MixEntry("llama-3.1-70b", "fp8", 0.12),
+    MixEntry("qwen3-32b", "fp8", 0.25),
+)
+SLO_SCALES = (2.0, 5.0, 10.0, 15.0, 20.0)
+RATE_SCALES = (2.0, 4.0, 6.0, 8.0)
+PAPER = """The paper (Figure 10, 4 H100s, vLLM-based prototype, ShareGPT, Poisson): fineslab
+has the highest SLO attainment and token throughput at every point. At SLO scale 20 and rate
+scale 8 it reaches 2.2x the SLO attainment of Prism* and 1.2x that of Static*, and 1.8x / 1.5x
+their token throughput (about 2.3K tokens/s). With tighter SLOs Prism* drops sharply; as the
+rate grows Prism* saturates early and Static* grows slowly."""
+
+
+@dataclass(frozen=True)
+class Fig10Config:
+    out_dir: Path
+    traces: Traces
+    quick: bool = False
+    duration_s: float = 120.0
+    seed: int = 0
+    num_gpus: int = 4
+
+
+def _systems() -> list[SystemSpec]:
+    return [SYSTEMS["fineslab"], SYSTEMS["prism"], SYSTEMS["static"]]
+
+
+def run_fig10(cfg: Fig10Config, config: SimConfig) -> tuple[dict[str, float], str]:
+    """Run the sweeps (or, with quick, the rate 8 / SLO 20 point); returns the acceptance
+    numbers and the text table printed by the CLI."""
+    base = PointSpec(FIG10_MIX, cfg.num_gpus, 20.0, 8.0, "poisson", cfg.duration_s, cfg.seed)
+    sections, tables = [], []
+    acceptance: dict[str, float] = {}
+    for arrival in ("poisson", "replay"):
+        spec = replace(base, arrival=arrival)
+        if cfg.quick:
+            points = run_point(spec, _systems(), cfg.traces, config)
+            slo_sweep, rate_sweep = points, points
+        else:
+            slo_sweep = [p for s in SLO_SCALES
+                         for p in run_point(replace(spec, slo_scale=s), _systems(),
+                                            cfg.traces, config)]
+            rate_sweep = [p for r in RATE_SCALES
+                          for p in run_point(replace(spec, rate_scale=r), _systems(),
+                                             cfg.traces, config)]
+        anchor = [p for p in rate_sweep if p.spec.rate_scale == 8.0]
+        if arrival == "poisson":
+            acceptance = _acceptance(anchor)
+        label = "Poisson, ShareGPT lengths" if arrival == "poisson" else "Azure conv replay"
+        sections.append(sweep_section(f"{label}: SLO scale sweep at rate scale 8", slo_sweep,
+                                      "slo_scale", [ATTAINMENT, TOKENS], cfg.out_dir,
+                                      f"fig10_{arrival}_slo"))
+        sections.append(sweep_section(f"{label}: rate scale sweep at SLO scale 20",
+                                      rate_sweep, "rate_scale", [ATTAINMENT, TOKENS],
+                                      cfg.out_dir, f"fig10_{arrival}_rate"))
+        sections.append(per_model_section(
+            anchor, f"{label}: SLO attainment per model at rate 8, SLO 20"))
+        tables.append(f"{label}, rate scale 8, SLO scale 20\n"
+                      + text_table(anchor, "rate_scale", [ATTAINMENT, TOKENS]))
+    write_report(cfg.out_dir, "fig10", _body(cfg, sections, acceptance))
+    return acceptance, "\n\n".join(tables)
+
+
+def _acceptance(points: list[PointResult]) -> dict[str, float]:
+    by = {p.system: p for p in points}
+    return {f"{name}_{key}": round(value, 4) for name in ("fineslab", "prism", "static")
+            for key, value in (("attainment", by[name].attainment),
+                               ("tok_s", by[name].tokens_per_s))}
+
+
+def _body(cfg: Fig10Config, sections: list[str], acceptance: dict[str, float]) -> str:
+    command = "python -m fineslab.sim fig10" + (" --quick" if cfg.quick else "")
+    wins = all(acceptance[f"fineslab_{k}"] > acceptance[f"{b}_{k}"]
+               for k in ("attainment", "tok_s") for b in ("prism", "static"))
+    verdict = ("fineslab is above both baselines on both metrics"
+               if wins else "fineslab is NOT above both baselines on both metrics")
+    return "\n".join([
+        "# Figure 10: end-to-end SLO attainment and token throughput (4 H100s)", "",
+        f"Reproduce: `{command}` (seed {cfg.seed}, {cfg.duration_s:g} s of arrivals per "
+        "point; tokens/s counts output tokens emitted while requests arrive).", "",
+        "## The paper", "", PAPER, "",
+        "## Ours", "", f"At rate scale 8, SLO scale 20 (Poisson): {verdict}.", "",
+        "```json", str(acceptance), "```", "", *sections,
+        "## Why they differ", "", WHY, ""])
+
+
+WHY = """- Latencies are roofline estimates of an H100 (docs/evaluation.md), not a measured vLLM
+  prototype: our GPUs are faster than the paper's, so the base rates are ours, set to load
+  the four GPUs to their edge at rate scale 8; absolute tokens/s are not comparable.
+- The token throughput gap is small. With an SLO of 20x the P95 prefill time the fleet is
+  mostly compute-bound and every system that places a model serves most of its tokens; in the
+  paper Prism* and Static* lose tokens to KV exhaustion and preemption of the real engine,
+  which our admission model (KV reserved for the whole request, no preemption) does not have.
+- Prism*'s losses here come mostly from placement: KVPR orders models by SLO-weighted rate, so
+  the 70B models come last and may find no GPU (listed under each table); a model it cannot
+  place loses all its requests. Static*'s losses come from partitions: the 70B FP8 and AWQ
+  replicas get small KV partitions and queue behind them under FCFS.
+- The paper's mix and rates are not fully specified (which Table 3 variants ran on 4 GPUs,
+  the base rate "derived from ShareGPT"); ours are stated in the module docstring."""
