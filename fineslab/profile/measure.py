@@ -63,6 +63,7 @@ class MeasureConfig:
     repeats: int = 3
     device: str = "cpu"
     seed: int = 0
+    max_total_tokens: int = 32768
 
     @property
     def prefill_tokens(self) -> tuple[int, ...]:
@@ -163,7 +164,10 @@ def run_measure(config: MeasureConfig) -> Path:
     shape = replace(shape, num_params=num_params)
     engine = sglang.Engine(model_path=str(model_dir), **cpu_engine_kwargs({
         "chunked_prefill_size": config.chunk_tokens, "disable_radix_cache": True,
-        "log_level": "error", "random_seed": config.seed}))
+        "log_level": "error", "random_seed": config.seed,
+        # Without a cap SGLang sizes the KV pool from free host memory (17 GiB on the 24 GiB
+        # dev machine), and the OOM killer took the scheduler when other jobs ran beside it.
+        "max_total_tokens": config.max_total_tokens}))
     try:
         tables = _measure_tables(_Timer(engine, shape.vocab_size, config.repeats, config.seed),
                                  config)
