@@ -5,7 +5,7 @@ Streaming: the runtime's SSE bytes are passed through as they arrive; TTFT is th
 request's arrival at the router to the first event, TPOT the mean gap between later events
 (one event is one output token at SGLang's default `stream_interval` of 1).
 
-Every read from the runtime races the replica's `down` event (`Replica.guard`): if the runtime
+Every read from the runtime races the replica's `down` future (`Replica.guard`): if the runtime
 dies mid-request, a non-streaming client gets a 502 JSON error at once and a streaming client an
 SSE `error` event (the `openai` client raises it as an APIError), never a hang.
 """
@@ -18,14 +18,15 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
+import aiohttp
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from fineslab.router.metrics import RouterMetrics
 from fineslab.router.queues import Lease, ModelQueue
-from fineslab.router.replicas import RuntimeDown
+from fineslab.router.replicas import Replica, RuntimeDown
 
 logger = logging.getLogger(__name__)
+
+UPSTREAM_ERRORS = (RuntimeDown, aiohttp.ClientError, TimeoutError)
 
 
 def error_body(message: str, kind: str, code: str | int | None = None) -> dict[str, Any]:
@@ -33,12 +34,20 @@ def error_body(message: str, kind: str, code: str | int | None = None) -> dict[s
     return {"error": {"message": message, "type": kind, "code": code}}
 
 
-def _runtime_failure(queue: ModelQueue, lease: Lease, exc: Exception) -> JSONResponse:
+def _failure(queue: ModelQueue, lease: Lease, exc: BaseException) -> tuple[str, str]:
     reason = "runtime_down" if isinstance(exc, RuntimeDown) else "runtime_unreachable"
     queue.metrics.failed(queue.route.name, reason)
     message = (str(exc) if isinstance(exc, RuntimeDown)
                else f"runtime {lease.replica.runtime_id} failed: {type(exc).__name__}: {exc}")
-    return JSONResponse(error_body(message, "runtime_error", reason), status_code=502)
+    return reason, message
+
+
+async def _post_whole(replica: Replica, path: str, body: dict[str, Any],
+                      ) -> tuple[int, bytes, str]:
+    async with replica.client.post(path, json=body) as upstream:
+        content = await upstream.read()
+        return upstream.status, content, upstream.headers.get("content-type",
+                                                              "application/json")
 
 
 async def forward(queue: ModelQueue, lease: Lease, path: str, body: dict[str, Any],
@@ -47,63 +56,61 @@ async def forward(queue: ModelQueue, lease: Lease, path: str, body: dict[str, An
     replica = lease.replica
     if not stream:
         try:
-            upstream = await replica.guard(replica.client.post(path, json=body))
-        except (RuntimeDown, httpx.HTTPError) as exc:
+            status, content, media_type = await replica.guard(_post_whole(replica, path, body))
+        except UPSTREAM_ERRORS as exc:
+            reason, message = _failure(queue, lease, exc)
+            return JSONResponse(error_body(message, "runtime_error", reason), status_code=502)
+        finally:
             queue.release(lease)
-            return _runtime_failure(queue, lease, exc)
-        queue.release(lease)
-        return Response(upstream.content, status_code=upstream.status_code,
-                        media_type=upstream.headers.get("content-type", "application/json"))
-    request = replica.client.build_request("POST", path, json=body)
+        return Response(content, status_code=status, media_type=media_type)
     try:
-        upstream = await replica.guard(replica.client.send(request, stream=True))
-    except (RuntimeDown, httpx.HTTPError) as exc:
+        upstream = await replica.guard(replica.client.post(path, json=body))
+    except UPSTREAM_ERRORS as exc:
         queue.release(lease)
-        return _runtime_failure(queue, lease, exc)
-    if upstream.status_code != 200:
-        content = await upstream.aread()
-        await upstream.aclose()
+        reason, message = _failure(queue, lease, exc)
+        return JSONResponse(error_body(message, "runtime_error", reason), status_code=502)
+    if upstream.status != 200:
+        content = await upstream.read()
+        upstream.release()
         queue.release(lease)
-        return Response(content, status_code=upstream.status_code,
+        return Response(content, status_code=upstream.status,
                         media_type=upstream.headers.get("content-type", "application/json"))
     return StreamingResponse(_relay(queue, lease, upstream), media_type="text/event-stream")
 
 
-async def _relay(queue: ModelQueue, lease: Lease, upstream: httpx.Response,
+async def _relay(queue: ModelQueue, lease: Lease, upstream: aiohttp.ClientResponse,
                  ) -> AsyncIterator[bytes]:
     model, replica = queue.route.name, lease.replica
     first_s: float | None = None
     last_s = 0.0
     num_events = 0
-    chunks = upstream.aiter_raw()
+    chunks = upstream.content.iter_any()
+    complete = False
     try:
         while True:
             try:
                 chunk = await replica.guard(chunks.__anext__())
             except StopAsyncIteration:
+                complete = True
                 break
-            now_s = time.monotonic()
             events = chunk.count(b"data:") - chunk.count(b"data: [DONE]")
             if events > 0:
+                last_s = time.monotonic()
                 if first_s is None:
-                    first_s = now_s
-                    queue.metrics.observe_ttft(model, now_s - lease.arrival_s,
+                    first_s = last_s
+                    queue.metrics.observe_ttft(model, first_s - lease.arrival_s,
                                                queue.route.ttft_slo_s)
                 num_events += events
-                last_s = now_s
             yield chunk
-    except (RuntimeDown, httpx.HTTPError) as exc:
-        queue.metrics.failed(model, "runtime_down" if isinstance(exc, RuntimeDown)
-                             else "runtime_unreachable")
-        message = str(exc) if isinstance(exc, RuntimeDown) else f"runtime stream broke: {exc}"
+    except UPSTREAM_ERRORS as exc:
+        _, message = _failure(queue, lease, exc)
         event = error_body(message, "runtime_error", 502)
         yield f"data: {json.dumps(event)}\n\n".encode()
     finally:
         queue.release(lease)
-        await upstream.aclose()
+        if complete:
+            upstream.release()  # back to the keep-alive pool
+        else:
+            upstream.close()
     if first_s is not None and num_events > 1:
-        _observe_tpot(queue.metrics, model, (last_s - first_s) / (num_events - 1))
-
-
-def _observe_tpot(metrics: RouterMetrics, model: str, tpot_s: float) -> None:
-    metrics.observe_tpot(model, tpot_s)
+        queue.metrics.observe_tpot(model, (last_s - first_s) / (num_events - 1))

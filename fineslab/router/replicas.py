@@ -1,9 +1,10 @@
 """Live state of each runtime behind the router: up or down, requests in flight, restarts.
 
 A `Replica` is touched only on the router's event loop. The supervisor (another thread) calls
-`Router.mark_down` / `mark_up`, which hop onto the loop. Going down sets `down`, an event every
-in-flight proxy call races against, so a dead runtime's requests end with an error at once
-instead of waiting for a TCP timeout; going up installs a fresh event.
+`Router.mark_down` / `mark_up`, which hop onto the loop. Going down resolves `down`, a future
+every in-flight proxy call races against (one shared future, so a guard costs one task, not
+two), so a dead runtime's requests end with an error at once instead of waiting for a TCP
+timeout; going up installs a fresh future.
 
     inflight == number of leases handed out on this replica and not yet released
 """
@@ -12,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 
 from fineslab.router.config import ReplicaRoute
 
@@ -30,14 +31,14 @@ class RuntimeDown(Exception):
 
 
 class Replica:
-    def __init__(self, route: ReplicaRoute, client: httpx.AsyncClient) -> None:
+    def __init__(self, route: ReplicaRoute, client: aiohttp.ClientSession) -> None:
         self.route = route
         self.client = client
         self.up = True
         self.inflight = 0
         self.restarts = 0
         self.pid: int | None = None
-        self.down = asyncio.Event()
+        self.down: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     @property
     def runtime_id(self) -> str:
@@ -45,29 +46,29 @@ class Replica:
 
     def mark_down(self) -> None:
         self.up = False
-        self.down.set()
+        if not self.down.done():
+            self.down.set_result(None)
 
     def mark_up(self, restarted: bool) -> None:
-        if self.down.is_set():
-            self.down = asyncio.Event()
+        if self.down.done():
+            self.down = asyncio.get_running_loop().create_future()
         self.up = True
         if restarted:
             self.restarts += 1
 
     async def guard(self, awaitable: Awaitable[T]) -> T:
         """Await `awaitable`, or raise RuntimeDown as soon as this replica goes down."""
-        if self.down.is_set():
+        down = self.down
+        if down.done():
             raise RuntimeDown(self.runtime_id)
         work = asyncio.ensure_future(awaitable)
-        down = asyncio.ensure_future(self.down.wait())
+        waiters: list[asyncio.Future[Any]] = [work, down]
         try:
-            done, _ = await asyncio.wait({work, down}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             work.cancel()
-            down.cancel()
             raise
         if work in done:
-            down.cancel()
             return work.result()
         work.cancel()
         raise RuntimeDown(self.runtime_id)
