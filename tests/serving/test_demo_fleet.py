@@ -1,0 +1,226 @@
+"""End to end: the CPU demo fleet launched by `python -m fineslab.launch`, real SGLang runtimes
+in one slab arena, real HTTP. One fleet for the module (start: about 1-2 min on an idle 2-core
+machine, several minutes when the machine is loaded); the checks run against it in file order
+and the last one shuts it down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from fineslab import cpu_mode
+from fineslab.runtime import free_port
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+MODELS = ("llama-bf16", "llama-small-fp16", "qwen2-bf16")
+START_TIMEOUT_S = 900.0
+
+
+@dataclass
+class LaunchedFleet:
+    proc: subprocess.Popen[bytes]
+    base_url: str
+    fleet_id: str
+    output: Path
+    model_dirs: dict[str, str]
+
+    def health(self) -> httpx.Response:
+        return httpx.get(self.base_url + "/health", timeout=10)
+
+    def runtime_pids(self) -> dict[str, int]:
+        models = self.health().json()["models"]
+        return {r["runtime_id"]: r["pid"] for rs in models.values() for r in rs}
+
+    def metrics(self) -> str:
+        return httpx.get(self.base_url + "/metrics", timeout=10).text
+
+
+def _group_alive(pgid: int) -> bool:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[LaunchedFleet]:
+    folder = tmp_path_factory.mktemp("demo-fleet")
+    config = yaml.safe_load((REPO / "examples" / "cpu-demo.yaml").read_text())
+    config["fleet_id"] = f"e2e-{os.getpid()}"
+    port = free_port()
+    config["router"]["port"] = port
+    (folder / "fleet.yaml").write_text(yaml.safe_dump(config))
+    output = folder / "launch.out"
+    env = dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache))
+    with open(output, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fineslab.launch", "--config", str(folder / "fleet.yaml"),
+             "--log-dir", str(folder / "logs")], stdout=out, stderr=subprocess.STDOUT, env=env,
+            cwd=REPO, start_new_session=True)
+    launched = LaunchedFleet(proc, f"http://127.0.0.1:{port}", config["fleet_id"], output, {
+        "llama-bf16": str(model_cache / "llama-tiny"),
+        "llama-small-fp16": str(model_cache / "llama-small"),
+        "qwen2-bf16": str(model_cache / "qwen2-tiny")})
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while b"\nready\n" not in output.read_bytes():
+        assert proc.poll() is None, "launcher died:\n" + output.read_text()[-4000:]
+        assert time.monotonic() < deadline, "fleet not ready:\n" + output.read_text()[-4000:]
+        time.sleep(1)
+    yield launched
+    if proc.poll() is None:  # the shutdown test did not run or failed
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(120)
+
+
+def test_launch_reports_progress_and_every_runtime_up(fleet: LaunchedFleet) -> None:
+    out = fleet.output.read_text()
+    assert "placement by mme" in out and re.search(r"\[3/3\] runtime .* healthy", out), out
+    health = fleet.health()
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert sorted(health.json()["models"]) == sorted(MODELS)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_openai_client_streaming_and_not_against_each_model(fleet: LaunchedFleet,
+                                                            model: str) -> None:
+    client = openai.OpenAI(base_url=fleet.base_url + "/v1", api_key="unused", timeout=300)
+    reply = client.completions.create(model=model, prompt="The fleet", max_tokens=6,
+                                      temperature=0)
+    assert reply.model == model and reply.choices[0].text
+    chunks = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0,
+        stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text, f"{model}: the stream carried text"
+
+
+def test_runtimes_keep_their_kv_in_the_shared_arena(fleet: LaunchedFleet) -> None:
+    metrics = fleet.metrics()
+    owners = re.findall(r'fineslab_slab_owner_slabs\{device="cpu",owner="([^"]+)"\} (\S+)',
+                        metrics)
+    assert sorted(o for o, _ in owners) == sorted(f"{m}-r0" for m in MODELS), owners
+    keys = set(re.findall(r'fineslab_slabs\{device="cpu",key="(\d+)",state="(?:PARTIAL|FULL)"',
+                          metrics))
+    assert len(keys) >= 2, f"models of different KV formats hold slabs of different keys: {keys}"
+
+
+def _bench_serving(fleet: LaunchedFleet, model: str) -> str:
+    env = cpu_mode.child_environ()
+    result = subprocess.run(
+        [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang-oai",
+         "--base-url", fleet.base_url, "--model", model, "--tokenizer", fleet.model_dirs[model],
+         "--dataset-name", "random-ids", "--random-input-len", "32", "--random-output-len", "8",
+         "--random-range-ratio", "1.0", "--num-prompts", "4", "--request-rate", "4",
+         "--disable-tqdm"], capture_output=True, text=True, timeout=600, env=env)
+    return result.stdout + result.stderr
+
+
+def test_sglang_bench_serving_runs_against_the_router_for_each_model(
+        fleet: LaunchedFleet) -> None:
+    with ThreadPoolExecutor(len(MODELS)) as pool:
+        outputs = dict(zip(MODELS, pool.map(lambda m: _bench_serving(fleet, m), MODELS),
+                           strict=True))
+    for model, out in outputs.items():
+        match = re.search(r"Successful requests:\s+(\d+)", out)
+        assert match and int(match.group(1)) == 4, f"{model}:\n{out[-3000:]}"
+        assert re.search(r"Mean TTFT \(ms\):\s+[\d.]+", out), out[-2000:]
+
+
+@pytest.mark.parametrize(("payload", "status"), [
+    (b"{oops", 400),
+    (json.dumps({"model": "llama-bf16"}).encode(), 400),
+    (json.dumps({"model": "llama-bf16", "prompt": "word " * 5000}).encode(), 400),
+    (json.dumps({"model": "gpt-17", "prompt": "hi"}).encode(), 404),
+])
+def test_bad_requests_get_their_status_and_the_fleet_stays_healthy(
+        fleet: LaunchedFleet, payload: bytes, status: int) -> None:
+    reply = httpx.post(fleet.base_url + "/v1/completions", content=payload, timeout=60,
+                       headers={"content-type": "application/json"})
+    assert reply.status_code == status, reply.text
+    assert "error" in reply.json()
+    assert fleet.health().status_code == 200
+
+
+def test_metrics_report_queues_ttft_slo_and_slabs(fleet: LaunchedFleet) -> None:
+    metrics = fleet.metrics()
+    for model in MODELS:
+        assert f'fineslab_queue_length{{model="{model}"}}' in metrics
+        assert f'fineslab_ttft_seconds_count{{model="{model}"}}' in metrics
+        assert f'fineslab_ttft_slo_attainment{{model="{model}"}}' in metrics
+    assert 'fineslab_arena_free_bytes{device="cpu"}' in metrics
+
+
+def _stream_until_error(base_url: str, model: str) -> str:
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=300,
+                           max_retries=0)
+    try:
+        stream = client.completions.create(model=model, prompt="Tell a long story",
+                                           max_tokens=400, temperature=0, stream=True)
+        for _ in stream:
+            pass
+    except openai.APIError as exc:
+        return f"error: {exc}"
+    return "completed"
+
+
+def test_killing_a_runtime_mid_load_errors_its_requests_restarts_it_and_others_answer(
+        fleet: LaunchedFleet) -> None:
+    victim = "llama-bf16-r0"
+    pid = fleet.runtime_pids()[victim]
+    with ThreadPoolExecutor(4) as pool:
+        doomed = [pool.submit(_stream_until_error, fleet.base_url, "llama-bf16")
+                  for _ in range(3)]
+        time.sleep(3.0)  # the streams are running
+        os.killpg(pid, signal.SIGKILL)
+        results = [f.result(timeout=120) for f in doomed]
+    assert all(r.startswith("error") for r in results), results
+    # The other models keep answering while the victim restarts.
+    client = openai.OpenAI(base_url=fleet.base_url + "/v1", api_key="unused", timeout=300)
+    for model in ("qwen2-bf16", "llama-small-fp16"):
+        assert client.completions.create(model=model, prompt="still", max_tokens=2).choices
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while fleet.health().json()["status"] != "ok":
+        assert time.monotonic() < deadline, "the killed runtime never came back"
+        time.sleep(2)
+    assert fleet.runtime_pids()[victim] != pid
+    out = fleet.output.read_text()
+    assert f"reclaimed the slabs of ['{victim}']" in out, out[-3000:]
+    assert f'fineslab_runtime_restarts{{model="llama-bf16",runtime="{victim}"}} 1.0' \
+        in fleet.metrics()
+    reply = client.completions.create(model="llama-bf16", prompt="back", max_tokens=2)
+    assert reply.choices, "the restarted runtime serves again"
+
+
+def test_shutdown_leaves_no_process_and_no_shared_memory(fleet: LaunchedFleet) -> None:
+    pids = list(fleet.runtime_pids().values())
+    os.killpg(fleet.proc.pid, signal.SIGTERM)
+    assert fleet.proc.wait(180) == 0, fleet.output.read_text()[-3000:]
+    time.sleep(0.5)
+    alive = [pid for pid in [*pids, fleet.proc.pid] if _group_alive(pid)]
+    assert not alive, f"process groups still alive: {alive}"
+    leftovers = sorted(p.name for p in Path("/dev/shm").glob(f"fineslab-{fleet.fleet_id}-*"))
+    assert not leftovers, leftovers
+    assert "fleet stopped" in fleet.output.read_text()
