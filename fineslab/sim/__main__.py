@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from fineslab.bench.report import add_json_flag, emit
@@ -46,8 +47,49 @@ def _fig10(args: argparse.Namespace) -> int:
                    acceptance)
 
 
+def _fig11(args: argparse.Namespace) -> int:
+    from fineslab.sim.experiments.fig11 import Fig11Config, run_fig11
+
+    out, traces, config = _common(args, "fig11")
+    cfg = Fig11Config(out, traces, quick=args.quick,
+                      duration_s=args.duration or (60.0 if args.quick else 120.0),
+                      seed=args.seed)
+    acceptance, text = run_fig11(cfg, config)
+    return _finish(args, "fig11: SLO attainment by fleet size (Poisson)", text, acceptance)
+
+
+def _ablation(args: argparse.Namespace) -> int:
+    from fineslab.sim.experiments.ablations import AblationConfig, run_fig12, run_fig13
+
+    out, traces, config = _common(args, args.command)
+    cfg = AblationConfig(out, traces, quick=args.quick,
+                         duration_s=args.duration or (60.0 if args.quick else 120.0),
+                         seed=args.seed)
+    run = run_fig12 if args.command == "fig12" else run_fig13
+    acceptance, text = run(cfg, config)
+    return _finish(args, f"{args.command} results", text, acceptance)
+
+
+def _fidelity(args: argparse.Namespace) -> int:
+    from fineslab.env import FineslabEnv
+    from fineslab.sim.experiments.fidelity import FidelityConfig, run_fidelity
+
+    out, traces, config = _common(args, "fidelity")
+    cfg = FidelityConfig(out, Path(args.profile), traces.sharegpt,
+                         Path(FineslabEnv.from_environ().model_cache_dir), url=args.url,
+                         served_model=args.served_model,
+                         duration_s=args.duration or (30.0 if args.quick else 60.0),
+                         seed=args.seed, calibrate=not args.no_calibrate)
+    acceptance, text = run_fidelity(cfg, replace(config, interference_per_neighbor=0.0))
+    return _finish(args, "fidelity: live versus simulated", text, acceptance)
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
     "fig10": ("end-to-end SLO attainment and tokens/s on 4 H100s", _fig10),
+    "fig11": ("SLO attainment from 8 to 16 GPUs", _fig11),
+    "fig12": ("placer ablation: MME versus KVPR, static KV, FCFS", _ablation),
+    "fig13": ("local scheduler ablation: one model, static KV", _ablation),
+    "fidelity": ("live server versus simulator on one workload", _fidelity),
 }
 
 
@@ -69,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
                          help="step slowdown per busy co-located replica")
         add_json_flag(cmd)
         cmd.set_defaults(func=func)
+        if name == "fidelity":
+            cmd.add_argument("--url", default=None, help="live endpoint (default: start one)")
+            cmd.add_argument("--profile", default="profiles/llama-tiny--bf16--cpu.json",
+                             help="measured profile of the served model")
+            cmd.add_argument("--served-model", default=None, help="`model` field to send")
+            cmd.add_argument("--no-calibrate", action="store_true",
+                             help="skip measuring the endpoint just before the run")
     return parser
 
 

@@ -112,10 +112,12 @@ class Simulator:
     """One run; use `simulate()` unless you need to inspect the state between events."""
 
     def __init__(self, models: Sequence[FleetModel], gpus: Sequence[GpuSpec],
-                 system: SystemSpec, config: SimConfig) -> None:
+                 system: SystemSpec, config: SimConfig,
+                 plan: PlacementPlan | None = None) -> None:
+        """`plan` replaces the system's placer (an experiment that fixes the placement)."""
         self.system, self.config = system, config
         self.models = {m.name: m for m in models}
-        self.plan = place(models, gpus, system.placer)
+        self.plan = plan or place(models, gpus, system.placer)
         self.kv = FleetKv()
         try:
             self.engines = self._build()
@@ -231,11 +233,11 @@ class Simulator:
 
 def simulate(models: Sequence[FleetModel], gpus: Sequence[GpuSpec], system: SystemSpec,
              requests: Sequence[Request], window_s: float,
-             config: SimConfig | None = None) -> SimResult:
+             config: SimConfig | None = None, plan: PlacementPlan | None = None) -> SimResult:
     """Place, build, run and clean up; the outcome of every request in `requests`.
     `window_s` is the arrival window the token throughput is measured over."""
     started = time.perf_counter()
-    sim = Simulator(models, gpus, system, config or SimConfig())
+    sim = Simulator(models, gpus, system, config or SimConfig(), plan)
     sim.window_s = window_s
     try:
         outcomes = sim.run(requests)

@@ -125,14 +125,14 @@ def run_point(spec: PointSpec, systems: Sequence[SystemSpec], traces: Traces,
     results = []
     for system in systems:
         result = simulate(models, gpus, system, requests, spec.duration_s, config)
-        results.append(_point_result(system.name, spec, result))
+        results.append(point_result(system.name, spec, result))
         logger.info("%s %s: attainment %.3f, %.0f tok/s (%.1f s)", system.name,
                     _label(spec), results[-1].attainment, results[-1].tokens_per_s,
                     result.wall_s)
     return results
 
 
-def _point_result(name: str, spec: PointSpec, result: SimResult) -> PointResult:
+def point_result(name: str, spec: PointSpec, result: SimResult) -> PointResult:
     summary = result.summary()
     by_model = result.by_model()
     return PointResult(

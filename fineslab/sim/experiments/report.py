@@ -83,13 +83,20 @@ def sweep_section(title: str, points: Sequence[PointResult], x: str,
     """A markdown section: the table and the plot of one sweep."""
     headers, rows = sweep_rows(points, x, metrics)
     plot = plot_sweep(points, x, metrics, out_dir / f"{stem}.png", title)
-    unplaced = sorted({f"{p.system}: {', '.join(p.unplaced)} (at {x} {_x(p, x):g})"
+    unplaced = sorted({f"{p.system} at {x} {_x(p, x):g}: {_count(p.unplaced)}"
                        for p in points if p.unplaced})
     text = f"### {title}\n\n{markdown_table(headers, rows)}\n\n![{title}]({plot.name})\n"
     if unplaced:
-        text += "\nModels the placer could not place (their requests count as misses):\n"
+        text += ("\nReplicas the placer could not place (a model with none placed loses all "
+                 "its requests):\n")
         text += "".join(f"- {u}\n" for u in unplaced)
     return text
+
+
+def _count(names: Sequence[str]) -> str:
+    """"a, a, b" -> "a (2 replicas), b"."""
+    counts = {n: names.count(n) for n in dict.fromkeys(names)}
+    return ", ".join(n if c == 1 else f"{n} ({c} replicas)" for n, c in counts.items())
 
 
 def per_model_section(points: Sequence[PointResult], title: str) -> str:
