@@ -39,14 +39,14 @@ def kv_shape(model: str, dtype: str, name: str | None = None) -> KVShape:
 
 
 @dataclass
-class TestArena:
+class ScratchArena:
     """An arena created by the test process (the launcher's role), closed at teardown."""
 
     arena: SlabArena
     fleet_id: str
 
     @classmethod
-    def create(cls, slab_bytes: int, num_slabs: int, max_blocks_per_slab: int) -> TestArena:
+    def create(cls, slab_bytes: int, num_slabs: int, max_blocks_per_slab: int) -> ScratchArena:
         fleet_id = f"t{uuid.uuid4().hex[:10]}"
         spec = ArenaSpec(fleet_id, "cpu:0", slab_bytes * num_slabs, slab_bytes,
                          max_blocks_per_slab)
@@ -68,14 +68,14 @@ class TestArena:
 
 
 def arena_for(models: Sequence[KVShape], page_size: int, slab_bytes: int,
-              num_slabs: int) -> TestArena:
+              num_slabs: int) -> ScratchArena:
     """An arena whose slab size fits every model at `page_size`."""
     bps = []
     for shape in models:
         fmt = fit_format(shape, slab_bytes, [page_size])
         assert fmt is not None, f"{shape.name} must fit a {slab_bytes} B slab"
         bps.append(fmt.blocks_per_slab(slab_bytes))
-    return TestArena.create(slab_bytes, num_slabs, max(bps))
+    return ScratchArena.create(slab_bytes, num_slabs, max(bps))
 
 
 @contextlib.contextmanager
@@ -117,7 +117,7 @@ def engine_outputs(model_path: Path, input_ids: list[list[int]], *, page_size: i
 
 
 def generate_http(base_url: str, input_ids: list[int], max_new_tokens: int,
-                  timeout_s: float = 300.0) -> list[int]:
+                  timeout_s: float = 1200.0) -> list[int]:
     """One greedy /generate request to a server; returns the output token ids."""
     resp = httpx.post(base_url + "/generate", timeout=timeout_s, json={
         "input_ids": input_ids,
@@ -150,7 +150,7 @@ def generate_concurrently(base_url: str, input_ids: list[list[int]], max_new_tok
 class UsageSampler:
     """Samples per-runtime used bytes from the slab table in a background thread."""
 
-    arena: TestArena
+    arena: ScratchArena
     period_s: float = 0.02
     peaks: dict[str, int] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)

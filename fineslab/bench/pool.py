@@ -1,0 +1,164 @@
+"""Decode throughput of one SGLang runtime with the slab pool against SGLang's own pool.
+
+    python -m fineslab.bench.pool --json
+
+Both runtimes run side by side as real SGLang servers (same model, page size and arguments; the
+plugin one joins an arena this benchmark creates, the stock one gets the same token capacity
+through --max-total-tokens). Rounds alternate between them, so drift in the machine's load hits
+both alike; each round sends `--requests` concurrent greedy requests of short prompts with
+`ignore_eos`, so the time is dominated by decoding. Reported per runtime: the median over rounds
+of generated tokens / wall seconds. Target: plugin_tok_s / stock_tok_s >= 0.95.
+
+On a machine with CUDA, the same comparison also runs on GPU with the triton and flashinfer
+attention backends (keys `gpu_<backend>_plugin_tok_s`, `..._stock_tok_s`, `..._ratio`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from fineslab import cpu_mode
+from fineslab.bench.report import add_json_flag, emit
+from fineslab.env import FineslabEnv
+from fineslab.models.generate import ensure_model
+from fineslab.runtime import ServerProcess, ServerSpec, free_port
+from fineslab.sglang_plugin.config import ArenaJoin
+from fineslab.slabs import ArenaSpec, KVDtype, KVShape, SlabArena
+from fineslab.slabs.sizing import fit_format
+
+SLAB_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """The load of one comparison."""
+
+    model: str
+    page_size: int
+    num_requests: int
+    prompt_tokens: int
+    new_tokens: int
+    rounds: int
+    capacity_tokens: int
+
+    def __post_init__(self) -> None:
+        if min(self.num_requests, self.prompt_tokens, self.new_tokens, self.rounds) <= 0:
+            raise ValueError("requests, prompt tokens, new tokens and rounds must be positive")
+
+
+def _one_round(base_url: str, cfg: BenchConfig, seed: int) -> float:
+    """Tokens per second of one round of concurrent requests."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, 2000) for _ in range(cfg.prompt_tokens)]
+               for _ in range(cfg.num_requests)]
+    counts = [0] * len(prompts)
+
+    def send(i: int) -> None:
+        resp = httpx.post(base_url + "/generate", timeout=600, json={
+            "input_ids": prompts[i], "sampling_params": {
+                "temperature": 0, "max_new_tokens": cfg.new_tokens, "ignore_eos": True}})
+        resp.raise_for_status()
+        counts[i] = len(resp.json()["output_ids"])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    if sum(counts) != cfg.num_requests * cfg.new_tokens:
+        raise RuntimeError(f"round produced {sum(counts)} tokens, expected "
+                           f"{cfg.num_requests * cfg.new_tokens}")
+    return sum(counts) / elapsed
+
+
+def _arena_for(cfg: BenchConfig, device: str) -> tuple[SlabArena, ArenaJoin]:
+    shape = KVShape("bench", 4, 2, 64, KVDtype.BF16)  # llama-tiny's KV geometry
+    fmt = fit_format(shape, SLAB_BYTES, [cfg.page_size])
+    if fmt is None:
+        raise ValueError(f"page size {cfg.page_size} does not fit a {SLAB_BYTES} B slab")
+    num_slabs = -(-(cfg.capacity_tokens + cfg.page_size) * fmt.token_stride_bytes // SLAB_BYTES)
+    fleet = f"bench{uuid.uuid4().hex[:8]}"
+    spec = ArenaSpec(fleet, device, num_slabs * SLAB_BYTES, SLAB_BYTES,
+                     fmt.blocks_per_slab(SLAB_BYTES))
+    return SlabArena.create(spec), ArenaJoin(fleet, "bench")
+
+
+def compare(cfg: BenchConfig, model_path: Path, logs: Path, *, cpu: bool,
+            backend_args: Sequence[str]) -> tuple[float, float]:
+    """(plugin tok/s, stock tok/s): medians over alternating rounds."""
+    arena, join = _arena_for(cfg, "cpu:0" if cpu else "cuda:0")
+    common = ("--dtype", "bfloat16", "--page-size", str(cfg.page_size),
+              "--log-level", "warning", *backend_args)
+    specs = {
+        "plugin": ServerSpec(str(model_path), free_port(), cpu=cpu, extra_args=common,
+                             env=join.environ()),
+        "stock": ServerSpec(str(model_path), free_port(), cpu=cpu, extra_args=(
+            *common, "--max-total-tokens", str(cfg.capacity_tokens))),
+    }
+    servers: dict[str, ServerProcess] = {}
+    try:
+        for name, spec in specs.items():
+            servers[name] = ServerProcess(spec, logs / f"{name}.log")
+        for server in servers.values():
+            server.wait_healthy(600)
+        for server in servers.values():  # warm-up round, not counted
+            _one_round(server.spec.base_url, cfg, seed=0)
+        rates: dict[str, list[float]] = {"plugin": [], "stock": []}
+        for r in range(cfg.rounds):
+            order = ("plugin", "stock") if r % 2 == 0 else ("stock", "plugin")
+            for name in order:
+                rates[name].append(_one_round(servers[name].spec.base_url, cfg, seed=r + 1))
+    finally:
+        for server in servers.values():
+            server.stop()
+        arena.close()
+    return statistics.median(rates["plugin"]), statistics.median(rates["stock"])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama-tiny")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--capacity-tokens", type=int, default=8192)
+    parser.add_argument("--logs", type=Path, default=Path("/tmp/fineslab-bench-pool"))
+    add_json_flag(parser)
+    args = parser.parse_args(argv)
+    cfg = BenchConfig(args.model, args.page_size, args.requests, args.prompt_tokens,
+                      args.new_tokens, args.rounds, args.capacity_tokens)
+    args.logs.mkdir(parents=True, exist_ok=True)
+    model_path = ensure_model(cfg.model, FineslabEnv.from_environ().model_cache_dir)
+    plugin, stock = compare(cfg, model_path, args.logs, cpu=True, backend_args=())
+    result: dict[str, object] = {"plugin_tok_s": plugin, "stock_tok_s": stock,
+                                 "ratio": plugin / stock, "device": "cpu"}
+    rows: list[list[object]] = [["cpu torch_native", plugin, stock, plugin / stock]]
+    if cpu_mode.cuda_available():
+        for backend in ("triton", "flashinfer"):
+            g_plugin, g_stock = compare(cfg, model_path, args.logs, cpu=False,
+                                        backend_args=("--attention-backend", backend))
+            result.update({f"gpu_{backend}_plugin_tok_s": g_plugin,
+                           f"gpu_{backend}_stock_tok_s": g_stock,
+                           f"gpu_{backend}_ratio": g_plugin / g_stock})
+            rows.append([f"cuda {backend}", g_plugin, g_stock, g_plugin / g_stock])
+    emit(f"Decode throughput, {cfg.model}, {cfg.num_requests} x {cfg.new_tokens} new tokens, "
+         f"page {cfg.page_size}, median of {cfg.rounds} rounds",
+         ["runtime", "plugin tok/s", "stock tok/s", "ratio"], rows, result, args.json)
+
+
+if __name__ == "__main__":
+    main()

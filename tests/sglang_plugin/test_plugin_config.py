@@ -1,0 +1,115 @@
+"""Bad configuration stops a runtime at start-up with a clear error; no silent fallback.
+
+The three start-up failures run as real SGLang servers, started together to share the wait.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from plugin_test_support import ScratchArena, arena_for, kv_shape
+
+from fineslab.env import FineslabEnv
+from fineslab.errors import ConfigError, EnvironmentSetupError
+from fineslab.runtime import ServerProcess, ServerSpec, free_port
+from fineslab.sglang_plugin import ArenaJoin, HookTarget, check_hooks, install, register
+from fineslab.sglang_plugin.config import TESTED_SGLANG_VERSION
+from fineslab.sglang_plugin.refusals import refuse_unsupported
+
+BAD_STARTS = {
+    # One slab of exactly one 16-token llama block: nothing left once page 0 is set aside.
+    "too_small": ("bfloat16", (), "arena too small"),
+    # float32 KV has no slab block format.
+    "unknown_format": ("float32", (), "unknown model format"),
+    # HiCache copies contiguous per-layer buffers: refused by name.
+    "unsupported_flag": ("bfloat16", ("--enable-hierarchical-cache",),
+                         "--enable-hierarchical-cache"),
+}
+
+
+@pytest.fixture(scope="module")
+def failed_logs(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[dict[str, str]]:
+    logs = tmp_path_factory.mktemp("bad")
+    shape = kv_shape("llama-tiny", "bfloat16", "m")
+    arenas = {
+        "too_small": ScratchArena.create(16 * 2048, 1, 1),
+        "unknown_format": arena_for([shape], 16, 1 << 20, 2),
+        "unsupported_flag": arena_for([shape], 16, 1 << 20, 2),
+    }
+    servers = {}
+    for case, (dtype, flags, _) in BAD_STARTS.items():
+        spec = ServerSpec(str(model_cache / "llama-tiny"), free_port(), extra_args=(
+            "--dtype", dtype, "--page-size", "16", *flags),
+            env=arenas[case].join("m").environ())
+        servers[case] = ServerProcess(spec, logs / f"{case}.log")
+    texts = {}
+    try:
+        for case, server in servers.items():
+            with pytest.raises(EnvironmentSetupError):
+                server.wait_healthy(300)
+            texts[case] = server.log_tail(200)
+    finally:
+        for server in servers.values():
+            server.stop()
+        for arena in arenas.values():
+            arena.close()
+    yield texts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(BAD_STARTS))
+def test_bad_configuration_fails_start_up_with_clear_error(failed_logs: dict[str, str],
+                                                          case: str) -> None:
+    expected = BAD_STARTS[case][2]
+    assert "ConfigError" in failed_logs[case] and expected in failed_logs[case], (
+        f"{case}: start-up must fail naming the problem ({expected!r}); log:\n"
+        + failed_logs[case][-3000:])
+
+
+def test_missing_hook_names_the_sglang_version() -> None:
+    missing = HookTarget("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
+                         "_no_such_method", "profile_available_bytes", ())
+    renamed = HookTarget("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
+                         "_profile_available_bytes", "profile_available_bytes", ("gone",))
+    import sglang
+
+    for target in (missing, renamed):
+        with pytest.raises(EnvironmentSetupError) as err:
+            check_hooks([target])
+        assert sglang.__version__ in str(err.value) and TESTED_SGLANG_VERSION in str(err.value)
+        with pytest.raises(EnvironmentSetupError):
+            install(ArenaJoin("never-opened", "m"), [target])
+    check_hooks()  # the real targets resolve in this SGLang
+
+
+def test_half_set_join_stops_the_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FINESLAB_ARENA", "some-fleet")
+    monkeypatch.delenv("FINESLAB_RUNTIME_ID", raising=False)
+    with pytest.raises(ConfigError, match="FINESLAB_RUNTIME_ID"):
+        ArenaJoin.from_env(FineslabEnv.from_environ())
+    # SGLang swallows Exceptions raised by plugins; SystemExit gets through.
+    with pytest.raises(SystemExit, match="FINESLAB_RUNTIME_ID"):
+        register()
+
+
+def test_no_join_means_no_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("FINESLAB_ARENA", "FINESLAB_RUNTIME_ID"):
+        monkeypatch.delenv(var, raising=False)
+    assert ArenaJoin.from_env(FineslabEnv.from_environ({})) is None
+    assert register() is None
+    assert os.environ.get("FINESLAB_ARENA") is None
+
+
+def test_refusals_name_every_unsupported_setting() -> None:
+    refuse_unsupported({"speculative_algorithm": None, "disaggregation_mode": "null",
+                        "tp_size": 1, "enable_hierarchical_cache": False})
+    with pytest.raises(ConfigError) as err:
+        refuse_unsupported({"speculative_algorithm": "EAGLE", "tp_size": 2,
+                            "enable_memory_saver": True, "disaggregation_mode": "prefill"})
+    for flag in ("--speculative-algorithm", "--tp-size", "--enable-memory-saver",
+                 "--disaggregation-mode"):
+        assert flag in str(err.value), f"the refusal must name {flag}"

@@ -1,0 +1,63 @@
+"""On a GPU: the slab pool under SGLang's triton and flashinfer backends, BF16 and FP8 KV.
+
+Greedy output with the plugin must equal output with SGLang's own pool (same engine arguments).
+Marked `gpu`: skipped by the default CPU suite; run by scripts/gpu_check.sh where CUDA exists.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+from plugin_test_support import joined, prompts
+
+from fineslab.sglang_plugin import ArenaJoin
+from fineslab.slabs import ArenaSpec, KVDtype, KVShape, SlabArena
+from fineslab.slabs.sizing import fit_format
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+PROMPTS = prompts(4, 40, seed=5)
+
+
+def _outputs(model_path: Path, backend: str, kv_cache_dtype: str, page_size: int,
+             join: ArenaJoin | None) -> list[list[int]]:
+    import sglang
+
+    kwargs: dict[str, object] = dict(
+        model_path=str(model_path), dtype="bfloat16", log_level="error", page_size=page_size,
+        attention_backend=backend, kv_cache_dtype=kv_cache_dtype, mem_fraction_static=0.3)
+    if join is None:
+        kwargs["max_total_tokens"] = 8192
+    with joined(join):
+        engine = sglang.Engine(**kwargs)
+    try:
+        out = engine.generate(input_ids=PROMPTS, sampling_params={
+            "temperature": 0, "max_new_tokens": 24, "ignore_eos": True})
+    finally:
+        engine.shutdown()
+    return [o["output_ids"] for o in out]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_gpu_backends_match_stock_pool(model_cache: Path, backend: str,
+                                       kv_cache_dtype: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    kv = KVDtype.FP8_E4M3 if kv_cache_dtype == "fp8_e4m3" else KVDtype.BF16
+    fmt = fit_format(KVShape("m", 4, 2, 64, kv), 1 << 20, [16])
+    assert fmt is not None
+    fleet = f"g{uuid.uuid4().hex[:8]}"
+    arena = SlabArena.create(ArenaSpec(fleet, "cuda:0", 16 << 20, 1 << 20,
+                                       fmt.blocks_per_slab(1 << 20)))
+    try:
+        plugin = _outputs(model_cache / "llama-tiny", backend, kv_cache_dtype, 16,
+                          ArenaJoin(fleet, "m"))
+    finally:
+        arena.close()
+    stock = _outputs(model_cache / "llama-tiny", backend, kv_cache_dtype, 16, None)
+    assert plugin == stock, f"{backend} {kv_cache_dtype}: slab pool output differs from stock"
