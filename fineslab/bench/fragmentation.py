@@ -10,7 +10,8 @@ every --tpot-s seconds (a new block each time a block fills), and frees everythi
 token is out. When an allocation fails, that request is dropped (its blocks freed) and the run
 goes on. Every scheme replays the same requests at the same times into the same arena bytes:
 
-  slab         fineslab: SlabTable + one RuntimeSlabs per model, slab size from plan_slabs
+  slab         fineslab: SlabTable + one RuntimeSlabs per model, slab size from plan_slabs;
+               a decode block is allocated with the request's last block as `near_block`
   static       one fixed partition per model, sized in proportion to that model's time-averaged
                KV demand in this very trace (an oracle: the best a static split can do)
   fixed_block  one shared pool of uniform blocks, sized for the largest model's block; a smaller
@@ -106,7 +107,8 @@ def block_events(work: Workload, tokens_per_block: np.ndarray) -> tuple[np.ndarr
 class Scheme(Protocol):
     """An arena allocator under test: a handle per successful alloc, None when it fails."""
 
-    def alloc(self, model: int, num_blocks: int) -> object | None: ...
+    def alloc(self, model: int, num_blocks: int, previous: object | None) -> object | None:
+        """`previous`: the request's last handle (None for its prompt)."""
 
     def free(self, model: int, handles: list[object]) -> None: ...
 
@@ -121,9 +123,10 @@ class SlabScheme:
         self.table = SlabTable.create(folder / "fragmentation.table", dims, backing=0)
         self.clients = [RuntimeSlabs(self.table, f.name, f) for f in formats]
 
-    def alloc(self, model: int, num_blocks: int) -> object | None:
+    def alloc(self, model: int, num_blocks: int, previous: object | None) -> object | None:
+        near = int(previous[-1]) if isinstance(previous, np.ndarray) and previous.size else None
         try:
-            return self.clients[model].alloc_array(num_blocks)
+            return self.clients[model].alloc_array(num_blocks, near_block=near)
         except ArenaExhausted:
             return None
 
@@ -145,7 +148,7 @@ class CountingScheme:
         self.capacity, self.pool_of = capacity_blocks, pool_of_model
         self.used = [0] * len(capacity_blocks)
 
-    def alloc(self, model: int, num_blocks: int) -> object | None:
+    def alloc(self, model: int, num_blocks: int, previous: object | None) -> object | None:
         pool = self.pool_of[model]
         if self.used[pool] + num_blocks > self.capacity[pool]:
             return None
@@ -164,7 +167,7 @@ class FirstFitScheme:
         self.starts = np.array([0], dtype=np.int64)
         self.sizes = np.array([arena_bytes], dtype=np.int64)
 
-    def alloc(self, model: int, num_blocks: int) -> object | None:
+    def alloc(self, model: int, num_blocks: int, previous: object | None) -> object | None:
         size = self.block_bytes[model]
         starts, sizes = self.starts, self.sizes
         first = -(-starts // size) * size if self.aligned else starts
@@ -235,7 +238,8 @@ def replay(work: Workload, events: tuple[np.ndarray, ...], scheme: Scheme,
         if kind == 1:
             scheme.free(model, held.pop(request, []))
             continue
-        handle = scheme.alloc(model, num_blocks)
+        mine = held.get(request)
+        handle = scheme.alloc(model, num_blocks, mine[-1] if mine else None)
         if handle is None:
             # what is held: all live tokens but those this allocation was for (the prompt, or
             # the one decode token that opened a new block)

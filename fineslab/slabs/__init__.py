@@ -46,10 +46,10 @@ from __future__ import annotations
 from fineslab.slabs.arena import ArenaSpec, SlabArena
 from fineslab.slabs.client import RuntimeSlabs, RuntimeStats
 from fineslab.slabs.formats import BlockFormat, KVDtype, KVShape
-from fineslab.slabs.integrity import check_integrity, snapshot
+from fineslab.slabs.integrity import TableSnapshot, check_integrity, snapshot
 from fineslab.slabs.shm import ArenaPaths
 from fineslab.slabs.sizing import SlabPlan, plan_slabs
-from fineslab.slabs.table import SlabState, SlabTable, TableSnapshot
+from fineslab.slabs.table import SlabState, SlabTable
 
 __all__ = [
     "ArenaPaths", "ArenaSpec", "BlockFormat", "KVDtype", "KVShape", "RuntimeSlabs",

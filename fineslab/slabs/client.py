@@ -29,11 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from fineslab.errors import IntegrityError, InvalidBlockError
+from fineslab.errors import ArenaExhausted, IntegrityError, InvalidBlockError
 from fineslab.slabs.formats import BlockFormat
-from fineslab.slabs.integrity import check_integrity, snapshot
+from fineslab.slabs.integrity import OwnerUsage, check_integrity, snapshot
 from fineslab.slabs.shm import ArenaPaths
-from fineslab.slabs.table import OwnerUsage, SlabState, SlabTable
+from fineslab.slabs.table import SlabState, SlabTable
 
 logger = logging.getLogger(__name__)
 
@@ -80,19 +80,64 @@ class RuntimeSlabs:
         return cls(table, runtime_id, fmt, owns_table=True)
 
     # -- allocation -----------------------------------------------------------------------------
-    def alloc(self, num_blocks: int) -> list[int]:
-        """`num_blocks` block ids, all or none; raises ArenaExhausted when the arena is short."""
-        return list(self.alloc_array(num_blocks).tolist())
+    def alloc(self, num_blocks: int, near_block: int | None = None) -> list[int]:
+        """`num_blocks` block ids, all or none; raises ArenaExhausted when the arena is short.
 
-    def alloc_array(self, num_blocks: int) -> np.ndarray:
-        """Like `alloc`, as an int64 array (no Python list: `torch.from_numpy` takes it as is)."""
+        `near_block`: a block the same request already holds (SGLang's last_loc // page_size);
+        the new blocks then come from its slab first. A hint only: a stale one is ignored.
+        """
+        return list(self.alloc_array(num_blocks, near_block).tolist())
+
+    def alloc_array(self, num_blocks: int, near_block: int | None = None) -> np.ndarray:
+        """Like `alloc`, as an int64 array (no Python list: `torch.from_numpy` takes it as is).
+
+        Placement, to keep each slab's blocks few requests' (so slabs empty and go back instead
+        of stranding free blocks that other models cannot use):
+        a batch with no hint (a prefill) of at least one slab's worth takes whole fresh slabs
+        for its whole-slab part, then fills the lowest partial slabs; a hinted batch (decode,
+        extend) fills the hint's slab first; the rest comes from the lowest partial slabs.
+        """
         if num_blocks < 0:
             raise InvalidBlockError(f"cannot allocate {num_blocks} blocks")
+        bps = self.blocks_per_slab
+        whole = 0 if near_block is not None else num_blocks // bps
+        fresh = self._carve_for(num_blocks, whole)
+        parts = [self._take_from(int(slab), bps) for slab in fresh]
+        remaining = num_blocks - fresh.size * bps
+        if remaining and near_block is not None and self._holds_partial(near_block // bps):
+            parts.append(self._take_from(near_block // bps, remaining))
+            remaining -= parts[-1].size
+        if remaining == 1:
+            parts.append(self._take_one())
+        elif remaining:
+            parts.append(self._take(remaining))
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+    def _carve_for(self, num_blocks: int, whole: int) -> np.ndarray:
+        """Carve what `num_blocks` needs beyond own free blocks; the `whole` fresh slabs first.
+
+        Falls back to using own free blocks first when the whole slabs are not there.
+        """
+        bps = self.blocks_per_slab
+        if whole:
+            extra = -(-max(0, num_blocks - whole * bps - self._num_free) // bps)
+            try:
+                carved = self.table.carve(self.slot, whole + extra)
+            except ArenaExhausted:
+                pass
+            else:
+                self._adopt(carved)
+                return carved[:whole]
         short = num_blocks - self._num_free
         if short > 0:
-            carved = self.table.carve(self.slot, -(-short // self.blocks_per_slab))
-            self._adopt(carved)
-        return self._take(num_blocks)
+            self._adopt(self.table.carve(self.slot, -(-short // bps)))
+        return np.empty(0, dtype=np.int64)
+
+    def _holds_partial(self, slab: int) -> bool:
+        return 0 <= slab < self._mine.size and bool(self._mine[slab]) and \
+            int(self.table.used[slab]) < self.blocks_per_slab
 
     def _adopt(self, slabs: np.ndarray) -> None:
         self._mine[slabs] = True
@@ -100,27 +145,27 @@ class RuntimeSlabs:
             bisect.insort(self._partial, slab)
         self._num_free += slabs.size * self.blocks_per_slab
 
+    def _take_from(self, slab: int, num_blocks: int) -> np.ndarray:
+        """Up to `num_blocks` free blocks of own partial `slab`, lowest first."""
+        bps, used = self.blocks_per_slab, self.table.used
+        row = self.table.free_map[slab, :bps]
+        local = row.nonzero()[0][:num_blocks]
+        row[local] = 0
+        now_used = int(used[slab]) + local.size
+        used[slab] = now_used
+        if now_used == bps:
+            self.table.state[slab] = SlabState.FULL
+            self._partial.remove(slab)
+        self._num_free -= local.size
+        return local + slab * bps
+
     def _take(self, num_blocks: int) -> np.ndarray:
-        if num_blocks == 1:
-            return self._take_one()
-        bps, used, out = self.blocks_per_slab, self.table.used, []
-        remaining = num_blocks
+        """`num_blocks` blocks from the lowest partial slabs (there are enough)."""
+        out, remaining = [], num_blocks
         while remaining:
-            slab = self._partial[0]
-            row = self.table.free_map[slab, :bps]
-            local = row.nonzero()[0][:remaining]
-            row[local] = 0
-            now_used = int(used[slab]) + local.size
-            used[slab] = now_used
-            if now_used == bps:
-                self.table.state[slab] = SlabState.FULL
-                del self._partial[0]
-            out.append(local + slab * bps)
-            remaining -= local.size
-        self._num_free -= num_blocks
-        if len(out) == 1:
-            return out[0]
-        return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+            out.append(self._take_from(self._partial[0], remaining))
+            remaining -= out[-1].size
+        return out[0] if len(out) == 1 else np.concatenate(out)
 
     def _take_one(self) -> np.ndarray:
         """The decode case: one block, with scalar operations only."""

@@ -18,9 +18,9 @@ from typing import TextIO
 
 from fineslab.bench.report import format_table
 from fineslab.errors import IntegrityError
-from fineslab.slabs.integrity import check_integrity, snapshot
+from fineslab.slabs.integrity import TableSnapshot, check_integrity, snapshot
 from fineslab.slabs.shm import ArenaPaths
-from fineslab.slabs.table import SlabTable, TableSnapshot
+from fineslab.slabs.table import SlabTable
 
 
 def human_bytes(num_bytes: float) -> str:

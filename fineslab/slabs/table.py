@@ -130,38 +130,6 @@ class TableDims:
         return offsets, cursor
 
 
-@dataclass(frozen=True)
-class OwnerUsage:
-    runtime_id: str
-    pid: int
-    alive: bool
-    key: int
-    num_slabs: int
-    used_blocks: int
-
-    @property
-    def used_bytes(self) -> int:
-        return self.used_blocks * self.key
-
-
-@dataclass(frozen=True)
-class TableSnapshot:
-    """A lock-free reading of the table (exact for quiescent runtimes)."""
-
-    slab_bytes: int
-    num_slabs: int
-    slabs_by_key_state: dict[tuple[int, str], int]
-    owners: tuple[OwnerUsage, ...]
-
-    @property
-    def free_slabs(self) -> int:
-        return sum(c for (_, state), c in self.slabs_by_key_state.items() if state == "FREE")
-
-    @property
-    def free_bytes(self) -> int:
-        return self.free_slabs * self.slab_bytes
-
-
 class SlabTable:
     """The shared slab table of one device. Use `create` (launcher) or `open` (everyone else)."""
 

@@ -41,12 +41,13 @@ class SlabMachine(RuleBasedStateMachine):
         taken = len(self._slabs_of(0) | self._slabs_of(1))
         return own_free + (NUM_SLABS - taken) * bps
 
-    @rule(rt=RUNTIMES, num_blocks=st.integers(0, 20))
-    def alloc(self, rt: int, num_blocks: int) -> None:
+    @rule(rt=RUNTIMES, num_blocks=st.integers(0, 20),
+          near=st.none() | st.integers(-2, NUM_SLABS * 8 + 2))
+    def alloc(self, rt: int, num_blocks: int, near: int | None) -> None:
         room = self._room(rt)
         before = self.arena.table.raw()
         try:
-            ids = self.clients[rt].alloc(num_blocks)
+            ids = self.clients[rt].alloc(num_blocks, near_block=near)
         except ArenaExhausted:
             assert num_blocks > room, "alloc fails only when the model says it must"
             assert self.arena.table.raw() == before, "a failed alloc changes nothing"

@@ -67,6 +67,32 @@ def test_freed_blocks_are_reused_before_carving(arena: SlabArena) -> None:
     assert again == [1, 4, 6], "lowest free blocks of the lowest partial slab first"
 
 
+def test_prefill_of_a_slab_or_more_takes_whole_fresh_slabs(arena: SlabArena) -> None:
+    rt = arena.client("r0", FMT_A)
+    rt.free(rt.alloc(5)[:2])  # slab 0: blocks 2, 3, 4 in use, 5 holes
+    ids = rt.alloc(10)
+    rt.check_integrity()
+    # slab 1 whole (8..15) for the whole-slab part, then the two lowest holes of slab 0
+    assert ids == [*range(8, 16), 0, 1], "whole fresh slab first, the rest fills holes"
+
+
+def test_near_hint_fills_the_requests_slab_first(arena: SlabArena) -> None:
+    rt = arena.client("r0", FMT_A)
+    first = rt.alloc(8 + 3)  # slab 0 whole, slab 1: 8, 9, 10
+    rt.free([first[1]])  # a hole in slab 0, lower than slab 1's free blocks
+    assert rt.alloc(1, near_block=9) == [11], "hinted: the hint's slab, not the lowest hole"
+    assert rt.alloc(1) == [1], "unhinted: the lowest hole"
+    rt.check_integrity()
+
+
+@pytest.mark.parametrize("hint", [-5, 10**6, 40])
+def test_stale_near_hints_are_ignored(arena: SlabArena, hint: int) -> None:
+    rt = arena.client("r0", FMT_A)
+    rt.alloc(3)
+    assert rt.alloc(2, near_block=hint) == [3, 4], "a hint outside own slabs changes nothing"
+    rt.check_integrity()
+
+
 def test_exhaustion_raises_and_changes_nothing(arena: SlabArena) -> None:
     rt = arena.client("r0", FMT_A)
     rt.alloc(8 * NUM_SLABS - 3)
