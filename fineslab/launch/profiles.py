@@ -65,7 +65,8 @@ def _find_named(name: str, dirs: Sequence[Path]) -> ModelProfile | None:
     """The profile `name` in `dirs`: the first measured one, else the first analytical one."""
     found = [load_profile(d / f"{name}.json") for d in dirs if (d / f"{name}.json").is_file()]
     measured = [p for p in found if p.source == "measured"]
-    return (measured or found or [None])[0]
+    ranked = measured or found
+    return ranked[0] if ranked else None
 
 
 def _with_kv_dtype(profile: ModelProfile, model: ModelConfig) -> ModelProfile:
