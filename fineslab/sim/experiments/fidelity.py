@@ -6,7 +6,7 @@ plain SGLang server on CPU for llama-tiny started with the profiler's settings (
 of `profile.chunk_tokens`, radix cache off, a 32,768-token KV pool), stopped afterwards.
 Simulated side: the same requests on one replica (FCFS, the profile's step latencies, the real
 slab table sized to the same 32,768-token pool). The workload is Poisson at a low rate with
-ShareGPT lengths clipped to what a CPU serves in seconds (prompts <= 192, outputs <= 24 tokens).
+ShareGPT lengths clipped to what a CPU serves in seconds (prompts <= 128, outputs <= 16).
 
     error = |simulated - live| / live
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,10 +46,10 @@ class FidelityConfig:
     model_cache: Path
     url: str | None = None
     served_model: str | None = None
-    rate_per_s: float = 0.5
+    rate_per_s: float = 0.25
     duration_s: float = 60.0
-    max_prompt_tokens: int = 192
-    max_output_tokens: int = 24
+    max_prompt_tokens: int = 128
+    max_output_tokens: int = 16
     ttft_slo_s: float = 5.0
     seed: int = 0
     #: Also measure the endpoint's step latencies just before the run (see `calibrate`).
@@ -76,8 +77,9 @@ def live_endpoint(cfg: FidelityConfig, profile: ModelProfile,
     spec = ServerSpec(str(model_dir), free_port(), extra_args=(
         "--chunked-prefill-size", str(profile.chunk_tokens), "--disable-radix-cache",
         "--max-total-tokens", str(KV_POOL_TOKENS)))
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    server = start_server(spec, log_path=cfg.out_dir / "sglang.log")
+    log_path = Path(tempfile.mkdtemp(prefix="fineslab-fidelity-")) / "sglang.log"
+    logger.info("SGLang server log: %s", log_path)
+    server = start_server(spec, log_path=log_path)
     try:
         yield spec.base_url, str(model_dir), model_dir
     finally:
