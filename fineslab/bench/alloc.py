@@ -14,8 +14,9 @@ same token-index interface (`slab_raw_ns_per_page`: block ids only).
 Two processes run at once, each replaying its own op list through its private SGLang allocator,
 then through its RuntimeSlabs, alternately (best of --repeats), so both allocators see the same
 CPU contention (this 2-core machine is shared) and only the slab one shares a table.
-Result: ns per allocated page, including the page's free, averaged over the two processes;
-ratio = slab / sglang (target <= 1.5).
+Result: CPU ns per allocated page (process CPU time, user + system, so that time a process spends
+descheduled on a loaded machine does not count), including the page's free, averaged over the two
+processes; ratio = slab / sglang (target <= 1.5).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def replay_sglang(ops: OpList, page_size: int, pool_pages: int) -> float:
                                             dtype=torch.bfloat16, device="cpu", kvcache=None,
                                             need_sort=False)
     held: dict[int, list[torch.Tensor]] = {}
-    start = time.perf_counter()
+    start = time.process_time()
     for kind, request, num_pages in zip(ops.kinds, ops.requests, ops.num_pages, strict=True):
         if kind == ALLOC:
             indices = allocator.alloc(num_pages * page_size)
@@ -93,7 +94,7 @@ def replay_sglang(ops: OpList, page_size: int, pool_pages: int) -> float:
             held.setdefault(request, []).append(indices)
         else:
             allocator.free_segment(torch.cat(held.pop(request)), start_pos=0)
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
 class SlabTokenAdapter:
@@ -133,7 +134,7 @@ def replay_slab(ops: OpList, runtime: object, page_size: int, to_torch: bool) ->
     assert isinstance(runtime, RuntimeSlabs)
     adapter = SlabTokenAdapter(runtime, page_size)
     held: dict[int, list] = {}
-    start = time.perf_counter()
+    start = time.process_time()
     if to_torch:
         for kind, request, num_pages in zip(ops.kinds, ops.requests, ops.num_pages,
                                             strict=True):
@@ -148,7 +149,7 @@ def replay_slab(ops: OpList, runtime: object, page_size: int, to_torch: bool) ->
                 held.setdefault(request, []).append(runtime.alloc_array(num_pages))
             else:
                 runtime.free(np.concatenate(held.pop(request)))
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 def _bench_format(page_size: int) -> object:
     from fineslab.slabs.formats import BlockFormat, KVDtype, KVShape
