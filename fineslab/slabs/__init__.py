@@ -20,8 +20,11 @@ API for a runtime (the SGLang plugin, in the scheduler process)
         # INT4:      k, v  [num_slots, kv_heads, head_dim // 2] uint8 (two values a byte)
         #            k_params, v_params [num_slots, kv_heads, 2] fp16 (scale, zero) per token
     slabs = arena.client(runtime_id, fmt)   # or RuntimeSlabs.attach(fleet_id, device, id, fmt)
-    slabs.alloc(num_blocks) -> list[int]    # engine block ids == page indices; all or nothing;
-                                            # raises ArenaExhausted (transient)
+    slabs.alloc(num_blocks, near_block=None) -> list[int]   # engine block ids == page indices;
+        # all or nothing; raises ArenaExhausted (transient). alloc_array(...) -> np.ndarray int64
+        # (torch.from_numpy-ready). near_block: a block the same request holds (last_loc //
+        # page_size) for decode/extend; placement then keeps a request's blocks together so
+        # slabs empty and return (measured: docs/slabs.md). Omit it for a new prompt.
     slabs.free(block_ids)                   # InvalidBlockError on double/foreign free, no change
     slabs.num_free_blocks() -> int          # free blocks in its own slabs
     slabs.available_blocks() -> int         # + what the free slabs would give it now
