@@ -1,0 +1,226 @@
+"""Two SGLang servers of different KV precision share one arena (real processes, CPU).
+
+Runtime "a": llama-tiny, BF16 KV (2,048 B a token); runtime "b": qwen2-tiny, FP16 KV (1,536 B a
+token); page size 16; slabs of 96 KiB hold 3 blocks of "a" or 4 of "b"; the arena has 16
+slabs (1.5 MiB: 768 tokens of "a" or 1,024 of "b"). Radix caching is off, so a finished
+request's KV goes back at once (an idle runtime's cached prefixes are not given back to its
+neighbours by this plugin: that needs a policy asking the runtime to /flush_cache).
+
+The tests run in file order on one pair of servers: co-location, dynamic sharing (paper Fig. 4,
+with a static-partition pair for comparison), then the fault test, which kills "b".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from plugin_test_support import (
+    Reference,
+    ScratchArena,
+    UsageSampler,
+    arena_for,
+    generate_concurrently,
+    generate_http,
+    kv_shape,
+    prompts,
+)
+
+from fineslab.runtime import ServerProcess, ServerSpec, free_port
+from fineslab.sglang_plugin.accounting import read_memory
+from fineslab.slabs import check_integrity
+
+pytestmark = pytest.mark.slow
+
+PAGE = 16
+SLAB_BYTES = 96 << 10
+NUM_SLABS = 16
+MODELS = {"a": ("llama-tiny", "bfloat16"), "b": ("qwen2-tiny", "float16")}
+# Phase loads: each asks for more KV than the whole arena holds for its model.
+LOADS = {"a": prompts(8, 32, seed=11), "b": prompts(8, 32, seed=12)}
+NEW_TOKENS = {"a": 96, "b": 128}
+SMALL = {"a": prompts(4, 32, seed=21), "b": prompts(4, 32, seed=22)}
+
+
+@dataclass
+class Pair:
+    """Runtimes "a" and "b"; `arenas[rid]` is the arena each one joined."""
+
+    servers: dict[str, ServerProcess]
+    arenas: dict[str, ScratchArena]
+
+    def url(self, rid: str) -> str:
+        return self.servers[rid].spec.base_url
+
+
+def start_pair(model_cache: Path, logs: Path, arenas: dict[str, ScratchArena],
+               only: tuple[str, ...] = tuple(MODELS)) -> Pair:
+    """Start the servers at once (each joins `arenas[rid]`) and wait until all are healthy."""
+    servers: dict[str, ServerProcess] = {}
+    try:
+        for rid in only:
+            model, dtype = MODELS[rid]
+            spec = ServerSpec(str(model_cache / model), free_port(), extra_args=(
+                "--dtype", dtype, "--page-size", str(PAGE), "--disable-radix-cache",
+                "--log-level", "warning"), env=arenas[rid].join(rid).environ())
+            servers[rid] = ServerProcess(spec, logs / f"{rid}-{arenas[rid].fleet_id}.log")
+        for server in servers.values():
+            server.wait_healthy(300)
+    except BaseException:
+        for server in servers.values():
+            server.stop()
+        raise
+    return Pair(servers, arenas)
+
+
+@pytest.fixture(scope="module")
+def references(stock_outputs: Reference) -> Reference:
+    """Every stand-alone output these tests compare with, computed before any server starts:
+    an in-process Engine's shutdown kills every child process of the test process, servers
+    included."""
+    for rid in MODELS:
+        reference(stock_outputs, rid, SMALL[rid], 24)
+        reference(stock_outputs, rid, LOADS[rid], NEW_TOKENS[rid])
+    return stock_outputs
+
+
+@pytest.fixture(scope="module")
+def shared(model_cache: Path, tmp_path_factory: pytest.TempPathFactory,
+           references: Reference) -> Iterator[Pair]:
+    shapes = [kv_shape(model, dtype, rid) for rid, (model, dtype) in MODELS.items()]
+    arena = arena_for(shapes, PAGE, SLAB_BYTES, NUM_SLABS)
+    pair = start_pair(model_cache, tmp_path_factory.mktemp("logs"), {"a": arena, "b": arena})
+    yield pair
+    for server in pair.servers.values():
+        server.stop()
+    arena.close()
+
+
+def reference(stock_outputs: Reference, rid: str, input_ids: list[list[int]],
+              new_tokens: int) -> list[list[int]]:
+    model, dtype = MODELS[rid]
+    return stock_outputs(model, PAGE, dtype, tuple(tuple(p) for p in input_ids), new_tokens)
+
+
+def test_two_precisions_serve_concurrently_with_correct_output(
+        shared: Pair, stock_outputs: Reference) -> None:
+    results: dict[str, list[list[int] | BaseException]] = {}
+
+    def run(rid: str) -> None:
+        results[rid] = generate_concurrently(shared.url(rid), SMALL[rid], 24)
+
+    threads = [threading.Thread(target=run, args=(rid,)) for rid in MODELS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for rid in MODELS:
+        assert results[rid] == reference(stock_outputs, rid, SMALL[rid], 24), (
+            f"runtime {rid}: co-located output must equal its stand-alone output")
+    arena = shared.arenas["a"]
+    deadline = time.monotonic() + 30  # a runtime frees a request's KV just after answering it
+    while time.monotonic() < deadline and any(v > PAGE * 2048 for v in arena.used_bytes().values()):
+        time.sleep(0.1)
+    memory = read_memory(arena.fleet_id, "cpu0", tokens_per_block={"a": PAGE, "b": PAGE})
+    for rid in MODELS:
+        model = memory.of(rid)
+        assert model is not None and model.alive, f"the table must list live runtime {rid}"
+        assert model.used_blocks <= 1 and (model.tokens_cached or 0) <= PAGE, (
+            f"between requests {rid} holds at most its padding page: {model}")
+    held = sum(m.held_bytes for m in memory.models)
+    assert memory.free_bytes + held == memory.arena_bytes == arena.arena_bytes, (
+        "free space plus every runtime's slabs must be the whole arena")
+    check_integrity(arena.arena.table)
+
+
+def run_phases(pair: Pair, sampler: UsageSampler, with_a: bool = True
+               ) -> tuple[dict[str, list], float]:
+    """B's overload alone; once B holds >= 90% of its arena (or its load ends), A's burst.
+
+    Returns each runtime's outputs and B's peak fraction before A's burst arrived.
+    """
+    results: dict[str, list] = {}
+    b_thread = threading.Thread(target=lambda: results.__setitem__(
+        "b", generate_concurrently(pair.url("b"), LOADS["b"], NEW_TOKENS["b"])))
+    b_thread.start()
+    arena_b = pair.arenas["b"].arena_bytes
+    while b_thread.is_alive() and sampler.peak_fraction("b", arena_b) < 0.9:
+        time.sleep(0.02)
+    b_peak_alone = sampler.peak_fraction("b", arena_b)
+    if with_a:
+        results["a"] = generate_concurrently(pair.url("a"), LOADS["a"], NEW_TOKENS["a"])
+    b_thread.join()
+    return results, b_peak_alone
+
+
+def check_outputs(pair: Pair, stock_outputs: Reference, results: dict[str, list],
+                  what: str) -> None:
+    for rid, outputs in results.items():
+        want = reference(stock_outputs, rid, LOADS[rid], NEW_TOKENS[rid])
+        assert outputs == want, (
+            f"runtime {rid}: output {what} must equal its stand-alone output; server log:\n"
+            + pair.servers[rid].log_tail(40))
+
+
+def test_dynamic_sharing_beats_static_partitions(
+        shared: Pair, model_cache: Path, tmp_path_factory: pytest.TempPathFactory,
+        stock_outputs: Reference) -> None:
+    arena = shared.arenas["a"]
+    with UsageSampler(arena) as sampler:
+        results, b_alone = run_phases(shared, sampler)
+    check_outputs(shared, stock_outputs, results, "under memory pressure")
+    assert b_alone >= 0.9, f"with A idle, B must hold >= 90% of the arena (held {b_alone:.0%})"
+    a_peak = sampler.peak_fraction("a")
+    assert a_peak > 0.5 + SLAB_BYTES / arena.arena_bytes, (
+        f"after B's requests finish, A must get more than a static half ({a_peak:.0%})")
+
+    # The same load on B with static partitions: B alone in its half of the memory (A's half
+    # would sit idle, so A is not started).
+    half = ScratchArena.create(SLAB_BYTES, NUM_SLABS // 2, 4)
+    static = start_pair(model_cache, tmp_path_factory.mktemp("static"), {"b": half},
+                        only=("b",))
+    try:
+        with UsageSampler(half) as b_sampler:
+            static_results, _ = run_phases(static, b_sampler, with_a=False)
+    finally:
+        static.servers["b"].stop()
+        half.close()
+    b_static = b_sampler.peaks.get("b", 0) / arena.arena_bytes
+    assert b_static <= 0.5, f"a static partition caps B at half the memory (held {b_static:.0%})"
+    check_outputs(static, stock_outputs, static_results, "in a static partition")
+    print(f"\nB alone: shared {b_alone:.0%} vs static {b_static:.0%} of the memory; "
+          f"A's peak when shared: {a_peak:.0%}")
+
+
+def test_sigkill_returns_slabs_and_neighbour_keeps_serving(
+        shared: Pair, stock_outputs: Reference) -> None:
+    arena = shared.arenas["a"]
+    b_results: dict[str, list] = {}
+    b_thread = threading.Thread(target=lambda: b_results.__setitem__(
+        "b", generate_concurrently(shared.url("b"), LOADS["b"], NEW_TOKENS["b"])))
+    b_thread.start()
+    while b_thread.is_alive() and arena.used_bytes().get("b", 0) < arena.arena_bytes // 2:
+        time.sleep(0.02)
+    assert arena.used_bytes().get("b", 0) > 0, "B must hold arena memory when it is killed"
+    for pid in shared.servers["b"].tree_pids():  # server, scheduler and detokenizer
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    b_thread.join()
+    assert any(isinstance(r, BaseException) for r in b_results["b"]), (
+        "B must have been killed with requests in flight")
+    reclaimed = arena.arena.table.reclaim_dead_owners()
+    assert "b" in reclaimed or "b" not in arena.used_bytes(), "B's slabs must be reclaimed"
+    assert "b" not in arena.used_bytes(), "a dead runtime must hold no slabs"
+    check_integrity(arena.arena.table)
+    out = generate_concurrently(shared.url("a"), LOADS["a"], NEW_TOKENS["a"])
+    check_outputs(shared, stock_outputs, {"a": out}, "after its neighbour died")
+    assert generate_http(shared.url("a"), SMALL["a"][0], 24) == reference(
+        stock_outputs, "a", SMALL["a"], 24)[0], "A must keep serving after its neighbour died"
+    check_integrity(arena.arena.table)
