@@ -24,8 +24,12 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.request
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fineslab.cpu_mode import child_environ
 from fineslab.errors import ConfigError
@@ -39,6 +43,8 @@ from fineslab.quant.fp8 import (
     write_kv_scales,
 )
 from fineslab.quant.verify import config_int
+from fineslab.runtime import ServerProcess, ServerSpec, free_port
+from fineslab.slabs import ArenaSpec, BlockFormat, SlabArena, plan_slabs
 from fineslab.slabs.formats import KVDtype, KVShape
 
 PRECISIONS = ("bf16", "fp8", "awq", "kv4")
@@ -60,13 +66,17 @@ class PrecisionRuntime:
     kv_env: dict[str, str] = field(default_factory=dict)
 
     def kv_shape(self) -> KVShape:
-        config = read_config(self.model_path)
-        heads = config_int(config, "num_attention_heads")
-        hidden = config_int(config, "hidden_size")
-        return KVShape(self.name, config_int(config, "num_hidden_layers"),
-                       config_int(config, "num_key_value_heads", heads),
-                       config_int(config, "head_dim", hidden // heads)
-                       if config.get("head_dim") else hidden // heads, self.kv_dtype)
+        return model_kv_shape(self.model_path, self.name, self.kv_dtype)
+
+
+def model_kv_shape(model_dir: Path, name: str, kv_dtype: KVDtype) -> KVShape:
+    """The KV geometry of the model in `model_dir` (from config.json) stored as `kv_dtype`."""
+    config = read_config(model_dir)
+    heads = config_int(config, "num_attention_heads")
+    hidden = config_int(config, "hidden_size")
+    head_dim = config_int(config, "head_dim") if config.get("head_dim") else hidden // heads
+    return KVShape(name, config_int(config, "num_hidden_layers"),
+                   config_int(config, "num_key_value_heads", heads), head_dim, kv_dtype)
 
 
 def prepare_runtime(precision: str, src_dir: Path, work_dir: Path, *,
@@ -84,7 +94,10 @@ def prepare_runtime(precision: str, src_dir: Path, work_dir: Path, *,
         return PrecisionRuntime(name, precision, path, KVDtype.FP16,
                                 ("--dtype", "float16", "--quantization", "awq"))
     if precision == "kv4":
-        return PrecisionRuntime(name, precision, src_dir, KVDtype.INT4, ("--dtype", "bfloat16"),
+        # Kv4SlabKVPool is read by torch_native only (a GPU KV4 backend is future work).
+        args = ("--dtype", "bfloat16") if cpu else (
+            "--dtype", "bfloat16", "--attention-backend", "torch_native")
+        return PrecisionRuntime(name, precision, src_dir, KVDtype.INT4, args,
                                 {"FINESLAB_KV_FORMAT": "int4"})
     fp8 = write_fp8_checkpoint(src_dir, out.with_name(name + "-ckpt"))
     scales = calibrate_kv_scales(src_dir, CALIBRATION_IDS)
@@ -126,3 +139,56 @@ def runtime_environ(runtime: PrecisionRuntime, arena_name: str, shim: Path,
 def describe(runtimes: list[PrecisionRuntime]) -> str:
     return json.dumps([{"name": r.name, "precision": r.precision, "kv": r.kv_dtype.value,
                         "model": str(r.model_path)} for r in runtimes], indent=2)
+
+
+@dataclass
+class FleetMember:
+    """A started runtime of the fleet, its server and its block format in the arena."""
+
+    runtime: PrecisionRuntime
+    server: ServerProcess
+    fmt: BlockFormat
+
+    def generate(self, payload: Mapping[str, object], timeout_s: float = 600.0) -> Any:
+        """POST `payload` to the runtime's `/generate` and return the decoded JSON."""
+        request = urllib.request.Request(self.server.spec.base_url + "/generate",
+                                         json.dumps(payload).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+
+
+@dataclass
+class RunningFleet:
+    arena: SlabArena
+    members: dict[str, FleetMember]
+
+
+@contextmanager
+def run_fleet(runtimes: list[PrecisionRuntime], work_dir: Path, fleet_id: str, *,
+              arena_bytes: int, page_size_tokens: int = 16, cpu: bool = True,
+              extra_args: tuple[str, ...] = (), extra_env: Mapping[str, str] | None = None,
+              start_timeout_s: float = 420.0) -> Iterator[RunningFleet]:
+    """Plan one arena for `runtimes`, create it, start every runtime in it (in parallel),
+    yield when all are healthy; stop them and close the arena on exit."""
+    plan = plan_slabs([r.kv_shape() for r in runtimes], page_sizes=(page_size_tokens,))
+    device = "cpu0" if cpu else "cuda:0"
+    spec = ArenaSpec.fit(fleet_id, device, arena_bytes, plan.slab_bytes, list(plan.formats))
+    shim = plugin_shim(work_dir / "shim")
+    arena = SlabArena.create(spec)
+    members: dict[str, FleetMember] = {}
+    try:
+        for r in runtimes:
+            args = (*r.server_args, "--page-size", str(page_size_tokens), *extra_args)
+            env = {**runtime_environ(r, fleet_id, shim, cpu), **(extra_env or {})}
+            server_spec = ServerSpec(str(r.model_path), free_port(), cpu=cpu,
+                                     extra_args=args, env=env)
+            members[r.precision] = FleetMember(
+                r, ServerProcess(server_spec, work_dir / f"{r.name}.log"), plan.format_of(r.name))
+        for member in members.values():
+            member.server.wait_healthy(start_timeout_s)
+        yield RunningFleet(arena, members)
+    finally:
+        for member in members.values():
+            member.server.stop()
+        arena.close()

@@ -1,0 +1,60 @@
+"""Accuracy gates of a quantized runtime against its reference, from SGLang's prompt logprobs.
+
+A gate compares two runtimes on the same prompts, position by position (teacher forcing: both
+read the same prompt, so every position has the same prefix):
+
+    top1_agreement   fraction of positions whose most likely next token is the same
+    cosine           centered cosine similarity of the next-token log-prob vectors over the
+                     reference's top-k tokens (centering removes the per-position log-sum-exp,
+                     so this equals the centered cosine of the logits on those tokens)
+    ppl_ratio        perplexity of a fixed text under the runtime / under the reference
+
+Input: SGLang `/generate` results with `return_logprob`, `logprob_start_len=0` and
+`top_logprobs_num=k` (`meta_info.input_top_logprobs`, `input_token_logprobs`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class GateResult:
+    top1_agreement: float
+    cosine_mean: float
+    cosine_min: float
+    num_positions: int
+
+
+def _top_maps(result: dict[str, Any]) -> list[dict[int, float]]:
+    """Per prompt position (after the first), token id -> logprob of the top-k entries."""
+    rows = result["meta_info"]["input_top_logprobs"]
+    return [{int(tok): float(lp) for lp, tok, *_ in row} for row in rows if row]
+
+
+def compare_top_logprobs(reference: Sequence[dict[str, Any]],
+                         candidate: Sequence[dict[str, Any]]) -> GateResult:
+    """Top-1 agreement and cosine over every position of every prompt."""
+    agree, cosines = 0, []
+    for ref_result, cand_result in zip(reference, candidate, strict=True):
+        for ref, cand in zip(_top_maps(ref_result), _top_maps(cand_result), strict=True):
+            agree += max(ref, key=ref.__getitem__) == max(cand, key=cand.__getitem__)
+            tokens = sorted(ref)
+            floor = min(cand.values())
+            a = torch.tensor([ref[t] for t in tokens], dtype=torch.float64)
+            b = torch.tensor([cand.get(t, floor) for t in tokens], dtype=torch.float64)
+            a, b = a - a.mean(), b - b.mean()
+            cosines.append(float(a @ b / (a.norm() * b.norm()).clamp(min=1e-12)))
+    n = len(cosines)
+    return GateResult(agree / n, sum(cosines) / n, min(cosines), n)
+
+
+def perplexity(result: dict[str, Any]) -> float:
+    """exp(mean negative log-likelihood) of the prompt tokens after the first."""
+    lps = [float(lp) for lp, *_ in result["meta_info"]["input_token_logprobs"] if lp is not None]
+    return math.exp(-sum(lps) / len(lps))

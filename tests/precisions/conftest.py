@@ -1,0 +1,41 @@
+"""The mixed-precision fleet the SGLang tests of this folder share: one arena, four runtimes.
+
+Started once per session (about 2-3 minutes on the 2-core CI machine: four SGLang servers start
+in parallel), stopped at the end. The model is SmolLM2-135M-Instruct when set-up installed it,
+else the generated `llama-tiny`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fineslab.models import smollm2
+from fineslab.quant.fleet import PRECISIONS, RunningFleet, prepare_runtime, run_fleet
+
+PAGE_SIZE_TOKENS = 16
+ARENA_BYTES = 48 << 20
+#: Four servers share two cores: one compute thread each avoids oversubscription.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def source_model(cache: Path) -> Path:
+    """SmolLM2-135M if installed (FINESLAB_PRECISIONS_MODEL=llama-tiny forces the tiny one)."""
+    found = smollm2.find(Path(os.path.expanduser("~/.cache/fineslab/models")))
+    if found is not None and os.environ.get("FINESLAB_PRECISIONS_MODEL") != "llama-tiny":
+        return Path(found)
+    return cache / "llama-tiny"
+
+
+@pytest.fixture(scope="session")
+def fleet(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningFleet]:
+    work = tmp_path_factory.mktemp("precisions")
+    src = source_model(model_cache)
+    runtimes = [prepare_runtime(p, src, work) for p in PRECISIONS]
+    with run_fleet(runtimes, work, f"prec{os.getpid()}", arena_bytes=ARENA_BYTES,
+                   page_size_tokens=PAGE_SIZE_TOKENS, extra_env=ONE_THREAD,
+                   extra_args=("--log-level", "info", "--max-running-requests", "8")) as running:
+        yield running

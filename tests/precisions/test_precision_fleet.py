@@ -1,0 +1,127 @@
+"""All four precisions in one arena on CPU: correct, stable, within their gates, exact slabs.
+
+Runs against the session fleet (conftest.py): bf16, fp8 (W8 dequantized + FP8 KV with calibrated
+per-layer scales), awq (SGLang's native AWQ with the CPU awq_dequantize kernel), kv4 (bf16
+weights + KV4 in the arena). Bounds are written next to each test and in docs/precisions.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fineslab.quant.gates import compare_top_logprobs, perplexity
+from fineslab.slabs import snapshot
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The slab arena holds the key and value cache of every model",
+    "Once upon a time, in a data center far away, four models shared one GPU",
+    "1 2 3 4 5 6 7 8 9 10 11 12",
+    "Quantization trades a little accuracy for a lot of memory: four bits instead of sixteen",
+]
+PPL_TEXT = (
+    "Large language models are served from GPUs whose memory holds the weights and the key "
+    "value cache. When many models share a device, the cache of each one grows and shrinks with "
+    "its load, and a shared pool of fixed-size slabs lets memory follow the load without copying."
+)
+TOP_K = 64
+#: Gates against the bf16 runtime (same weights for kv4; fp8 adds W8 weight rounding), as
+#: (min top-1 agreement, min mean cosine, max perplexity ratio). A random-weight model has
+#: near-flat next-token distributions (near-ties everywhere), so its top-1 and cosine gates are
+#: looser; measured on llama-tiny: fp8 0.61 / 0.85 / 0.98, kv4 0.46 / 0.69 / 1.08.
+GATES_REAL = {"fp8": (0.90, 0.98, 1.05), "kv4": (0.80, 0.95, 1.15)}
+GATES_RANDOM = {"fp8": (0.50, 0.75, 1.10), "kv4": (0.35, 0.55, 1.20)}
+#: |logprob| difference of the served AWQ model vs transformers on the dequantized weights.
+AWQ_MAX_LOGPROB_DIFF = 0.1
+
+
+def _logprobs(member: Any, texts: list[str]) -> list[dict[str, Any]]:
+    out = member.generate({
+        "text": texts, "return_logprob": True, "logprob_start_len": 0,
+        "top_logprobs_num": TOP_K, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    assert isinstance(out, list)
+    return out
+
+
+def _greedy(member: Any, texts: list[str], tokens: int = 16) -> list[list[int]]:
+    out = member.generate({"text": texts, "sampling_params": {
+        "max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}})
+    assert isinstance(out, list)
+    return [list(o["output_ids"]) for o in out]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "awq", "kv4"])
+def test_greedy_output_is_stable(fleet: Any, precision: str) -> None:
+    member = fleet.members[precision]
+    batched = _greedy(member, PROMPTS)
+    again = _greedy(member, PROMPTS)
+    alone = [_greedy(member, [p])[0] for p in PROMPTS[:2]]
+    assert batched == again, f"{precision}: the same greedy request gave different tokens"
+    assert alone == batched[:2], f"{precision}: batching changed the greedy tokens"
+    assert all(len(ids) == 16 for ids in batched)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "kv4"])
+def test_accuracy_gate_against_bf16(fleet: Any, precision: str) -> None:
+    real = fleet.members["bf16"].runtime.model_path.name.startswith("smollm2")
+    min_top1, min_cos, max_ppl_ratio = (GATES_REAL if real else GATES_RANDOM)[precision]
+    ref = _logprobs(fleet.members["bf16"], [*PROMPTS, PPL_TEXT])
+    got = _logprobs(fleet.members[precision], [*PROMPTS, PPL_TEXT])
+    gate = compare_top_logprobs(ref[:-1], got[:-1])
+    ppl_ratio = perplexity(got[-1]) / perplexity(ref[-1])
+    report = (f"{precision}: top-1 {gate.top1_agreement:.3f}, cosine mean {gate.cosine_mean:.4f}"
+              f" min {gate.cosine_min:.4f}, ppl ratio {ppl_ratio:.4f} "
+              f"over {gate.num_positions} positions")
+    print(report)
+    assert gate.top1_agreement >= min_top1, report
+    assert gate.cosine_mean >= min_cos, report
+    assert ppl_ratio <= max_ppl_ratio, report
+
+
+def _hf_logprobs(model_dir: Path, text: str, dtype: torch.dtype) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(text, return_tensors="pt").input_ids
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]
+
+
+def test_awq_matches_transformers_on_dequantized_weights(fleet: Any, tmp_path: Path) -> None:
+    from fineslab.quant.awq import write_dequantized_reference
+
+    awq = fleet.members["awq"]
+    ref_dir = write_dequantized_reference(awq.runtime.model_path, tmp_path / "awq-deq")
+    served = _logprobs(awq, [PPL_TEXT])[0]["meta_info"]["input_token_logprobs"]
+    got = torch.tensor([float(lp) for lp, *_ in served[1:]])
+    want = _hf_logprobs(ref_dir, PPL_TEXT, torch.float32)
+    diff = float((got - want).abs().max())
+    print(f"awq: max |logprob - reference| = {diff:.4f} over {len(got)} tokens")
+    assert diff <= AWQ_MAX_LOGPROB_DIFF
+
+
+def test_four_precisions_share_one_arena_with_exact_slab_formats(fleet: Any) -> None:
+    _greedy(fleet.members["kv4"], PROMPTS, tokens=4)  # every runtime holds some blocks
+    owners = {o.runtime_id: o for o in snapshot(fleet.arena.table).owners}
+    expected_token_bytes = {}
+    for precision, member in fleet.members.items():
+        shape = member.fmt.shape
+        values = shape.num_kv_heads * shape.head_dim * shape.kv_dtype.value_bits // 8
+        params = shape.num_kv_heads * 4 if precision == "kv4" else 0
+        expected_token_bytes[precision] = shape.num_layers * 2 * (values + params)
+        assert member.fmt.token_bytes == expected_token_bytes[precision]
+        owner = owners[member.runtime.name]
+        assert owner.alive, f"{precision} runtime is not registered as alive in the arena"
+        assert owner.key == member.fmt.block_stride_bytes, (
+            f"{precision}: its slabs must be keyed by its own block stride")
+        assert owner.used_blocks <= owner.num_slabs * member.fmt.blocks_per_slab(
+            fleet.arena.spec.slab_bytes)
+    bf16 = expected_token_bytes["bf16"]
+    assert bf16 / expected_token_bytes["fp8"] == 2.0
+    assert bf16 / expected_token_bytes["kv4"] >= 3.5
