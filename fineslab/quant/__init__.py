@@ -17,6 +17,9 @@ Public API
                                                                       (fineslab.quant.kv4)
     kv4_decode_attention(...)   Triton decode kernel over KV4 slots   (fineslab.quant.kv4_triton,
                                 imports triton; CPU only under TRITON_INTERPRET=1)
+    prepare_runtime(precision, src, work, device) -> PrecisionRuntime (fineslab.quant.fleet)
+    run_fleet(runtimes, work, fleet_id, arena_bytes=...) -> RunningFleet (one arena, servers)
+    compare_top_logprobs(ref, got) -> GateResult; perplexity(result)  (fineslab.quant.gates)
 
 Modules import torch; none imports SGLang (the KV4 pool lives in fineslab.sglang_plugin).
 """
