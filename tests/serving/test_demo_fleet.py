@@ -134,6 +134,8 @@ def _bench_serving(fleet: LaunchedFleet, model: str) -> str:
          "--base-url", fleet.base_url, "--model", model, "--tokenizer", fleet.model_dirs[model],
          "--dataset-name", "random-ids", "--random-input-len", "32", "--random-output-len", "8",
          "--random-range-ratio", "1.0", "--num-prompts", "4", "--request-rate", "4",
+         # Its per-run JSONL would otherwise land in the working directory (the checkout).
+         "--output-file", os.devnull,
          "--disable-tqdm"], capture_output=True, text=True, timeout=600, env=env)
     return result.stdout + result.stderr
 
