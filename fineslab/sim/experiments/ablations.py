@@ -44,12 +44,12 @@ FIG12_MIX = (MixEntry("llama-3.1-8b", "fp16", 0.5), MixEntry("llama-3.1-8b", "fp
 FIG12_SYSTEMS = (SystemSpec("mme-placer", "static", "fcfs", "static"),
                  SystemSpec("kvpr-placer", "kvpr", "fcfs", "static"))
 FIG12_RATES = (1.0, 2.0, 4.0, 6.0, 8.0)
-FIG13_MIX = (MixEntry("llama-3.1-8b", "fp16", 8),)
+FIG13_MIX = (MixEntry("llama-3.1-8b", "fp16", 4.2),)
 FIG13_SYSTEMS = (SystemSpec("fineslab", "static", "adaptive", "static"),
                  SystemSpec("prism", "static", "moore-hodgson", "static"),
                  SystemSpec("fcfs", "static", "fcfs", "static"))
 FIG13_RATES = (1.66, 2.0)
-FIG13_SLO_SCALES = (1.0, 1.5, 2.0, 2.5, 3.0)
+FIG13_SLO_SCALES = (0.5, 1.0, 1.5, 2.0, 3.0)
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def _describe(plan: PlacementPlan) -> str:
 
 
 def run_fig13(cfg: AblationConfig, config: SimConfig) -> tuple[dict[str, float], str]:
-    slo_scales = (1.0, 3.0) if cfg.quick else FIG13_SLO_SCALES
+    slo_scales = (0.5, 1.0, 3.0) if cfg.quick else FIG13_SLO_SCALES
     sections, tables, acceptance = [], [], {}
     for rate in FIG13_RATES:
         spec = PointSpec(FIG13_MIX, 1, 20.0, rate, "poisson", cfg.duration_s, cfg.seed)
@@ -156,7 +156,12 @@ FIG13_PAPER = """Figure 13 (Llama-3.1-8B FP16 alone, static KV, rate scales 1.66
 SLO = scale x FCFS's P90 TTFT): FineServe reaches up to 45.34% higher SLO attainment than FCFS
 and up to 8.87% higher than Prism*; the largest gap to Prism* is at rate 2.0x and SLO scale 3,
 where Prism* batches many requests into one chunked prefill that then misses deadlines."""
-FIG13_WHY = """- Our base rate (2.5 req/s of ShareGPT requests at scale 1) is chosen so that
-  1.66x and 2.0x load one H100 near its roofline capacity; the paper's base is not stated.
+FIG13_WHY = """- Our base rate (4.2 req/s of ShareGPT requests at scale 1) is chosen so that
+  1.66x (7 req/s) sits at the edge of one H100's simulated capacity and 2.0x (8.4 req/s)
+  beyond it; the paper's base is not stated. Beyond capacity FCFS's queue grows for the whole
+  run, so its P90 TTFT (the SLO unit) is long and every scheduler meets SLO scales >= 1.5.
+- Algorithm 2 and Moore-Hodgson end close: with one model and one SLO, EDF order is arrival
+  order, and the paper's gap (Prism* batching too many requests into one chunked prefill)
+  needs large SLOs where both already meet nearly every deadline in our model.
 - Algorithm 2 drops requests it cannot serve in time, which frees the GPU for the rest; FCFS
   serves everything late once a queue forms, so its attainment collapses under overload."""

@@ -124,7 +124,13 @@ WHY = """- Latencies are roofline estimates of an H100 (docs/evaluation.md), not
   which our admission model (KV reserved for the whole request, no preemption) does not have.
 - Prism*'s losses here come mostly from placement: KVPR orders models by SLO-weighted rate, so
   the 70B models come last and may find no GPU (listed under each table); a model it cannot
-  place loses all its requests. Static*'s losses come from partitions: the 70B FP8 and AWQ
-  replicas get small KV partitions and queue behind them under FCFS.
+  place loses all its requests. Static*'s losses come from its partitions: Llama-3.1-8B AWQ
+  shares GPU 0 with the 70B FP8 shard and 8B FP8, gets a partition proportional to its small
+  F_M (a few GiB of KV for 4 req/s) and queues under FCFS.
+- At tight SLOs (scale 2 and 5) the result reverses: the MME placer's sizing asks for more DP
+  replicas than four GPUs hold (a batch that meets the rate breaks the SLO, so it splits the
+  rate over replicas), places the large ones first and leaves whole models unplaced, while
+  KVPR, placing the small models first, fits them. The paper reports fineslab ahead there;
+  this is the placer's sizing behaviour on our profiles, reported to its owner.
 - The paper's mix and rates are not fully specified (which Table 3 variants ran on 4 GPUs,
   the base rate "derived from ShareGPT"); ours are stated in the module docstring."""
