@@ -31,10 +31,15 @@ above Prism*, whose attainment suffers on GPUs shared with AWQ models (precision
 placement underestimates their memory use). Prism* does not reach fineslab's attainment even
 with twice the GPUs."""
 WHY = """- Same caveats as fig10 (roofline latencies, our base rates, KV reserved per request).
-- A bigger fleet removes both baselines' handicaps here: with enough GPUs KVPR places every
-  model and Static*'s partitions grow, so the curves converge; the paper's gap at 16 GPUs
-  comes from runtime memory contention next to AWQ models, which our admission model (a
-  request is admitted only when all its KV fits, no preemption) does not reproduce."""
+- At 8 GPUs the MME placer (fineslab and Static*) leaves Llama-3.1-70B AWQ unplaced: it
+  places by F_M descending, the TP4 and TP2 models and the 32B models fill the GPUs first,
+  and no GPU keeps the 41 GiB the 70B AWQ replica needs; KVPR, which spreads load by
+  SLO-weighted rate, fits every model. So Prism* leads at 8 GPUs, against the paper. From 10
+  GPUs on fineslab places everything and leads or ties.
+- A bigger fleet removes both baselines' handicaps: with enough GPUs KVPR places every model
+  and Static*'s partitions grow, so the curves converge; the paper's gap at 16 GPUs comes from
+  runtime memory contention next to AWQ models, which our admission model (a request is
+  admitted only when all its KV fits, no preemption) does not reproduce."""
 
 
 @dataclass(frozen=True)
