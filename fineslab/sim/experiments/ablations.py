@@ -159,7 +159,8 @@ where Prism* batches many requests into one chunked prefill that then misses dea
 FIG13_WHY = """- Our base rate (4.2 req/s of ShareGPT requests at scale 1) is chosen so that
   1.66x (7 req/s) sits at the edge of one H100's simulated capacity and 2.0x (8.4 req/s)
   beyond it; the paper's base is not stated. Beyond capacity FCFS's queue grows for the whole
-  run, so its P90 TTFT (the SLO unit) is long and every scheduler meets SLO scales >= 1.5.
+  run, so its P90 TTFT (the SLO unit) is long and all three meet nearly every deadline from
+  SLO scale 1.5 on.
 - Algorithm 2 and Moore-Hodgson end close: with one model and one SLO, EDF order is arrival
   order, and the paper's gap (Prism* batching too many requests into one chunked prefill)
   needs large SLOs where both already meet nearly every deadline in our model.
