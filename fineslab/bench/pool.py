@@ -16,8 +16,11 @@ attention backends (keys `gpu_<backend>_plugin_tok_s`, `..._stock_tok_s`, `..._r
 from __future__ import annotations
 
 import argparse
+import logging
 import random
+import signal
 import statistics
+import sys
 import threading
 import time
 import uuid
@@ -35,6 +38,8 @@ from fineslab.runtime import ServerProcess, ServerSpec, free_port
 from fineslab.sglang_plugin.config import ArenaJoin
 from fineslab.slabs import ArenaSpec, KVDtype, KVShape, SlabArena
 from fineslab.slabs.sizing import fit_format
+
+logger = logging.getLogger(__name__)
 
 SLAB_BYTES = 1 << 20
 
@@ -120,6 +125,7 @@ def compare(cfg: BenchConfig, model_path: Path, logs: Path, *, cpu: bool,
             order = ("plugin", "stock") if r % 2 == 0 else ("stock", "plugin")
             for name in order:
                 rates[name].append(_one_round(servers[name].spec.base_url, cfg, seed=r + 1))
+                logger.info("round %d %s: %.1f tok/s", r, name, rates[name][-1])
     finally:
         for server in servers.values():
             server.stop()
@@ -139,6 +145,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--logs", type=Path, default=Path("/tmp/fineslab-bench-pool"))
     add_json_flag(parser)
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    # A SIGTERM must still stop the servers this benchmark started (the `finally` in compare).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cfg = BenchConfig(args.model, args.page_size, args.requests, args.prompt_tokens,
                       args.new_tokens, args.rounds, args.capacity_tokens)
     args.logs.mkdir(parents=True, exist_ok=True)

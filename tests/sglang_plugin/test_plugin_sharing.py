@@ -1,8 +1,8 @@
 """Two SGLang servers of different KV precision share one arena (real processes, CPU).
 
 Runtime "a": llama-tiny, BF16 KV (2,048 B a token); runtime "b": qwen2-tiny, FP16 KV (1,536 B a
-token); page size 16; slabs of 96 KiB hold 3 blocks of "a" or 4 of "b"; the arena has 16
-slabs (1.5 MiB: 768 tokens of "a" or 1,024 of "b"). Radix caching is off, so a finished
+token); page size 16; slabs of 96 KiB hold 3 blocks of "a" or 4 of "b"; the arena has 24
+slabs (2.25 MiB: 1,152 tokens of "a" or 1,536 of "b"). Radix caching is off, so a finished
 request's KV goes back at once (an idle runtime's cached prefixes are not given back to its
 neighbours by this plugin: that needs a policy asking the runtime to /flush_cache).
 
@@ -41,10 +41,13 @@ pytestmark = pytest.mark.slow
 
 PAGE = 16
 SLAB_BYTES = 96 << 10
-NUM_SLABS = 16
+NUM_SLABS = 24
 MODELS = {"a": ("llama-tiny", "bfloat16"), "b": ("qwen2-tiny", "float16")}
 # Phase loads: each asks for more KV than the whole arena holds for its model.
-LOADS = {"a": prompts(8, 32, seed=11), "b": prompts(8, 32, seed=12)}
+# Prompt lengths are staggered so that requests open new pages on different steps and the
+# pool can fill to within a page or two (equal lengths would all ask for a page at once).
+LOADS = {"a": [p[: 24 + 3 * i] for i, p in enumerate(prompts(8, 48, seed=11))],
+         "b": [p[: 24 + 3 * i] for i, p in enumerate(prompts(10, 60, seed=12))]}
 NEW_TOKENS = {"a": 96, "b": 128}
 SMALL = {"a": prompts(4, 32, seed=21), "b": prompts(4, 32, seed=22)}
 
