@@ -7,7 +7,9 @@ now. `calibrate` probes the endpoint itself, in the same minutes as the run, wit
 that are not part of the workload:
 
     prefill_s(n)        median TTFT of a lone request with an n-token prompt, 1 output token
-    decode step(b)      median inter-token gap of b concurrent requests, 16 output tokens
+    decode step(b)      median TPOT of b concurrent requests, 16 output tokens (TPOT, not
+                        the inter-chunk gap: a late detokenizer delivers tokens in bursts,
+                        which makes the gaps bimodal while their sum stays right)
 
 and returns the base profile with those two tables replaced (HTTP, tokenization and
 streaming overheads are inside the measured times, as they are in the workload's).
@@ -48,8 +50,8 @@ def _probe_prefill(bench: BenchConfig, model: str, num_tokens: int) -> float:
 def _probe_decode(bench: BenchConfig, model: str, batch_size: int) -> float:
     requests = [Request(f"probe-d{batch_size}-{i}", model, 0.0, 16, DECODE_OUTPUT_TOKENS)
                 for i in range(batch_size)]
-    gaps = [g for o in run_benchmark(bench, requests).outcomes for g in o.itl_s]
-    return statistics.median(gaps)
+    tpots = [t for o in run_benchmark(bench, requests).outcomes if (t := o.tpot_s) is not None]
+    return statistics.median(tpots)
 
 
 def calibrate(base: ModelProfile, bench: BenchConfig, model: str) -> ModelProfile:
