@@ -78,7 +78,7 @@ def _fidelity(args: argparse.Namespace) -> int:
     cfg = FidelityConfig(out, Path(args.profile), traces.sharegpt,
                          Path(FineslabEnv.from_environ().model_cache_dir), url=args.url,
                          served_model=args.served_model,
-                         duration_s=args.duration or (40.0 if args.quick else 80.0),
+                         duration_s=args.duration or (40.0 if args.quick else 120.0),
                          seed=args.seed, calibrate=not args.no_calibrate)
     acceptance, text = run_fidelity(cfg, replace(config, interference_per_neighbor=0.0))
     return _finish(args, "fidelity: live versus simulated", text, acceptance)

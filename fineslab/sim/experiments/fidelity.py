@@ -47,7 +47,7 @@ class FidelityConfig:
     url: str | None = None
     served_model: str | None = None
     rate_per_s: float = 0.25
-    duration_s: float = 60.0
+    duration_s: float = 120.0
     max_prompt_tokens: int = 128
     max_output_tokens: int = 16
     ttft_slo_s: float = 5.0
