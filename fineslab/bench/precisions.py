@@ -1,6 +1,7 @@
 """Benchmark: KV tokens stored per GiB of arena, and decode tokens/s, for each precision.
 
-    python -m fineslab.bench.precisions [--device cpu|cuda] [--no-decode] [--json]
+    python -m fineslab.bench.precisions [--device cpu|cuda] [--model auto|llama-tiny]
+                                        [--no-decode] [--batch 4] [--new-tokens 16] [--json]
 
 Capacity comes from the slab plan of one arena holding all four formats of the same model
 (SmolLM2-135M if set-up installed it, else the generated llama-tiny) and of an 8B-class shape
@@ -19,6 +20,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -68,26 +71,33 @@ def decode_tokens_per_s(fleet: RunningFleet, batch: int, new_tokens: int) -> dic
     return speeds
 
 
-def source_model(cache: Path) -> Path:
+def source_model(cache: Path, name: str) -> Path:
+    """SmolLM2-135M when `name` is auto and set-up installed it, else the generated model."""
     found = smollm2.find(Path(os.path.expanduser("~/.cache/fineslab/models")))
-    return Path(found) if found is not None else ensure_model("llama-tiny", cache)
+    if name == "auto" and found is not None:
+        return Path(found)
+    return ensure_model("llama-tiny" if name == "auto" else name, cache)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--no-decode", action="store_true", help="capacity only (no servers)")
+    parser.add_argument("--model", default="auto",
+                        help="auto (SmolLM2 if installed, else llama-tiny) or a generated preset")
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=16)
     add_json_flag(parser)
     args = parser.parse_args(argv)
+    # SIGTERM (timeout, CI) unwinds through run_fleet's finally: servers stop, arena closes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.device == "cpu":
         from fineslab import cpu_mode
 
         cpu_mode.activate()
     with tempfile.TemporaryDirectory(prefix="fineslab-bench-prec-") as tmp:
         work = Path(tmp)
-        src = source_model(work)
+        src = source_model(work, args.model)
         served = tokens_per_gib(model_kv_shape(src, src.name, KVDtype.BF16))
         eight_b = tokens_per_gib(EIGHT_B)
         speeds: dict[str, float] = {}
