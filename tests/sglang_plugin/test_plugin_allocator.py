@@ -107,7 +107,7 @@ def test_cap_from_max_total_tokens_is_respected(setup: tuple) -> None:
     assert fmt is not None
     capped_source = arena.arena.client("c", fmt)
     try:
-        pool = SlabKVPool.over(layer_views(arena.arena.tensor(), fmt))(  # type: ignore[arg-type]
+        pool = SlabKVPool.over(layer_views(arena.arena.tensor(), fmt))(
             4 * PAGE, page_size=PAGE, dtype=torch.bfloat16, head_num=2, head_dim=64,
             layer_num=2, device="cpu", enable_memory_saver=False)
         capped = SlabAllocator(4 * PAGE, PAGE, torch.bfloat16, "cpu", pool, False,

@@ -55,8 +55,8 @@ def _pool_pair(dtype: torch.dtype, kv: KVDtype, page_size: int
     size = arena.numel() // fmt.token_stride_bytes - page_size
     common = dict(page_size=page_size, dtype=dtype, head_num=2, head_dim=64, layer_num=2,
                   device="cpu", enable_memory_saver=False)
-    stock = MHATokenToKVPool(size, **common)  # type: ignore[arg-type]
-    slab = SlabKVPool.over(layer_views(arena, fmt))(size, **common)  # type: ignore[arg-type]
+    stock = MHATokenToKVPool(size, **common)
+    slab = SlabKVPool.over(layer_views(arena, fmt))(size, **common)
     return stock, slab
 
 
