@@ -109,12 +109,22 @@ def install(join: ArenaJoin, targets: Sequence[HookTarget] = HOOK_TARGETS) -> ob
 
 
 def register() -> None:
-    """Entry point of `sglang.srt.plugins`: join the arena named in the environment, if any."""
+    """Entry point of `sglang.srt.plugins`: join the arena named in the environment, if any.
+
+    A quantized KV format named by FINESLAB_KV_FORMAT (KV4, scaled FP8) gets its own pool
+    (`quant_session`); otherwise the runtime gets the plain slab pool.
+    """
     try:
         join = ArenaJoin.from_env()
         if join is None:
             return
-        install(join)
+        from fineslab.sglang_plugin.quant_session import KVFormatRequest, install_quant
+
+        request = KVFormatRequest.from_env()
+        if request is None:
+            install(join)
+        else:
+            install_quant(join, request)
     except FineslabError as exc:
         logger.critical("%s", exc)
         raise SystemExit(f"fineslab SGLang plugin: {exc}") from exc

@@ -6,15 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from slab_constants import NUM_SLABS, SLAB_BYTES
 
 from fineslab.slabs.arena import ArenaSpec, SlabArena
-from fineslab.slabs.formats import BlockFormat, KVDtype, KVShape
-
-#: Two formats whose block strides divide an 8-block slab of A: A = 512 B, B = 1,024 B.
-FMT_A = BlockFormat.unpadded(KVShape("a", 2, 2, 8, KVDtype.BF16), 4)
-FMT_B = BlockFormat(KVShape("b", 2, 2, 8, KVDtype.INT4), 4, 256)
-SLAB_BYTES = 8 * FMT_A.block_stride_bytes
-NUM_SLABS = 6
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FMT_A, NUM_SLABS, SLAB_BYTES
+from slab_constants import FMT_A, NUM_SLABS, SLAB_BYTES
 
 from fineslab.errors import ConfigError, EnvironmentSetupError
 from fineslab.slabs.arena import ArenaSpec, SlabArena

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FMT_A, FMT_B, NUM_SLABS, SLAB_BYTES
+from slab_constants import FMT_A, FMT_B, NUM_SLABS, SLAB_BYTES
 
 from fineslab.slabs.arena import ArenaSpec, SlabArena
 from fineslab.slabs.views import layer_views

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import FMT_A, FMT_B, NUM_SLABS, SLAB_BYTES
+from slab_constants import FMT_A, FMT_B, NUM_SLABS, SLAB_BYTES
 
 from fineslab.slabs.arena import SlabArena
 from fineslab.slabs.inspector import human_bytes, main

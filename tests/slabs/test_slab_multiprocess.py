@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FMT_A, FMT_B, SLAB_BYTES
+from slab_constants import FMT_A, FMT_B, SLAB_BYTES
 
 from fineslab.errors import ArenaExhausted
 from fineslab.slabs.arena import ArenaSpec, SlabArena

@@ -11,10 +11,10 @@ from pathlib import Path
 from tempfile import mkdtemp
 
 import numpy as np
-from conftest import FMT_A, FMT_B, NUM_SLABS, SLAB_BYTES
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from slab_constants import FMT_A, FMT_B, NUM_SLABS, SLAB_BYTES
 
 from fineslab.errors import ArenaExhausted, InvalidBlockError
 from fineslab.slabs.arena import ArenaSpec, SlabArena

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import FMT_A, FMT_B, NUM_SLABS, SLAB_BYTES
+from slab_constants import FMT_A, FMT_B, NUM_SLABS, SLAB_BYTES
 
 from fineslab.errors import ArenaExhausted, ConfigError, IntegrityError, InvalidBlockError
 from fineslab.slabs.arena import SlabArena
