@@ -172,6 +172,25 @@ def start_server(spec: ServerSpec, log_path: Path | None = None,
     return server
 
 
+def wait_until_up(proc: subprocess.Popen[bytes], health_url: str, what: str,
+                  timeout_s: float, poll_s: float = 0.05) -> None:
+    """Block until `health_url` answers, for a plain child process (not an SGLang server).
+
+    Raises EnvironmentSetupError, killing `proc`, if it exits or does not come up in time.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise EnvironmentSetupError(f"{what} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(health_url, timeout=1):
+                return
+        except OSError:
+            time.sleep(poll_s)
+    proc.kill()
+    raise EnvironmentSetupError(f"{what} not up at {health_url} after {timeout_s} s")
+
+
 def cpu_engine_kwargs(extra: Mapping[str, object] | None = None) -> dict[str, object]:
     """Keyword arguments for `sglang.Engine(...)` in CPU mode."""
     kwargs = dict(cpu_mode.CPU_SERVER_ARGS)
@@ -181,4 +200,5 @@ def cpu_engine_kwargs(extra: Mapping[str, object] | None = None) -> dict[str, ob
 
 __all__: Sequence[str] = [
     "ServerProcess", "ServerSpec", "cpu_engine_kwargs", "free_port", "start_server",
+    "wait_until_up",
 ]

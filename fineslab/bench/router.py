@@ -26,14 +26,12 @@ import random
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from fineslab.bench.report import add_json_flag, emit
-from fineslab.errors import EnvironmentSetupError
 from fineslab.router.testing import start_echo_backend
-from fineslab.runtime import free_port
+from fineslab.runtime import free_port, wait_until_up
 
 logger = logging.getLogger(__name__)
 
@@ -59,17 +57,8 @@ def start_router(port: int, routes: list[str], timeout_s: float = 60.0) -> subpr
     for route in routes:
         argv += ["--route", route]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise EnvironmentSetupError(f"router exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise EnvironmentSetupError("router did not come up")
+    wait_until_up(proc, f"http://127.0.0.1:{port}/health", "router", timeout_s)
+    return proc
 
 
 async def run_load(urls: dict[str, str], model: str, rate_per_s: float, duration_s: float,

@@ -18,11 +18,10 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fineslab.errors import EnvironmentSetupError
+from fineslab.runtime import wait_until_up
 
 
 def _completion(body: dict[str, Any], chat: bool, text: str, index: int) -> dict[str, Any]:
@@ -91,17 +90,8 @@ def start_echo_backend(port: int, delay_s: float = 0.0, token_gap_s: float = 0.0
     proc = subprocess.Popen([sys.executable, "-m", "fineslab.router.testing", "--port", str(port),
                              "--delay-ms", str(delay_s * 1000),
                              "--token-gap-ms", str(token_gap_s * 1000)])
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise EnvironmentSetupError(f"echo backend exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise EnvironmentSetupError(f"echo backend not up on port {port} after {timeout_s} s")
+    wait_until_up(proc, f"http://127.0.0.1:{port}/health", "echo backend", timeout_s)
+    return proc
 
 
 def main(argv: list[str] | None = None) -> int:
