@@ -56,15 +56,51 @@ def _greedy(member: Any, texts: list[str], tokens: int = 16) -> list[list[int]]:
     return [list(o["output_ids"]) for o in out]
 
 
+#: Largest logprob gap (nats) between two tokens that still counts as a tie when two runs of the
+#: same greedy request part ways. A different batch shape rounds the bf16 matmuls differently;
+#: KV4 can turn that into a whole 4-bit code step in one cached element, so its ties are wider.
+#: A corrupted cache or a wrong slot gives gaps of whole nats.
+TIE_NATS = {"bf16": 0.05, "fp8": 0.05, "awq": 0.05, "kv4": 0.15}
+
+
+def _prompt_ids(member: Any, text: str) -> list[int]:
+    out = member.generate({"text": text, "return_logprob": True, "logprob_start_len": 0,
+                           "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    return [int(entry[1]) for entry in out["meta_info"]["input_token_logprobs"]]
+
+
+def _next_token_logprobs(member: Any, ids: list[int]) -> dict[int, float]:
+    out = member.generate({"input_ids": ids, "return_logprob": True, "top_logprobs_num": TOP_K,
+                           "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    return {int(tok): float(lp) for lp, tok, _ in out["meta_info"]["output_top_logprobs"][0]}
+
+
+def _assert_same_up_to_a_tie(member: Any, precision: str, prompt: str, want: list[int],
+                             have: list[int], what: str) -> None:
+    """`want == have`, or they part at a token where the two candidates are tied."""
+    assert len(want) == len(have) == 16, f"{precision}: {what}: wrong number of tokens"
+    if want == have:
+        return
+    first = next(i for i, (w, h) in enumerate(zip(want, have, strict=True)) if w != h)
+    top = _next_token_logprobs(member, _prompt_ids(member, prompt) + want[:first])
+    detail = (f"{precision}: {what}: outputs part at token {first} ({want[first]} vs "
+              f"{have[first]}; logprobs there {top.get(want[first])} vs {top.get(have[first])})")
+    assert want[first] in top and have[first] in top, detail + ": not both near the top"
+    gap = abs(top[want[first]] - top[have[first]])
+    assert gap <= TIE_NATS[precision], detail + f": gap {gap:.4f} nats is not a tie"
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp8", "awq", "kv4"])
 def test_greedy_output_is_stable(fleet: Any, precision: str) -> None:
+    """Repeated, batched and alone, the same greedy request gives the same tokens up to ties."""
     member = fleet.members[precision]
     batched = _greedy(member, PROMPTS)
     again = _greedy(member, PROMPTS)
     alone = [_greedy(member, [p])[0] for p in PROMPTS[:2]]
-    assert batched == again, f"{precision}: the same greedy request gave different tokens"
-    assert alone == batched[:2], f"{precision}: batching changed the greedy tokens"
-    assert all(len(ids) == 16 for ids in batched)
+    for i, prompt in enumerate(PROMPTS):
+        _assert_same_up_to_a_tie(member, precision, prompt, batched[i], again[i], "repeated")
+    for i, prompt in enumerate(PROMPTS[:2]):
+        _assert_same_up_to_a_tie(member, precision, prompt, batched[i], alone[i], "alone")
 
 
 @pytest.mark.parametrize("precision", ["fp8", "kv4"])
