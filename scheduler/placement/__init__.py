@@ -14,12 +14,13 @@ from fineslab.scheduler.placement.base import (
     OperatingPoint,
     PlacementPlan,
     PlacementPolicy,
+    ReducedModel,
     ReplicaPlacement,
     UnplacedModel,
 )
 from fineslab.scheduler.placement.baselines import KvprPlacer, StaticPlacer
 from fineslab.scheduler.placement.mme import MmePlacer
-from fineslab.scheduler.placement.sizing import candidate_groups, size_model
+from fineslab.scheduler.placement.sizing import candidate_groups, operating_ladder, size_model
 
 from fineslab.errors import ConfigError
 
@@ -41,6 +42,6 @@ def get_placement_policy(name: str) -> PlacementPolicy:
 
 __all__ = [
     "PLACEMENT_POLICIES", "GpuSpec", "KvprPlacer", "MmePlacer", "ModelDemand", "OperatingPoint",
-    "PlacementPlan", "PlacementPolicy", "ReplicaPlacement", "StaticPlacer", "UnplacedModel",
-    "candidate_groups", "get_placement_policy", "size_model",
+    "PlacementPlan", "PlacementPolicy", "ReducedModel", "ReplicaPlacement", "StaticPlacer",
+    "UnplacedModel", "candidate_groups", "get_placement_policy", "operating_ladder", "size_model",
 ]

@@ -11,6 +11,8 @@ Plan invariants (tests check them):
     for each GPU g:  sum(fixed_bytes of replicas on g) <= g.memory_bytes
                      sum(fixed_bytes + contested_share_bytes on g) <= g.memory_bytes
     every model is in `replicas` (one entry per DP replica) or in `unplaced`, never both
+    a model in `reduced` is in `replicas`; each replica's operating_point.num_replicas is the
+    number of replicas of its model in `replicas`
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ class OperatingPoint:
     weights_bytes: int
     activation_bytes: int
     kv_base_bytes: int  # per rank
+    #: False for a fallback point (fewer replicas than sizing asked for, or a smaller batch):
+    #: its batch does not meet the per-replica rate within the TTFT SLO.
+    meets_slo: bool = True
 
     @property
     def fixed_bytes(self) -> int:
@@ -99,11 +104,23 @@ class UnplacedModel:
 
 
 @dataclass(frozen=True)
+class ReducedModel:
+    """A model placed with less than sizing asked for: fewer DP replicas, or an operating
+    point that does not meet its rate within the TTFT SLO."""
+
+    model: str
+    placed_replicas: int
+    sized_replicas: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class PlacementPlan:
     policy: str
     gpus: tuple[GpuSpec, ...]
     replicas: tuple[ReplicaPlacement, ...]
     unplaced: tuple[UnplacedModel, ...]
+    reduced: tuple[ReducedModel, ...] = ()
 
     def replicas_on(self, gpu_id: int) -> list[ReplicaPlacement]:
         return [r for r in self.replicas if gpu_id in r.gpu_ids]
@@ -121,10 +138,11 @@ class PlacementPlan:
             "gpus": [asdict(g) for g in self.gpus],
             "replicas": [{**asdict(r), "fixed_bytes": r.fixed_bytes} for r in self.replicas],
             "unplaced": [asdict(u) for u in self.unplaced],
+            "reduced": [asdict(r) for r in self.reduced],
         }
 
     def table(self) -> str:
-        """One row per replica in placement order, then the unplaced models."""
+        """One row per replica in placement order, then the reduced and unplaced models."""
         headers = ["order", "model", "replica", "gpus", "batch", "fixed_GiB", "contested_GiB",
                    "partition_GiB", "score"]
         rows: list[list[object]] = []
@@ -134,6 +152,8 @@ class PlacementPlan:
                          r.operating_point.batch_size, r.fixed_bytes / GIB,
                          r.contested_share_bytes / GIB, partition, r.score])
         text = f"placement by {self.policy}\n" + format_table(headers, rows)
+        for short in self.reduced:
+            text += f"\nreduced {short.model}: {short.reason}"
         for u in self.unplaced:
             text += f"\nunplaced {u.model}: {u.reason}"
         return text
@@ -142,5 +162,10 @@ class PlacementPlan:
 class PlacementPolicy(Protocol):
     name: str
 
-    def place(self, models: Sequence[ModelDemand], gpus: Sequence[GpuSpec]) -> PlacementPlan:
+    def place(self, models: Sequence[ModelDemand], gpus: Sequence[GpuSpec], *,
+              allow_unplaced: bool = False) -> PlacementPlan:
+        """Place every model it can, degrading DP replicas and operating points to fit (a
+        `ReducedModel` says so). A model that fits nowhere raises `PlacementInfeasible` naming
+        it; with `allow_unplaced` it is listed in `unplaced` instead (simulations and
+        benchmarks that report what a placer cannot do)."""
         ...

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fineslab.scheduler.placement.base import GpuSpec, ModelDemand, PlacementPlan, UnplacedModel
+from fineslab.scheduler.placement.base import GpuSpec, ModelDemand, PlacementPlan
+from fineslab.scheduler.placement.degrade import place_degrading
 from fineslab.scheduler.placement.mme import MmePlacer
-from fineslab.scheduler.placement.state import ClusterState, Replica, size_all, to_plan
+from fineslab.scheduler.placement.state import ClusterState, Replica, to_plan
 
 
 def kvpr_shares(state: ClusterState, gpu_id: int) -> dict[str, float]:
@@ -33,17 +34,20 @@ def kvpr_shares(state: ClusterState, gpu_id: int) -> dict[str, float]:
 class KvprPlacer:
     name = "kvpr"
 
-    def place(self, models: Sequence[ModelDemand], gpus: Sequence[GpuSpec]) -> PlacementPlan:
-        replicas, unplaced = size_all(models, gpus)
+    def place(self, models: Sequence[ModelDemand], gpus: Sequence[GpuSpec], *,
+              allow_unplaced: bool = False) -> PlacementPlan:
+        state, unplaced, reduced = place_degrading(
+            models, gpus, lambda replicas: self._place_pass(replicas, gpus), allow_unplaced)
+        return to_plan(self.name, state, unplaced, shares=kvpr_shares, reduced=reduced)
+
+    def _place_pass(self, replicas: list[Replica], gpus: Sequence[GpuSpec]) -> ClusterState:
         state = ClusterState(gpus)
         order = sorted(replicas, key=lambda r: (-r.resident.rate_weight, r.demand.name, r.index))
         for replica in order:
             best = self._lowest_pressure(state, replica)
-            if best is None:
-                unplaced.append(UnplacedModel(replica.demand.name, state.no_fit_reason(replica)))
-                continue
-            state.add(replica, best[0], best[1])
-        return to_plan(self.name, state, unplaced, shares=kvpr_shares)
+            if best is not None:
+                state.add(replica, best[0], best[1])
+        return state
 
     @staticmethod
     def _lowest_pressure(state: ClusterState, replica: Replica,
@@ -70,16 +74,18 @@ def _non_kv_bytes(fixed_bytes: int, kv_base_total_bytes: float, tp: int) -> floa
 class StaticPlacer:
     name = "static"
 
-    def place(self, models: Sequence[ModelDemand], gpus: Sequence[GpuSpec]) -> PlacementPlan:
-        state, unplaced = MmePlacer("proxy").place_into_state(models, gpus)
+    def place(self, models: Sequence[ModelDemand], gpus: Sequence[GpuSpec], *,
+              allow_unplaced: bool = False) -> PlacementPlan:
+        state, unplaced, reduced = MmePlacer("proxy").place_into_state(models, gpus,
+                                                                        allow_unplaced)
         partitions = self._partitions(state)
         shares = {g: {key: float(part - _fixed_of(state, g, key))
                       for key, part in partitions[g].items()} for g in state.gpus}
         per_replica = {key: min(partitions[g][key] for g in group)
                        for replica, group, _ in state.placed
                        for key in [replica.resident.key]}
-        return to_plan(self.name, state, unplaced,
-                       shares=lambda _state, g: shares[g], partitions=per_replica)
+        return to_plan(self.name, state, unplaced, shares=lambda _state, g: shares[g],
+                       partitions=per_replica, reduced=reduced)
 
     @staticmethod
     def _partitions(state: ClusterState) -> dict[int, dict[str, int]]:

@@ -9,8 +9,10 @@
     8    append (M, G_M); charge F_M on G_M
 
 SLO feasibility is settled before the loop (`sizing.size_model`: some profiled batch meets the
-rate within the TTFT SLO on the profile's device, else DP replicas, else unplaced) and the
-candidates are only GPUs of that device, so every candidate is SLO-feasible.
+rate within the TTFT SLO on the profile's device, else DP replicas) and the candidates are only
+GPUs of that device, so every candidate is SLO-feasible. When the fleet cannot hold what sizing
+asked for, `degrade.place_degrading` reruns the loop with fewer replicas or smaller operating
+points (beyond the paper: it would leave such a model unplaced).
 Cost: O(R * C * |G'|) score evaluations for R replicas and C candidates; 200 models on 64 GPUs
 take well under a second (fineslab.bench.placer).
 """
@@ -20,9 +22,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from fineslab.scheduler.placement.base import GpuSpec, ModelDemand, PlacementPlan, UnplacedModel
+from fineslab.scheduler.placement.base import (
+    GpuSpec,
+    ModelDemand,
+    PlacementPlan,
+    ReducedModel,
+    UnplacedModel,
+)
+from fineslab.scheduler.placement.degrade import place_degrading
 from fineslab.scheduler.placement.scoring import Resident, exact_score, proxy_score
-from fineslab.scheduler.placement.state import ClusterState, Replica, size_all, to_plan
+from fineslab.scheduler.placement.state import ClusterState, Replica, to_plan
 
 from fineslab.errors import ConfigError
 
@@ -46,23 +55,28 @@ class MmePlacer:
         self.scorer = SCORERS[scorer]
         self.name = "mme" if scorer == "proxy" else f"mme-{scorer}"
 
-    def place(self, models: Sequence[ModelDemand], gpus: Sequence[GpuSpec]) -> PlacementPlan:
-        state, unplaced = self.place_into_state(models, gpus)
-        return to_plan(self.name, state, unplaced)
+    def place(self, models: Sequence[ModelDemand], gpus: Sequence[GpuSpec], *,
+              allow_unplaced: bool = False) -> PlacementPlan:
+        state, unplaced, reduced = self.place_into_state(models, gpus, allow_unplaced)
+        return to_plan(self.name, state, unplaced, reduced=reduced)
 
     def place_into_state(self, models: Sequence[ModelDemand], gpus: Sequence[GpuSpec],
-                         ) -> tuple[ClusterState, list[UnplacedModel]]:
-        replicas, unplaced = size_all(models, gpus)
+                         allow_unplaced: bool = False,
+                         ) -> tuple[ClusterState, list[UnplacedModel], list[ReducedModel]]:
+        return place_degrading(models, gpus, lambda replicas: self._place_pass(replicas, gpus),
+                               allow_unplaced)
+
+    def _place_pass(self, replicas: list[Replica], gpus: Sequence[GpuSpec]) -> ClusterState:
+        """Algorithm 1 over sized replicas; a replica that fits nowhere is skipped."""
         state = ClusterState(gpus)
         for replica in mme_order(replicas):
             best = self._best_group(state, replica)
             if best is None:
-                unplaced.append(UnplacedModel(replica.demand.name, state.no_fit_reason(replica)))
                 continue
             group, score = best
             state.add(replica, group, score)
             logger.debug("placed %s on %s (score %.4g)", replica.resident.key, group, score)
-        return state, unplaced
+        return state
 
     def _best_group(self, state: ClusterState, replica: Replica,
                     ) -> tuple[tuple[int, ...], float] | None:

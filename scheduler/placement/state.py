@@ -15,13 +15,12 @@ from fineslab.scheduler.placement.base import (
     ModelDemand,
     OperatingPoint,
     PlacementPlan,
+    ReducedModel,
     ReplicaPlacement,
     UnplacedModel,
 )
 from fineslab.scheduler.placement.scoring import Resident, water_fill
-from fineslab.scheduler.placement.sizing import candidate_groups, size_model
-
-from fineslab.errors import PlacementInfeasible
+from fineslab.scheduler.placement.sizing import candidate_groups
 
 
 @dataclass(frozen=True)
@@ -39,30 +38,18 @@ class Replica:
         return self.point.fixed_bytes * self.demand.tp
 
 
-def size_all(models: Sequence[ModelDemand], gpus: Sequence[GpuSpec],
-             ) -> tuple[list[Replica], list[UnplacedModel]]:
-    """Every replica of every model, or the reason a model cannot be placed at all."""
-    replicas, unplaced = [], []
-    for demand in models:
-        groups = candidate_groups(gpus, demand.tp, demand.profile.device)
-        if not groups:
-            unplaced.append(UnplacedModel(demand.name, (
-                f"no group of {demand.tp} {demand.profile.device} GPU(s) in the cluster")))
-            continue
-        try:
-            point = size_model(demand, len(groups))
-        except PlacementInfeasible as exc:
-            unplaced.append(UnplacedModel(demand.name, str(exc)))
-            continue
-        kv_base_total = float(point.kv_base_bytes * demand.tp)
-        weight = point.rate_per_replica_s * (demand.profile.workload.prompt_tokens
-                                             + demand.profile.workload.output_tokens)
-        for index in range(point.num_replicas):
-            resident = Resident(f"{demand.name}#{index}", demand.name, demand.tp,
-                                point.fixed_bytes, kv_base_total, demand.profile.mme,
-                                rate_weight=weight / demand.ttft_slo_s)
-            replicas.append(Replica(demand, index, point, resident))
-    return replicas, unplaced
+def make_replicas(demand: ModelDemand, point: OperatingPoint) -> list[Replica]:
+    """The `point.num_replicas` DP replicas of `demand` at `point`."""
+    kv_base_total = float(point.kv_base_bytes * demand.tp)
+    weight = point.rate_per_replica_s * (demand.profile.workload.prompt_tokens
+                                         + demand.profile.workload.output_tokens)
+    replicas = []
+    for index in range(point.num_replicas):
+        resident = Resident(f"{demand.name}#{index}", demand.name, demand.tp,
+                            point.fixed_bytes, kv_base_total, demand.profile.mme,
+                            rate_weight=weight / demand.ttft_slo_s)
+        replicas.append(Replica(demand, index, point, resident))
+    return replicas
 
 
 class ClusterState:
@@ -104,10 +91,17 @@ class ClusterState:
 
     def no_fit_reason(self, replica: Replica) -> str:
         largest = max(self.remaining_bytes.values(), default=0)
-        return (f"replica {replica.index} needs {replica.point.fixed_bytes / 2**30:.2f} GiB per "
-                f"GPU on {replica.demand.tp} {replica.demand.profile.device} GPU(s) without "
-                f"another replica of it; the largest free space left is "
-                f"{largest / 2**30:.2f} GiB")
+        return (f"no room left: replica {replica.index} needs "
+                f"{replica.point.fixed_bytes / 2**30:.2f} GiB per GPU (batch "
+                f"{replica.point.batch_size}) on {replica.demand.tp} "
+                f"{replica.demand.profile.device} GPU(s) without another replica of it; the "
+                f"largest free space left is {largest / 2**30:.2f} GiB")
+
+    def placed_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for replica, _, _ in self.placed:
+            counts[replica.demand.name] = counts.get(replica.demand.name, 0) + 1
+        return counts
 
 
 ShareSplitter = Callable[[ClusterState, int], dict[str, float]]
@@ -121,7 +115,8 @@ def mme_shares(state: ClusterState, gpu_id: int) -> dict[str, float]:
 
 def to_plan(policy: str, state: ClusterState, unplaced: Sequence[UnplacedModel],
             shares: ShareSplitter = mme_shares,
-            partitions: dict[str, int] | None = None) -> PlacementPlan:
+            partitions: dict[str, int] | None = None,
+            reduced: Sequence[ReducedModel] = ()) -> PlacementPlan:
     split = {g: shares(state, g) for g in state.gpus}
     replicas = []
     for replica, group, score in state.placed:
@@ -131,4 +126,5 @@ def to_plan(policy: str, state: ClusterState, unplaced: Sequence[UnplacedModel],
             model=replica.demand.name, replica=replica.index, gpu_ids=group,
             operating_point=replica.point, contested_share_bytes=int(share),
             partition_bytes=None if partitions is None else partitions[key], score=score))
-    return PlacementPlan(policy, tuple(state.gpus.values()), tuple(replicas), tuple(unplaced))
+    return PlacementPlan(policy, tuple(state.gpus.values()), tuple(replicas), tuple(unplaced),
+                         tuple(reduced))

@@ -79,9 +79,9 @@ def test_a_model_that_fits_nowhere_raises_naming_it(policy: str) -> None:
     models = [ModelDemand("small", LLAMA8_FP8, 1.0, 2.0),
               ModelDemand("huge", LLAMA70_AWQ, 0.5, 5.0)]
     gpus = h100s(2, 30 * GIB)  # the 70B AWQ weights alone are about 37 GiB
-    with pytest.raises(PlacementInfeasible, match="huge") as info:
+    with pytest.raises(PlacementInfeasible, match="'huge'") as info:
         get_placement_policy(policy).place(models, gpus)
-    assert "small" not in str(info.value), "only the unplaceable model is named"
+    assert "'small'" not in str(info.value), "only the unplaceable model is named"
     plan = get_placement_policy(policy).place(models, gpus, allow_unplaced=True)
     assert [u.model for u in plan.unplaced] == ["huge"]
     assert plan.gpus_of("small"), "the rest is still placed"

@@ -125,7 +125,7 @@ def test_unplaceable_models_come_with_reasons() -> None:
     models = [ModelDemand("tight", PROFILES["llama-3.1-8b--fp16--h100"], 1.0, 0.001),
               ModelDemand("wide", PROFILES["llama-3.1-70b--fp16--h100"], 1.0, 5.0),
               ModelDemand("elsewhere", PROFILES["llama-3.1-8b--fp16--a100"], 1.0, 5.0)]
-    plan = get_placement_policy("mme").place(models, gpus)
+    plan = get_placement_policy("mme").place(models, gpus, allow_unplaced=True)
     reasons = {u.model: u.reason for u in plan.unplaced}
     assert "no SLO-feasible operating point" in reasons["tight"]
     assert "no group of 4 h100" in reasons["wide"]
@@ -146,7 +146,7 @@ def test_plan_never_exceeds_memory_and_accounts_for_every_model(
     gpus = [GpuSpec(i, int(memory_fraction * 80 * GIB), "h100") for i in range(num_gpus)]
     models = [ModelDemand(f"m{i}", PROFILES[name], rate, slo)
               for i, (name, rate, slo) in enumerate(demands)]
-    plan = get_placement_policy(policy).place(models, gpus)
+    plan = get_placement_policy(policy).place(models, gpus, allow_unplaced=True)
     for gpu in gpus:
         on_gpu = plan.replicas_on(gpu.gpu_id)
         assert plan.fixed_bytes_on(gpu.gpu_id) <= gpu.memory_bytes, "fixed memory overflows"
