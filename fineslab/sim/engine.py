@@ -37,10 +37,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from fineslab.bench.loadgen_metrics import RequestOutcome
-from fineslab.scheduler.curves import PiecewiseLinear
 from fineslab.scheduler.local import BatchLimits, BatchPolicy, QueueSnapshot, WaitingRequest
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
-from fineslab.scheduler.profile_schema import DecodeTable, ModelProfile
+from fineslab.scheduler.profile_schema import ModelProfile
 from fineslab.sim.config import SimConfig
 from fineslab.sim.kv import ReplicaKv
 from fineslab.workload import Request
@@ -66,24 +65,6 @@ class Step:
     kind: str  # "prefill" | "decode"
     alone_s: float
     prefill_tokens: tuple[tuple[Running, int], ...] = ()
-
-
-class DecodeLatency:
-    """`DecodeTable.step_s` with its per-batch-size context curves built once.
-
-    `DecodeTable.step_s` rebuilds (and re-validates) one curve per batch size on every call,
-    which made it 75% of the simulator's time; the reading is the same: each batch size's row
-    is read at the context, then the column across batch sizes at the batch.
-    """
-
-    def __init__(self, table: DecodeTable) -> None:
-        contexts = tuple(float(c) for c in table.context_tokens)
-        self.rows = [PiecewiseLinear(contexts, tuple(row)) for row in table.seconds]
-        self.batch_sizes = tuple(float(b) for b in table.batch_sizes)
-
-    def step_s(self, batch_size: float, context_tokens: float) -> float:
-        by_batch = tuple(row(context_tokens) for row in self.rows)
-        return PiecewiseLinear(self.batch_sizes, by_batch)(batch_size)
 
 
 class MemoTtftPredictor:
@@ -129,7 +110,6 @@ class ReplicaEngine:
 
     def __post_init__(self) -> None:
         self.predictor = MemoTtftPredictor(ChunkedPrefillPredictor.from_profile(self.profile))
-        self.decode = DecodeLatency(self.profile.decode)
 
     @property
     def busy(self) -> bool:
@@ -203,7 +183,7 @@ class ReplicaEngine:
         if self.decoding:
             context = sum(r.request.prompt_tokens + r.generated_tokens
                           for r in self.decoding) / len(self.decoding)
-            return Step("decode", self.decode.step_s(len(self.decoding), context))
+            return Step("decode", self.profile.decode.step_s(len(self.decoding), context))
         return None
 
     # -- 3 finish -------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from fineslab.scheduler.curves import PiecewiseLinear, upper_concave_hull
 from fineslab.scheduler.kv_format import kv_token_bytes
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
 from fineslab.scheduler.profile_schema import (
+    DecodeTable,
     load_profile,
     load_profiles,
     profile_from_dict,
@@ -17,6 +18,8 @@ from fineslab.scheduler.profile_schema import (
     save_profile,
 )
 from fineslab.scheduler.roofline import PAPER_VARIANTS, analytical_profile
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fineslab.errors import ConfigError
 
@@ -99,3 +102,43 @@ def test_lower_kv_precision_has_higher_mme() -> None:
     fp16 = analytical_profile("llama-3.1-8b", "fp16", "h100").mme
     fp8 = analytical_profile("llama-3.1-8b", "fp8", "h100").mme
     assert fp8.ys[1] / fp8.xs[1] > fp16.ys[1] / fp16.xs[1]
+
+
+def uncached_step_s(table: DecodeTable, batch_size: float, context_tokens: float) -> float:
+    """The reading `DecodeTable.step_s` used to do on every call: every row, then the column."""
+    contexts = tuple(float(c) for c in table.context_tokens)
+    by_batch = [PiecewiseLinear(contexts, tuple(row))(context_tokens) for row in table.seconds]
+    return PiecewiseLinear(tuple(float(b) for b in table.batch_sizes), tuple(by_batch))(batch_size)
+
+
+def test_cached_decode_reading_equals_the_uncached_one_on_every_profile() -> None:
+    # Issue 7: step_s caches its row curves; the answers must not move by a single bit,
+    # inside the table and extrapolated beyond both axes.
+    for profile in load_profiles(PROFILES_DIR).values():
+        table = profile.decode
+        for batch in (0.5, 1, 3, 7.5, 64, 200, 256, 1000):
+            for context in (0, 100, 1234.5, 4096, 20000, 200000):
+                assert table.step_s(batch, context) == uncached_step_s(table, batch, context), \
+                    f"{profile.name}: cached reading differs at batch {batch}, context {context}"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 5), st.data())
+def test_cached_decode_reading_equals_the_uncached_one_on_random_tables(
+        num_batches: int, num_contexts: int, data: st.DataObject) -> None:
+    batches = sorted(data.draw(st.sets(st.integers(1, 512), min_size=num_batches,
+                                       max_size=num_batches)))
+    contexts = sorted(data.draw(st.sets(st.integers(1, 32768), min_size=num_contexts,
+                                        max_size=num_contexts)))
+    seconds = tuple(tuple(data.draw(st.floats(0.0, 1.0)) for _ in contexts) for _ in batches)
+    table = DecodeTable(tuple(batches), tuple(contexts), seconds)
+    batch = data.draw(st.floats(0.0, 1024.0))
+    context = data.draw(st.floats(0.0, 65536.0))
+    assert table.step_s(batch, context) == uncached_step_s(table, batch, context)
+
+
+def test_decode_table_equality_ignores_its_cache() -> None:
+    table = DecodeTable((1, 8), (128, 1024), ((0.01, 0.02), (0.03, 0.05)))
+    assert table == DecodeTable((1, 8), (128, 1024), ((0.01, 0.02), (0.03, 0.05)))
+    with pytest.raises(ConfigError):
+        DecodeTable((8, 1), (128, 1024), ((0.01, 0.02), (0.03, 0.05)))
