@@ -25,6 +25,11 @@ SGLANG_CPU_ENGINE_VAR = "SGLANG_USE_CPU_ENGINE"
 ARENA_VAR = "FINESLAB_ARENA"
 #: This runtime's id in the arena's slab table (required when FINESLAB_ARENA is set).
 RUNTIME_ID_VAR = "FINESLAB_RUNTIME_ID"
+#: A fineslab-quantized KV storage format for a runtime that joins an arena: "int4" (KV4) or
+#: "fp8_e4m3" (FP8 with per-layer scales, the CPU path). Unset: SGLang's own KV dtype.
+KV_FORMAT_VAR = "FINESLAB_KV_FORMAT"
+#: FP8 KV only: the per-layer scales file (SGLang's `--quantization-param-path` JSON).
+KV_SCALES_VAR = "FINESLAB_KV_SCALES"
 
 
 def _parse_tristate(name: str, raw: str | None) -> bool | None:
@@ -45,6 +50,8 @@ class FineslabEnv:
     model_cache_dir: str
     arena_name: str | None = None
     runtime_id: str | None = None
+    kv_format: str | None = None
+    kv_scales_path: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> FineslabEnv:
@@ -55,4 +62,6 @@ class FineslabEnv:
             model_cache_dir=env.get(MODEL_CACHE_VAR) or default_cache,
             arena_name=env.get(ARENA_VAR) or None,
             runtime_id=env.get(RUNTIME_ID_VAR) or None,
+            kv_format=env.get(KV_FORMAT_VAR) or None,
+            kv_scales_path=env.get(KV_SCALES_VAR) or None,
         )

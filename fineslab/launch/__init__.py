@@ -3,7 +3,7 @@
     config = load_fleet_config(path)        # YAML -> frozen FleetConfig, ConfigError on problems
     plan = make_plan(config)                # devices, profiles, global placer, arenas, runtimes
     print(plan.describe())                  # what --dry-run prints
-    with Fleet(plan) as fleet:              # arenas, runtimes (plugin env), health, router
+    with Fleet(plan) as fleet:              # checkpoints, arenas, runtimes, health, router
         fleet.serve_forever()               # until SIGINT/SIGTERM; then everything is stopped
 
 Modules: config (schema), profiles (profile lookup, CPU estimate), plan (placement and arena

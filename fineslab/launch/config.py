@@ -16,13 +16,16 @@ rules that span fields (unique names, KV dtype vs activation dtype, precision pe
     models:
       - name: llama-bf16            # the OpenAI `model` field
         preset: llama-tiny          # or path: /models/x (exactly one of them)
-        precision: bf16             # weights: bf16 | fp16 | fp8 | awq
-        kv_dtype: auto              # auto | bf16 | fp16 | fp8_e4m3
+        precision: bf16             # weights: bf16 | fp16 | fp8 | awq (checkpoints prepared by
+                                    #   fineslab.quant.fleet at start, from the preset or path)
+        kv_dtype: auto              # auto | bf16 | fp16 | fp8_e4m3 | int4 (KV4, arena only)
         tp: 1
         ttft_slo_s: 2.0
         request_rate_per_s: 1.0
         replicas: null              # null: as many as the placer sizes
         profile: null               # a profile name or file; null: <preset>--<precision>--<kind>
+        extra_args: []              # more SGLang arguments (not those precision/kv_dtype set)
+        env: {}                     # more environment for the runtime (e.g. OMP_NUM_THREADS)
 """
 
 from __future__ import annotations
@@ -39,7 +42,17 @@ from fineslab.errors import ConfigError
 MIB = 1 << 20
 GIB = 1 << 30
 PRECISIONS = ("bf16", "fp16", "fp8", "awq")
-KV_DTYPES = ("auto", "bf16", "fp16", "fp8_e4m3")
+KV_DTYPES = ("auto", "bf16", "fp16", "fp8_e4m3", "int4")
+#: KV dtypes only the slab arena stores (the plugin's KV4 pool); SGLang has no 4-bit KV. (FP8 KV
+#: on CPU is arena-only too, a device rule: `fineslab.launch.plan.check_device_support`.)
+ARENA_ONLY_KV_DTYPES = ("int4",)
+#: SGLang arguments the launcher derives from precision, kv_dtype, the plan and the name;
+#: `extra_args` may not set them (a second `--quantization` would silently win).
+RESERVED_ARGS = ("--model-path", "--served-model-name", "--dtype", "--quantization",
+                 "--kv-cache-dtype", "--quantization-param-path", "--page-size", "--port",
+                 "--device", "--base-gpu-id", "--tp-size", "--tp")
+#: Environment the launcher sets itself (arena join, KV format, CPU mode).
+RESERVED_ENV_PREFIXES = ("FINESLAB_", "SGLANG_USE_CPU_ENGINE", "PYTHONPATH")
 #: The dtype activations (and "auto" KV) run in for each weight precision.
 ACTIVATION_DTYPE = {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16", "awq": "fp16"}
 #: Sizes of the CPU device when the config says `devices: auto`.
@@ -76,6 +89,7 @@ class ModelConfig:
     profile: str | None
     max_running_requests: int | None
     extra_args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
 
     @property
     def activation_dtype(self) -> str:
@@ -153,7 +167,7 @@ class _Model(_Strict):
     path: str | None = None
     preset: str | None = None
     precision: Literal["bf16", "fp16", "fp8", "awq"] = "bf16"
-    kv_dtype: Literal["auto", "bf16", "fp16", "fp8_e4m3"] = "auto"
+    kv_dtype: Literal["auto", "bf16", "fp16", "fp8_e4m3", "int4"] = "auto"
     tp: int = Field(default=1, ge=1)
     ttft_slo_s: float = Field(gt=0)
     request_rate_per_s: float = Field(gt=0)
@@ -161,6 +175,7 @@ class _Model(_Strict):
     profile: str | None = None
     max_running_requests: int | None = Field(default=None, ge=1)
     extra_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _one_source(self) -> _Model:
@@ -197,7 +212,7 @@ def _to_dataclasses(fleet: _Fleet, source: str, base_dir: Path) -> FleetConfig:
     models = tuple(
         ModelConfig(m.name, _resolve_path(m.path, base_dir), m.preset, m.precision, m.kv_dtype,
                     m.tp, m.ttft_slo_s, m.request_rate_per_s, m.replicas, m.profile,
-                    m.max_running_requests, tuple(m.extra_args))
+                    m.max_running_requests, tuple(m.extra_args), tuple(sorted(m.env.items())))
         for m in fleet.models)
     r = fleet.router
     router = RouterConfig(r.host, r.port, r.api_key_env, r.on_drop, r.drop_status,
@@ -223,18 +238,32 @@ def check_fleet(config: FleetConfig) -> None:
     if duplicates:
         problems.append(f"models: duplicate names {duplicates}")
     for i, model in enumerate(config.models):
-        kv, act = model.resolved_kv_dtype, model.activation_dtype
-        if kv in ("bf16", "fp16") and kv != act:
-            problems.append(
-                f"models[{i}] ({model.name}): kv_dtype {kv} needs activations in {kv}, but "
-                f"precision {model.precision} computes in {act}; use precision {kv} or "
-                "kv_dtype auto")
+        problems += [f"models[{i}] ({model.name}): {p}" for p in _model_problems(model, config)]
     if config.devices is not None:
         device_names = [d.name for d in config.devices]
         if len(set(device_names)) != len(device_names):
             problems.append(f"devices: duplicate names {device_names}")
     if problems:
         raise ConfigError(f"invalid fleet config {config.source}:\n  " + "\n  ".join(problems))
+
+
+def _model_problems(model: ModelConfig, config: FleetConfig) -> list[str]:
+    problems = []
+    kv, act = model.resolved_kv_dtype, model.activation_dtype
+    if kv in ("bf16", "fp16") and kv != act:
+        problems.append(f"kv_dtype {kv} needs activations in {kv}, but precision "
+                        f"{model.precision} computes in {act}; use precision {kv} or kv_dtype auto")
+    if kv in ARENA_ONLY_KV_DTYPES and config.kv_pool != "arena":
+        problems.append(f"kv_dtype {kv} is stored only in the slab arena (fineslab's KV4 pool); "
+                        "use kv_pool: arena")
+    flags = sorted({a.split("=", 1)[0] for a in model.extra_args} & set(RESERVED_ARGS))
+    if flags:
+        problems.append(f"extra_args may not set {flags}: the launcher derives them from "
+                        "precision, kv_dtype and the plan (set precision / kv_dtype instead)")
+    names = sorted(k for k, _ in model.env if k.startswith(RESERVED_ENV_PREFIXES))
+    if names:
+        problems.append(f"env may not set {names}: the launcher sets them")
+    return problems
 
 
 def fleet_from_dict(data: Any, source: str = "<dict>", base_dir: Path | None = None,

@@ -1,6 +1,7 @@
 """A running fleet: arenas, supervised runtimes and the router, started and stopped in order.
 
-    start: arenas (one per device, SlabArena.create) -> runtimes (all at once, each joining its
+    start: checkpoints (each model's precision prepared and verified, fineslab.quant.fleet) ->
+           arenas (one per device, SlabArena.create) -> runtimes (all at once, each joining its
            device's arena through the plugin env) -> wait until healthy -> router -> supervisor
     stop:  router (no new requests) -> runtimes (process groups, SIGTERM then SIGKILL) ->
            arenas (close unlinks /dev/shm/fineslab-<fleet>-<device>.{table,arena})
@@ -23,6 +24,7 @@ from pathlib import Path
 from fineslab.errors import ConfigError
 from fineslab.launch.plan import FleetPlan, arena_device
 from fineslab.launch.runtimes import SupervisedRuntime, Supervisor, server_spec
+from fineslab.quant.fleet import PrecisionRuntime, prepare_served_model, verify_runtime
 from fineslab.router import ModelRoute, ReplicaRoute, Router, RouterServer, RouterSettings
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
 from fineslab.slabs import ArenaSpec, SlabArena, TableSnapshot, snapshot
@@ -42,6 +44,7 @@ class Fleet:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"fineslab-{config.fleet_id}-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.arenas: dict[str, SlabArena] = {}
+        self.prepared: dict[str, PrecisionRuntime] = {}  # by model name
         self.supervisor: Supervisor | None = None
         self.server: RouterServer | None = None
         self._snapshots: tuple[float, dict[str, TableSnapshot]] = (0.0, {})
@@ -62,6 +65,7 @@ class Fleet:
 
     def start(self) -> None:
         config = self.plan.config
+        self.prepare()
         for arena_plan in self.plan.arenas:
             spec = ArenaSpec.fit(config.fleet_id, arena_device(arena_plan.device),
                                  arena_plan.arena_bytes,
@@ -72,7 +76,7 @@ class Fleet:
                           f"{spec.num_slabs} slabs of {spec.slab_bytes} B")
         self.progress(f"starting {len(self.plan.runtimes)} runtimes (logs in {self.log_dir})")
         runtimes = [SupervisedRuntime(r, server_spec(
-            r, config.fleet_id, config.kv_pool == "arena",
+            r, self.prepared[r.model.name], config.fleet_id, config.kv_pool == "arena",
             max_running_requests=config.router.max_running_requests),
             self.log_dir / f"{r.runtime_id}.log") for r in self.plan.runtimes]
         router = Router(self._routes(runtimes), self._settings(), slabs=self.slab_snapshots)
@@ -87,6 +91,26 @@ class Fleet:
         self.supervisor.watch()
         self.progress(f"router serving {[m.name for m in config.models]} on "
                       f"{self.server.base_url}/v1")
+
+    def prepare(self) -> None:
+        """Each model's checkpoint in its precision (reused when already prepared), verified
+        before any runtime loads it: a bad checkpoint stops the launch with the file named."""
+        for r in self.plan.runtimes:
+            if r.model.name in self.prepared:
+                continue
+            start_s = time.monotonic()
+            prepared = prepare_served_model(
+                r.model.name, r.model.precision, r.model.resolved_kv_dtype, Path(r.model_dir),
+                self.plan.prepared_dir_of(r), device=r.prepare_device)
+            verify_runtime(prepared)
+            self.prepared[r.model.name] = prepared
+            if prepared.model_path != Path(r.model_dir) or prepared.kv_env:
+                self.progress(f"prepared {r.model.name} ({r.serving}) in "
+                              f"{time.monotonic() - start_s:.1f} s: {prepared.model_path}")
+
+    def runtime_url(self, runtime_id: str) -> str:
+        assert self.supervisor is not None, "the fleet is not started"
+        return self.supervisor.runtimes[runtime_id].spec.base_url
 
     def _settings(self) -> RouterSettings:
         r = self.plan.config.router

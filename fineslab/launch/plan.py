@@ -4,13 +4,16 @@
            --plan_arenas--> one SlabPlan + arena size per device
            --> RuntimePlan per model replica: device, runtime id, SGLang page size and flags
 
-Nothing here starts a process or touches shared memory, so `--dry-run` is `make_plan` + print.
+Nothing here starts a process, touches shared memory or writes a quantized checkpoint, so
+`--dry-run` is `make_plan` + print (generated presets are written into the model cache, about a
+second each). Quantized checkpoints are prepared by the Fleet at start, into `prepared_dir`.
 Arena size per device: `kv_arena_mib` from the config, else 90% of what the placement leaves
 after the fixed footprints F_M (weights, activations, base KV) of the replicas on it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -29,15 +32,16 @@ from fineslab.launch.config import (
 )
 from fineslab.launch.profiles import find_profile, profile_dirs
 from fineslab.models.generate import ensure_model
+from fineslab.quant.fleet import KV_DTYPES, describe_serving, served_dir_name
 from fineslab.scheduler.placement import GpuSpec, ModelDemand, PlacementPlan, get_placement_policy
 from fineslab.scheduler.profile_schema import ModelProfile
-from fineslab.slabs import KVDtype, KVShape, SlabPlan, plan_slabs
+from fineslab.slabs import KVShape, SlabPlan, plan_slabs
+from fineslab.slabs.sizing import DEFAULT_PAGE_SIZES
 
 logger = logging.getLogger(__name__)
 
 MIB = float(1 << 20)
 ARENA_FRACTION_OF_FREE = 0.9
-_SLAB_KV_DTYPES = {"bf16": KVDtype.BF16, "fp16": KVDtype.FP16, "fp8_e4m3": KVDtype.FP8_E4M3}
 
 
 @dataclass(frozen=True)
@@ -46,10 +50,20 @@ class RuntimePlan:
 
     runtime_id: str
     model: ModelConfig
-    model_dir: str
+    model_dir: str  # the source model (tokenizer, KV geometry); the served checkpoint may differ
     replica: int
     device: DeviceConfig
     page_size: int | None  # the arena block's tokens; None on SGLang's own pool
+
+    @property
+    def prepare_device(self) -> str:
+        """"cpu" or the CUDA device: what the checkpoint is prepared for."""
+        return "cpu" if self.device.is_cpu else self.device.name
+
+    @property
+    def serving(self) -> str:
+        return describe_serving(self.model.precision, self.model.resolved_kv_dtype,
+                                self.prepare_device)
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,13 @@ class FleetPlan:
     placement: PlacementPlan
     arenas: tuple[ArenaPlan, ...]
     runtimes: tuple[RuntimePlan, ...]
+    prepared_dir: str  # where quantized checkpoints and FP8 KV scales are prepared
+
+    def prepared_dir_of(self, runtime: RuntimePlan) -> Path:
+        """The folder `fineslab.quant.fleet.prepare_served_model` writes this model into."""
+        return Path(self.prepared_dir) / served_dir_name(
+            Path(runtime.model_dir), runtime.model.precision, runtime.model.resolved_kv_dtype,
+            runtime.prepare_device)
 
     def runtimes_of(self, model: str) -> list[RuntimePlan]:
         return [r for r in self.runtimes if r.model.name == model]
@@ -82,9 +103,14 @@ class FleetPlan:
                 ["device", "arena_MiB", "slab_MiB", "slabs", "worst_padding"], rows), ""]
         rows = [[r.runtime_id, r.model.name, r.device.name, r.model.precision,
                  r.model.resolved_kv_dtype, r.page_size or "-",
-                 f"{self.profiles[r.model.name].source}", r.model_dir] for r in self.runtimes]
+                 f"{self.profiles[r.model.name].source}", r.serving, r.model_dir]
+                for r in self.runtimes]
         text += ["runtimes", format_table(
-            ["runtime", "model", "device", "precision", "kv", "page", "profile", "path"], rows)]
+            ["runtime", "model", "device", "precision", "kv", "page", "profile", "serves",
+             "path"], rows)]
+        if any(r.serving != "source ckpt" for r in self.runtimes):
+            text.append(f"quantized checkpoints and KV scales: prepared at start in "
+                        f"{self.prepared_dir} (reused while the source is unchanged)")
         return "\n".join(text)
 
 
@@ -108,10 +134,15 @@ def resolve_devices(config: FleetConfig) -> tuple[DeviceConfig, ...]:
     devices = []
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
-        kind = next((k for k in ("h200", "h100", "a100") if k in props.name.lower()),
-                    props.name.lower().replace(" ", "-"))
-        devices.append(DeviceConfig(f"cuda:{i}", kind, int(props.total_memory), None))
+        devices.append(DeviceConfig(f"cuda:{i}", gpu_kind(props.name), int(props.total_memory),
+                                    None))
     return tuple(devices)
+
+
+def gpu_kind(device_name: str) -> str:
+    """The profile kind of a CUDA device name ("NVIDIA H100 80GB HBM3" -> "h100")."""
+    name = device_name.lower()
+    return next((k for k in ("h200", "h100", "a100") if k in name), name.replace(" ", "-"))
 
 
 def model_dir_of(model: ModelConfig, cache_dir: str | None = None) -> Path:
@@ -125,18 +156,13 @@ def model_dir_of(model: ModelConfig, cache_dir: str | None = None) -> Path:
     return ensure_model(model.preset, cache_dir or FineslabEnv.from_environ().model_cache_dir)
 
 
-def check_device_support(model: ModelConfig, device: DeviceConfig) -> None:
-    if not device.is_cpu:
-        return
-    if model.precision in ("fp8", "awq"):
-        raise ConfigError(f"model {model.name}: {model.precision} weights need a GPU; on CPU "
-                          "use precision bf16 or fp16")
-    if model.resolved_kv_dtype == "fp8_e4m3":
-        import torch
-
-        if not torch._C._cpu._is_amx_tile_supported():  # type: ignore[attr-defined]
-            raise ConfigError(f"model {model.name}: SGLang 0.5.23 keeps FP8 KV on CPU only with "
-                              "Intel AMX, which this CPU lacks; use kv_dtype bf16 or fp16")
+def check_device_support(model: ModelConfig, device: DeviceConfig, kv_pool: str) -> None:
+    """On CPU, FP8 KV is fineslab's FP8 slab pool: SGLang 0.5.23 keeps FP8 KV on CPU only with
+    Intel AMX kernels (absent from the CPU install), and its torch_native attention ignores the
+    per-layer scales. fp8 and awq weights run on CPU (docs/precisions.md)."""
+    if device.is_cpu and model.resolved_kv_dtype == "fp8_e4m3" and kv_pool != "arena":
+        raise ConfigError(f"model {model.name}: FP8 KV on CPU is stored only in the slab arena "
+                          "(SGLang's CPU FP8 KV needs Intel AMX kernels); use kv_pool: arena")
 
 
 def _demands(config: FleetConfig, profiles: dict[str, ModelProfile]) -> list[ModelDemand]:
@@ -155,13 +181,13 @@ def _kv_shape(name: str, model: ModelConfig, model_dir: Path) -> KVShape:
     heads = cfg["num_attention_heads"]
     return KVShape(name, cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads),
                    cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                   _SLAB_KV_DTYPES[model.resolved_kv_dtype], model.tp)
+                   KV_DTYPES[model.resolved_kv_dtype], model.tp)
 
 
 def _arena_for(device: DeviceConfig, runtimes: list[RuntimePlan], fixed_bytes: int,
-               ) -> tuple[ArenaPlan, dict[str, int]]:
+               page_sizes: tuple[int, ...]) -> tuple[ArenaPlan, dict[str, int]]:
     shapes = [_kv_shape(r.runtime_id, r.model, Path(r.model_dir)) for r in runtimes]
-    slab_plan = plan_slabs(shapes)
+    slab_plan = plan_slabs(shapes, page_sizes=page_sizes)
     budget = device.kv_arena_bytes or int((device.memory_bytes - fixed_bytes)
                                           * ARENA_FRACTION_OF_FREE)
     arena_bytes = budget // slab_plan.slab_bytes * slab_plan.slab_bytes
@@ -172,11 +198,17 @@ def _arena_for(device: DeviceConfig, runtimes: list[RuntimePlan], fixed_bytes: i
     return ArenaPlan(device, slab_plan, arena_bytes), pages
 
 
-def make_plan(config: FleetConfig, cache_dir: str | None = None) -> FleetPlan:
-    """Everything the launcher will do, decided; raises ConfigError/PlacementInfeasible."""
+def make_plan(config: FleetConfig, cache_dir: str | None = None, *,
+              prepared_dir: str | Path | None = None,
+              page_sizes: tuple[int, ...] = DEFAULT_PAGE_SIZES) -> FleetPlan:
+    """Everything the launcher will do, decided; raises ConfigError/PlacementInfeasible.
+
+    `prepared_dir` (default `<model cache>/prepared`) receives the quantized checkpoints;
+    `page_sizes` are the arena block sizes the slab plan may choose from."""
     devices = resolve_devices(config)
     if not devices:
         raise ConfigError("devices: auto found no device")
+    cache_dir = cache_dir or FineslabEnv.from_environ().model_cache_dir
     model_dirs = {m.name: model_dir_of(m, cache_dir) for m in config.models}
     kinds = sorted({d.kind for d in devices})
     if len(kinds) > 1:
@@ -196,25 +228,25 @@ def make_plan(config: FleetConfig, cache_dir: str | None = None) -> FleetPlan:
             raise ConfigError(f"model {model.name}: TP over {len(replica.gpu_ids)} devices is "
                               "not supported by the launcher yet; use tp: 1")
         device = devices[replica.gpu_ids[0]]
-        check_device_support(model, device)
+        check_device_support(model, device, config.kv_pool)
         index = sum(1 for r in runtimes if r.model.name == model.name)
         runtimes.append(RuntimePlan(f"{model.name}-r{index}", model,
                                     str(model_dirs[model.name]), index, device, None))
-    return _with_arenas(config, devices, profiles, placement, runtimes)
+    plan = FleetPlan(config, devices, profiles, placement, (), tuple(runtimes),
+                     str(prepared_dir or Path(cache_dir) / "prepared"))
+    return _with_arenas(plan, page_sizes)
 
 
-def _with_arenas(config: FleetConfig, devices: tuple[DeviceConfig, ...],
-                 profiles: dict[str, ModelProfile], placement: PlacementPlan,
-                 runtimes: list[RuntimePlan]) -> FleetPlan:
-    if config.kv_pool == "sglang":
-        return FleetPlan(config, devices, profiles, placement, (), tuple(runtimes))
+def _with_arenas(plan: FleetPlan, page_sizes: tuple[int, ...]) -> FleetPlan:
+    if plan.config.kv_pool == "sglang":
+        return plan
     arenas, pages = [], {}
-    for gpu_id, device in enumerate(devices):
-        on_device = [r for r in runtimes if r.device.name == device.name]
+    for gpu_id, device in enumerate(plan.devices):
+        on_device = [r for r in plan.runtimes if r.device.name == device.name]
         if on_device:
-            arena, device_pages = _arena_for(device, on_device, placement.fixed_bytes_on(gpu_id))
+            arena, device_pages = _arena_for(device, on_device,
+                                             plan.placement.fixed_bytes_on(gpu_id), page_sizes)
             arenas.append(arena)
             pages.update(device_pages)
-    paged = tuple(RuntimePlan(r.runtime_id, r.model, r.model_dir, r.replica, r.device,
-                              pages[r.runtime_id]) for r in runtimes)
-    return FleetPlan(config, devices, profiles, placement, tuple(arenas), paged)
+    paged = tuple(dataclasses.replace(r, page_size=pages[r.runtime_id]) for r in plan.runtimes)
+    return dataclasses.replace(plan, arenas=tuple(arenas), runtimes=paged)

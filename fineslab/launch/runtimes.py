@@ -1,10 +1,13 @@
 """SGLang runtimes of a fleet: their command lines, start-up with progress, and supervision.
 
-`server_spec(plan)` turns a `RuntimePlan` into the SGLang server arguments: the served name is
-the model's name in the fleet (the OpenAI `model` field), the page size is the arena block's
-tokens, the KV dtype and weight precision become `--dtype` / `--kv-cache-dtype` /
-`--quantization`, and the environment carries the plugin's join request
-(`FINESLAB_ARENA=<fleet_id>`, `FINESLAB_RUNTIME_ID=<runtime id>`).
+`server_spec(plan, prepared)` turns a `RuntimePlan` and its model's prepared checkpoint
+(`fineslab.quant.fleet.PrecisionRuntime`) into the SGLang server: the served name is the
+model's name in the fleet (the OpenAI `model` field), the page size is the arena block's
+tokens, the precision's arguments (`--dtype`, `--quantization`, `--kv-cache-dtype`, ...) come
+from the prepared checkpoint, and the environment carries the plugin's join request
+(`FINESLAB_ARENA=<fleet_id>`, `FINESLAB_RUNTIME_ID=<runtime id>`), the quantized KV format
+(`FINESLAB_KV_FORMAT`, `FINESLAB_KV_SCALES`) and the model's `env`. This is the one way
+fineslab starts a runtime of any precision.
 
 `Supervisor` owns the processes. Its watcher thread polls them every `poll_s`; when one has
 exited it (1) tells the router (`on_down`: in-flight requests of that runtime fail at once),
@@ -25,25 +28,24 @@ from pathlib import Path
 
 from fineslab.errors import EnvironmentSetupError
 from fineslab.launch.plan import RuntimePlan
+from fineslab.quant.fleet import PrecisionRuntime
 from fineslab.runtime import ServerProcess, ServerSpec, free_port
 from fineslab.sglang_plugin import ArenaJoin
 
 logger = logging.getLogger(__name__)
 
-_TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
 #: KV tokens for a runtime on SGLang's own pool (no arena to size it): enough for the demo.
 OWN_POOL_MAX_TOTAL_TOKENS = 16384
 
 
-def server_spec(plan: RuntimePlan, fleet_id: str, use_arena: bool, port: int | None = None,
-                max_running_requests: int | None = None) -> ServerSpec:
+def server_spec(plan: RuntimePlan, prepared: PrecisionRuntime, fleet_id: str, use_arena: bool,
+                port: int | None = None, max_running_requests: int | None = None) -> ServerSpec:
     """The SGLang server for one runtime of the plan (see the module docstring)."""
     model = plan.model
-    args = ["--served-model-name", model.name, "--dtype", _TORCH_DTYPE[model.activation_dtype]]
-    if model.resolved_kv_dtype == "fp8_e4m3":
-        args += ["--kv-cache-dtype", "fp8_e4m3"]
-    if model.precision in ("fp8", "awq"):
-        args += ["--quantization", model.precision]
+    args = ["--served-model-name", model.name, *prepared.server_args]
+    if prepared.kv_env and not use_arena:
+        raise EnvironmentSetupError(f"runtime {plan.runtime_id}: {prepared.kv_dtype.value} KV "
+                                    "is stored only in the slab arena (kv_pool: arena)")
     if use_arena:
         if plan.page_size is None:
             raise EnvironmentSetupError(f"runtime {plan.runtime_id}: no arena page size planned")
@@ -56,8 +58,10 @@ def server_spec(plan: RuntimePlan, fleet_id: str, use_arena: bool, port: int | N
     cpu = plan.device.is_cpu
     if not cpu:
         args += ["--base-gpu-id", plan.device.name.split(":")[1]]
-    env = ArenaJoin(fleet_id, plan.runtime_id).environ() if use_arena else {}
-    return ServerSpec(plan.model_dir, port or free_port(), cpu=cpu,
+    env = dict(model.env)
+    if use_arena:
+        env.update(ArenaJoin(fleet_id, plan.runtime_id).environ(), **prepared.kv_env)
+    return ServerSpec(str(prepared.model_path), port or free_port(), cpu=cpu,
                       extra_args=(*args, *model.extra_args), env=env)
 
 

@@ -17,8 +17,13 @@ Public API
                                                                       (fineslab.quant.kv4)
     kv4_decode_attention(...)   Triton decode kernel over KV4 slots   (fineslab.quant.kv4_triton,
                                 imports triton; CPU only under TRITON_INTERPRET=1)
-    prepare_runtime(precision, src, work, device) -> PrecisionRuntime (fineslab.quant.fleet)
-    run_fleet(runtimes, work, fleet_id, arena_bytes=...) -> RunningFleet (one arena, servers)
+    prepare_served_model(name, weights, kv, src, out, device=) -> PrecisionRuntime
+                                checkpoint + SGLang args + KV env of any (weights, KV) pair,
+                                reused while the source is unchanged (fineslab.quant.fleet)
+    verify_runtime(runtime)     the served checkpoint and FP8 scales file, before a start
+    prepare_runtime(precision, src, work, device) -> PrecisionRuntime   one of bf16/fp8/awq/kv4
+    run_fleet(runtimes, work, fleet_id, arena_bytes=...) -> RunningFleet (the four precisions in
+                                one arena, started by the launcher's Fleet)
     compare_top_logprobs(ref, got) -> GateResult; perplexity(result)  (fineslab.quant.gates)
 
 Modules import torch; none imports SGLang (the KV4 pool lives in fineslab.sglang_plugin).

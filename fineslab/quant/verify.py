@@ -147,6 +147,7 @@ def verify_checkpoint(model_dir: str | Path) -> str | None:
     if problems:
         shown = "\n  ".join(problems[:12])
         more = f"\n  ... and {len(problems) - 12} more" if len(problems) > 12 else ""
-        raise ConfigError(f"bad {method} checkpoint {path}: {len(problems)} problem(s):\n  "
-                          f"{shown}{more}")
+        files = ", ".join(sorted(p.name for p in path.glob("*.safetensors")))
+        raise ConfigError(f"bad {method} checkpoint {path} ({files}): {len(problems)} "
+                          f"problem(s):\n  {shown}{more}")
     return method

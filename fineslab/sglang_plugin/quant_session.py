@@ -4,28 +4,26 @@ SGLang has no 4-bit KV and (on CPU) no usable FP8 KV, so such a runtime runs wit
 `--kv-cache-dtype auto` and the plugin swaps in the real storage format: it fits the arena with
 an INT4 or FP8 block format, and hands SGLang a `Kv4SlabKVPool` / `Fp8SlabKVPool` over the views.
 
-The request travels like the arena join, in the runtime's environment:
+The request travels like the arena join, in the runtime's environment (names in fineslab.env):
     FINESLAB_KV_FORMAT   int4 | fp8_e4m3        (unset: SGLang's dtype, the stock SlabKVPool)
     FINESLAB_KV_SCALES   fp8 only: SGLang's `--quantization-param-path` JSON (per-layer scales);
                          unset: scales 1.0 and a warning (`fineslab.quant.fp8.kv_scales_or_warn`)
 
-Until the base plugin selects these pools itself (the edit is in docs/precisions.md), a runtime
-with a quantized KV format loads this module's `register` as its SGLang plugin instead of
-`fineslab.sglang_plugin:register` (entry point `fineslab_quant`, chosen with
-`SGLANG_PLUGINS=fineslab_quant`). Everything else (allocator, capacity, refusals, leak check)
-is the base session's.
+The one plugin entry point, `fineslab.sglang_plugin:register`, calls `install_quant` when
+FINESLAB_KV_FORMAT is set. Everything else (allocator, capacity, refusals, leak check) is the
+base session's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fineslab.errors import ConfigError, FineslabError
+from fineslab.env import KV_FORMAT_VAR, KV_SCALES_VAR, FineslabEnv
+from fineslab.errors import ConfigError
 from fineslab.sglang_plugin.config import ArenaJoin
 from fineslab.sglang_plugin.hooks import PluginSession, kv_shape_of, refuse_model_kinds
 from fineslab.sglang_plugin.install import HOOK_TARGETS, check_hooks
@@ -36,8 +34,6 @@ from fineslab.slabs.formats import KVDtype
 
 logger = logging.getLogger(__name__)
 
-KV_FORMAT_VAR = "FINESLAB_KV_FORMAT"
-KV_SCALES_VAR = "FINESLAB_KV_SCALES"
 _FORMATS = {"int4": KVDtype.INT4, "fp8_e4m3": KVDtype.FP8_E4M3}
 
 
@@ -49,14 +45,15 @@ class KVFormatRequest:
     scales_path: str | None = None
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> KVFormatRequest | None:
-        env = os.environ if environ is None else environ
-        raw = env.get(KV_FORMAT_VAR) or None
-        if raw is None:
+    def from_env(cls, env: FineslabEnv | None = None) -> KVFormatRequest | None:
+        """The format in the environment, or None when the runtime keeps SGLang's KV dtype."""
+        env = env or FineslabEnv.from_environ()
+        if env.kv_format is None:
             return None
-        if raw not in _FORMATS:
-            raise ConfigError(f"{KV_FORMAT_VAR}={raw!r}: expected one of {sorted(_FORMATS)}")
-        return cls(_FORMATS[raw], env.get(KV_SCALES_VAR) or None)
+        if env.kv_format not in _FORMATS:
+            raise ConfigError(
+                f"{KV_FORMAT_VAR}={env.kv_format!r}: expected one of {sorted(_FORMATS)}")
+        return cls(_FORMATS[env.kv_format], env.kv_scales_path)
 
     def environ(self) -> dict[str, str]:
         name = next(k for k, v in _FORMATS.items() if v is self.kv_dtype)
@@ -119,20 +116,3 @@ def install_quant(join: ArenaJoin, request: KVFormatRequest) -> QuantPluginSessi
                 request.kv_dtype.value, join.arena_name)
     return session
 
-
-def register() -> None:
-    """Entry point (`fineslab_quant`): join with the quantized format the environment names."""
-    try:
-        join = ArenaJoin.from_env()
-        request = KVFormatRequest.from_env()
-        if join is None:
-            return
-        if request is None:
-            from fineslab.sglang_plugin.install import install
-
-            install(join)
-            return
-        install_quant(join, request)
-    except FineslabError as exc:
-        logger.critical("%s", exc)
-        raise SystemExit(f"fineslab SGLang quant plugin: {exc}") from exc

@@ -1,6 +1,7 @@
 """The mixed-precision fleet the SGLang tests of this folder share: one arena, four runtimes.
 
-Started once per session (about 2-3 minutes on the 2-core CI machine: four SGLang servers start
+Started once per session through the launcher (`fineslab.quant.fleet.run_fleet` ->
+`fineslab.launch.Fleet`; about 2-3 minutes on the 2-core CI machine: four SGLang servers start
 in parallel), stopped at the end. The model is SmolLM2-135M-Instruct when set-up installed it,
 else the generated `llama-tiny`.
 """
@@ -37,5 +38,5 @@ def fleet(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     runtimes = [prepare_runtime(p, src, work) for p in PRECISIONS]
     with run_fleet(runtimes, work, f"prec{os.getpid()}", arena_bytes=ARENA_BYTES,
                    page_size_tokens=PAGE_SIZE_TOKENS, extra_env=ONE_THREAD,
-                   extra_args=("--log-level", "info", "--max-running-requests", "8")) as running:
+                   extra_args=("--log-level", "info"), max_running_requests=8) as running:
         yield running

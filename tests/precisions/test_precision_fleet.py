@@ -153,7 +153,7 @@ def test_four_precisions_share_one_arena_with_exact_slab_formats(fleet: Any) -> 
         params = shape.num_kv_heads * 4 if precision == "kv4" else 0
         expected_token_bytes[precision] = shape.num_layers * 2 * (values + params)
         assert member.fmt.token_bytes == expected_token_bytes[precision]
-        owner = owners[member.runtime.name]
+        owner = owners[member.runtime_id]
         assert owner.alive, f"{precision} runtime is not registered as alive in the arena"
         assert owner.key == member.fmt.block_stride_bytes, (
             f"{precision}: its slabs must be keyed by its own block stride")

@@ -111,12 +111,12 @@ def test_demo_plan_puts_three_runtimes_in_one_cpu_arena() -> None:
     assert all(r.page_size and r.page_size > 0 for r in plan.runtimes)
 
 
-def test_fp8_weights_on_cpu_are_refused_with_a_reason() -> None:
+def test_fp8_weights_on_cpu_are_planned_as_a_dequantized_checkpoint() -> None:
     data = _demo()
     data["models"][0]["precision"] = "fp8"
     data["models"][0]["kv_dtype"] = "auto"
-    with pytest.raises(ConfigError, match="need a GPU"):
-        make_plan(fleet_from_dict(data, "test.yaml"))
+    runtime = make_plan(fleet_from_dict(data, "test.yaml")).runtimes_of("llama-bf16")[0]
+    assert runtime.serving == "fp8 ckpt, dequantized to bf16", runtime.serving
 
 
 def test_dry_run_prints_the_plan_and_starts_nothing() -> None:

@@ -1,0 +1,63 @@
+"""Preparing a model for a precision (fineslab.quant.fleet): what the launcher starts a runtime
+with, reuse of an earlier preparation, and the checks before a runtime loads it (no SGLang)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from fineslab.env import KV_FORMAT_VAR, KV_SCALES_VAR
+from fineslab.errors import ConfigError
+from fineslab.quant.fleet import prepare_served_model, verify_runtime
+from fineslab.slabs.formats import KVDtype
+
+
+def test_fp8_on_cpu_serves_dequantized_weights_with_the_fp8_kv_plugin_environment(
+        model_cache: Path, tmp_path: Path) -> None:
+    src = model_cache / "llama-tiny"
+    runtime = prepare_served_model("m", "fp8", "fp8_e4m3", src, tmp_path / "out")
+    assert runtime.kv_dtype is KVDtype.FP8_E4M3
+    assert "--quantization" not in runtime.server_args, "SGLang's fp8 linear is CUDA-only"
+    assert runtime.kv_env[KV_FORMAT_VAR] == "fp8_e4m3"
+    assert Path(runtime.kv_env[KV_SCALES_VAR]).is_file()
+    verify_runtime(runtime)
+
+
+def test_a_second_preparation_reuses_the_first_until_the_source_changes(
+        model_cache: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in (model_cache / "llama-tiny").iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    first = prepare_served_model("a", "awq", "fp16", src, tmp_path / "out")
+    written_ns = (first.model_path / "model.safetensors").stat().st_mtime_ns
+    again = prepare_served_model("b", "awq", "fp16", src, tmp_path / "out")
+    assert again.model_path == first.model_path and again.name == "b"
+    assert (again.model_path / "model.safetensors").stat().st_mtime_ns == written_ns, \
+        "an unchanged source is not converted again"
+    os.utime(src / "model.safetensors", ns=(written_ns + 10**9, written_ns + 10**9))
+    changed = prepare_served_model("c", "awq", "fp16", src, tmp_path / "out")
+    assert (changed.model_path / "model.safetensors").stat().st_mtime_ns != written_ns, \
+        "a changed source is converted again"
+
+
+def test_a_checkpoint_of_another_quantization_is_refused(model_cache: Path,
+                                                         tmp_path: Path) -> None:
+    awq = prepare_served_model("a", "awq", "fp16", model_cache / "llama-tiny", tmp_path / "a")
+    with pytest.raises(ConfigError, match="is a awq checkpoint; precision fp8 needs"):
+        prepare_served_model("f", "fp8", "bf16", awq.model_path, tmp_path / "f")
+
+
+def test_a_scales_file_missing_a_layer_is_refused_naming_the_file(model_cache: Path,
+                                                                  tmp_path: Path) -> None:
+    runtime = prepare_served_model("m", "bf16", "fp8_e4m3", model_cache / "llama-tiny",
+                                   tmp_path / "out")
+    assert runtime.kv_scales_path is not None
+    body = json.loads(runtime.kv_scales_path.read_text())
+    del body["kv_cache"]["scaling_factor"]["0"]["3"]
+    runtime.kv_scales_path.write_text(json.dumps(body))
+    with pytest.raises(ConfigError, match=rf"{runtime.kv_scales_path}: no scale for layer"):
+        verify_runtime(runtime)
