@@ -60,14 +60,17 @@ class SimResult:
     outcomes: tuple[RequestOutcome, ...]
     num_events: int
     wall_s: float
-    #: Output tokens emitted in [0, window_s], the arrival window (the workload's duration).
+    #: Output tokens emitted by decode steps ending in [0, window_s], the arrival window (the
+    #: workload's duration); a request's first token, which its prefill emits, is not counted.
     window_output_tokens: int
     window_s: float
 
     @property
     def window_tokens_per_s(self) -> float:
-        """Generated tokens/s while requests were arriving: the paper's token throughput. Unlike
-        bench_serving's total / duration it does not reward a system for dropping the
+        """The paper's token generation throughput, "the average number of output tokens
+        generated per second during the decode phase, excluding prefill": decode tokens per
+        second of the arrival window, every request counted whether it met its SLO or not.
+        Unlike bench_serving's total / duration it does not reward a system for dropping the
         requests that would have finished last."""
         return self.window_output_tokens / self.window_s
 
@@ -187,8 +190,9 @@ class Simulator:
     def _on_step_end(self, index: int, now_s: float) -> None:
         engine = self.engines[index]
         before = engine.tokens_emitted
+        decode = engine.step is not None and engine.step.kind == "decode"
         freed = engine.finish_step(now_s)
-        if now_s <= self.window_s:
+        if decode and now_s <= self.window_s:
             self.window_output_tokens += engine.tokens_emitted - before
         self._try_start(index, now_s)
         if freed:

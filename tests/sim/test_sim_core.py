@@ -106,3 +106,15 @@ def test_kv_never_exceeds_the_arena(system: str) -> None:
     finally:
         sim.close()
     assert peak_fraction > 0.5, "the workload actually fills the arena (the test has teeth)"
+
+
+@pytest.mark.parametrize("system", sorted(SYSTEMS))
+def test_token_throughput_counts_decode_tokens_of_every_request(system: str) -> None:
+    # The paper's metric: output tokens per second "during the decode phase, excluding
+    # prefill", SLO met or not. With a window past the last completion it is every completed
+    # request's output tokens but the first (the prefill emits that one).
+    models = _models(slo_scale=2.0)
+    requests = _requests(models, 6)
+    result = simulate(models, _gpus(), SYSTEMS[system], requests, window_s=1e9)
+    completed = [o for o in result.outcomes if o.completed]
+    assert result.window_output_tokens == sum(o.output_tokens - 1 for o in completed)
