@@ -15,84 +15,31 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import yaml
+from fleet_support import START_TIMEOUT_S, LaunchedFleet, group_alive, launch, shm_files
 
 from fineslab import cpu_mode
-from fineslab.runtime import free_port
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 MODELS = ("llama-bf16", "llama-small-fp16", "qwen2-bf16")
-START_TIMEOUT_S = 900.0
-
-
-@dataclass
-class LaunchedFleet:
-    proc: subprocess.Popen[bytes]
-    base_url: str
-    fleet_id: str
-    output: Path
-    model_dirs: dict[str, str]
-
-    def health(self) -> httpx.Response:
-        return httpx.get(self.base_url + "/health", timeout=10)
-
-    def runtime_pids(self) -> dict[str, int]:
-        models = self.health().json()["models"]
-        return {r["runtime_id"]: r["pid"] for rs in models.values() for r in rs}
-
-    def metrics(self) -> str:
-        return httpx.get(self.base_url + "/metrics", timeout=10).text
-
-
-def _group_alive(pgid: int) -> bool:
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False
+#: The tokenizer of each model, for sglang.bench_serving.
+MODEL_DIRS = {"llama-bf16": "llama-tiny", "llama-small-fp16": "llama-small",
+              "qwen2-bf16": "qwen2-tiny"}
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[LaunchedFleet]:
     folder = tmp_path_factory.mktemp("demo-fleet")
-    config = yaml.safe_load((REPO / "examples" / "cpu-demo.yaml").read_text())
-    config["fleet_id"] = f"e2e-{os.getpid()}"
-    port = free_port()
-    config["router"]["port"] = port
-    (folder / "fleet.yaml").write_text(yaml.safe_dump(config))
-    output = folder / "launch.out"
-    env = dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache))
-    with open(output, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "fineslab.launch", "--config", str(folder / "fleet.yaml"),
-             "--log-dir", str(folder / "logs")], stdout=out, stderr=subprocess.STDOUT, env=env,
-            cwd=REPO, start_new_session=True)
-    launched = LaunchedFleet(proc, f"http://127.0.0.1:{port}", config["fleet_id"], output, {
-        "llama-bf16": str(model_cache / "llama-tiny"),
-        "llama-small-fp16": str(model_cache / "llama-small"),
-        "qwen2-bf16": str(model_cache / "qwen2-tiny")})
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while b"\nready\n" not in output.read_bytes():
-        assert proc.poll() is None, "launcher died:\n" + output.read_text()[-4000:]
-        assert time.monotonic() < deadline, "fleet not ready:\n" + output.read_text()[-4000:]
-        time.sleep(1)
+    launched, _ = launch("cpu-demo.yaml", folder, model_cache, f"e2e-{os.getpid()}")
     yield launched
-    if proc.poll() is None:  # the shutdown test did not run or failed
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(120)
+    if launched.proc.poll() is None:  # the shutdown test did not run or failed
+        os.killpg(launched.proc.pid, signal.SIGTERM)
+        launched.proc.wait(120)
 
 
 def test_launch_reports_progress_and_every_runtime_up(fleet: LaunchedFleet) -> None:
@@ -131,7 +78,8 @@ def _bench_serving(fleet: LaunchedFleet, model: str) -> str:
     env = cpu_mode.child_environ()
     result = subprocess.run(
         [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang-oai",
-         "--base-url", fleet.base_url, "--model", model, "--tokenizer", fleet.model_dirs[model],
+         "--base-url", fleet.base_url, "--model", model, "--tokenizer",
+         str(fleet.model_cache / MODEL_DIRS[model]),
          "--dataset-name", "random-ids", "--random-input-len", "32", "--random-output-len", "8",
          "--random-range-ratio", "1.0", "--num-prompts", "4", "--request-rate", "4",
          # Its per-run JSONL would otherwise land in the working directory (the checkout).
@@ -221,8 +169,8 @@ def test_shutdown_leaves_no_process_and_no_shared_memory(fleet: LaunchedFleet) -
     os.killpg(fleet.proc.pid, signal.SIGTERM)
     assert fleet.proc.wait(180) == 0, fleet.output.read_text()[-3000:]
     time.sleep(0.5)
-    alive = [pid for pid in [*pids, fleet.proc.pid] if _group_alive(pid)]
+    alive = [pid for pid in [*pids, fleet.proc.pid] if group_alive(pid)]
     assert not alive, f"process groups still alive: {alive}"
-    leftovers = sorted(p.name for p in Path("/dev/shm").glob(f"fineslab-{fleet.fleet_id}-*"))
+    leftovers = shm_files(fleet.fleet_id)
     assert not leftovers, leftovers
     assert "fleet stopped" in fleet.output.read_text()

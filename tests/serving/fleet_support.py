@@ -1,0 +1,86 @@
+"""Launching a fleet YAML with `python -m fineslab.launch` as a real subprocess, for the tests.
+
+`launch(example, folder, model_cache)` copies an example config with its own fleet id and a
+free router port, starts the launcher in a new session (so the test can signal the whole
+group), and waits for its `ready` line; `LaunchedFleet` reads the router's /health and
+/metrics. `group_alive` and `shm_files` check that a stopped fleet left nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+from fineslab.runtime import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 900.0
+
+
+@dataclass
+class LaunchedFleet:
+    proc: subprocess.Popen[bytes]
+    base_url: str
+    fleet_id: str
+    output: Path
+    model_cache: Path
+
+    def health(self) -> httpx.Response:
+        return httpx.get(self.base_url + "/health", timeout=10)
+
+    def runtime_pids(self) -> dict[str, int]:
+        models = self.health().json()["models"]
+        return {r["runtime_id"]: r["pid"] for rs in models.values() for r in rs}
+
+    def metrics(self) -> str:
+        return httpx.get(self.base_url + "/metrics", timeout=10).text
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any non-zombie process of process group `pgid` is left."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
+
+
+def shm_files(fleet_id: str) -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").glob(f"fineslab-{fleet_id}-*"))
+
+
+def launch(example: str, folder: Path, model_cache: Path, fleet_id: str,
+           timeout_s: float = START_TIMEOUT_S) -> tuple[LaunchedFleet, float]:
+    """Start `examples/<example>` under `fleet_id`; return the fleet and its start seconds."""
+    config = yaml.safe_load((REPO / "examples" / example).read_text())
+    config["fleet_id"] = fleet_id
+    port = free_port()
+    config["router"]["port"] = port
+    (folder / "fleet.yaml").write_text(yaml.safe_dump(config))
+    output = folder / "launch.out"
+    env = dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache))
+    start_s = time.monotonic()
+    with open(output, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fineslab.launch", "--config", str(folder / "fleet.yaml"),
+             "--log-dir", str(folder / "logs")], stdout=out, stderr=subprocess.STDOUT, env=env,
+            cwd=REPO, start_new_session=True)
+    fleet = LaunchedFleet(proc, f"http://127.0.0.1:{port}", fleet_id, output, model_cache)
+    deadline = start_s + timeout_s
+    while b"\nready\n" not in output.read_bytes():
+        assert proc.poll() is None, "launcher died:\n" + output.read_text()[-4000:]
+        assert time.monotonic() < deadline, "fleet not ready:\n" + output.read_text()[-4000:]
+        time.sleep(1)
+    return fleet, time.monotonic() - start_s
