@@ -16,27 +16,11 @@ seconds (a new block when a block fills), and frees everything when its last tok
 refused allocation drops its request (its blocks freed); the run goes on. Every scheme replays
 the same requests at the same times into the same arena bytes.
 
-Schemes and what each must honor (a real implementation under SGLang; never worse than that):
-
-  slab         fineslab itself: SlabTable + RuntimeSlabs per model, slab plan of plan_slabs
-               (padded strides, whole slabs only: the arena's tail beyond the last slab is lost),
-               decode blocks placed near the request's last block (the plugin's last_loc)
-  static       one private pool per model, sized in proportion to that model's exact mean KV
-               demand in this very run (an oracle; an operator without the trace does no better);
-               no padding, the slab plan's page sizes
-  fixed_block  one shared pool of uniform B-byte blocks. SGLang indexes a model's layer buffer
-               by flat slot (k_buffer[layer][slot], one stride), so block b must be page b of
-               every model's view: B = page x stride, stride >= token bytes, 16-byte aligned. A
-               model whose token does not divide B pads its stride; the block's remainder
-               B - page x token_bytes is lost in every block (`fixed_block_tokens`). Pages are at
-               least the slab plan's smallest. Two B are tried and the better is the key:
-               `fixed_block_largest` B = smallest page x the largest token (the paper's "single
-               fixed block size"), `fixed_block_lowpad` the smallest 7-smooth B whose worst
-               remainder is within plan_slabs' padding bound
-  first_fit    variable-size blocks (each model's unpadded block) placed first-fit in address
-               order in one byte range, no slabs; each block at a multiple of its own size,
-               since page p of a model's flat view starts at p x page x token bytes (the key).
-               `first_fit_unaligned` drops that rule: not servable by SGLang, shown for scale
+Schemes (`fineslab.bench.fragmentation_schemes`, where each one and the rules it must honor
+under SGLang are described): slab (fineslab itself), static (a private pool per model, sized
+here from this run's exact mean KV demand: an oracle), fixed_block (one shared pool of uniform
+blocks; two block sizes, `fixed_block_largest` and `fixed_block_lowpad`, the better is the key),
+first_fit (variable-size aligned blocks in one byte range; `first_fit_unaligned` for scale).
 
 Metric. Utilization = live KV bytes (tokens held x that model's real token bytes) / arena bytes.
 A refusal is a *capacity* refusal when live bytes including the refused tokens exceed the arena
@@ -58,16 +42,20 @@ import argparse
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 
+from fineslab.bench.fragmentation_schemes import (
+    CountingScheme,
+    FirstFitScheme,
+    FixedBlockPlan,
+    Scheme,
+    SlabScheme,
+    fixed_block_plans,
+)
 from fineslab.bench.report import add_json_flag, emit
-from fineslab.errors import ArenaExhausted, ConfigError
-from fineslab.slabs.client import RuntimeSlabs
-from fineslab.slabs.formats import DEFAULT_ALIGNMENT_BYTES, BlockFormat, KVDtype, KVShape
-from fineslab.slabs.sizing import plan_slabs, smooth_numbers
-from fineslab.slabs.table import SlabTable, TableDims
+from fineslab.slabs.formats import BlockFormat, KVDtype, KVShape
+from fineslab.slabs.sizing import plan_slabs
 from fineslab.workload import (
     AZURE_CONV,
     SHAREGPT_STATS,
@@ -172,178 +160,6 @@ def block_events(work: Workload, tokens_per_block: np.ndarray) -> tuple[np.ndarr
     counts = np.concatenate([first, np.ones(len(grow_t), np.int64), np.zeros(len(tpb), np.int64)])
     order = np.lexsort((kinds, times))
     return times[order], kinds[order], reqs[order], counts[order]
-
-
-class Scheme(Protocol):
-    """An arena allocator under test: a handle per successful alloc, None when it fails."""
-
-    def alloc(self, model: int, num_blocks: int, previous: object | None) -> object | None:
-        """`previous`: the request's last handle (None for its prompt)."""
-
-    def free(self, model: int, handles: list[object]) -> None: ...
-
-
-class SlabScheme:
-    """fineslab's mechanism itself: a SlabTable (table file only) and one RuntimeSlabs a model."""
-
-    def __init__(self, arena_bytes: int, slab_bytes: int, formats: list[BlockFormat],
-                 folder: Path) -> None:
-        max_bps = max(f.blocks_per_slab(slab_bytes) for f in formats)
-        dims = TableDims(arena_bytes // slab_bytes, slab_bytes, max_bps, max_runtimes=8)
-        self.table = SlabTable.create(folder / "fragmentation.table", dims, backing=0)
-        self.clients = [RuntimeSlabs(self.table, f.name, f) for f in formats]
-
-    def alloc(self, model: int, num_blocks: int, previous: object | None) -> object | None:
-        near = int(previous[-1]) if isinstance(previous, np.ndarray) and previous.size else None
-        try:
-            return self.clients[model].alloc_array(num_blocks, near_block=near)
-        except ArenaExhausted:
-            return None
-
-    def free(self, model: int, handles: list[object]) -> None:
-        if handles:
-            self.clients[model].free(np.concatenate(handles))  # type: ignore[arg-type]
-
-    def close(self) -> None:
-        for client in self.clients:
-            client.check_integrity()
-            client.close()
-        self.table.close()
-
-
-class CountingScheme:
-    """Pools of uniform blocks (no fragmentation inside a pool): static or one shared pool."""
-
-    def __init__(self, capacity_blocks: list[int], pool_of_model: list[int]) -> None:
-        self.capacity, self.pool_of = capacity_blocks, pool_of_model
-        self.used = [0] * len(capacity_blocks)
-
-    def alloc(self, model: int, num_blocks: int, previous: object | None) -> object | None:
-        pool = self.pool_of[model]
-        if self.used[pool] + num_blocks > self.capacity[pool]:
-            return None
-        self.used[pool] += num_blocks
-        return num_blocks
-
-    def free(self, model: int, handles: list[object]) -> None:
-        self.used[self.pool_of[model]] -= sum(handles)  # type: ignore[arg-type]
-
-
-class FirstFitScheme:
-    """Variable-size blocks, first fit in address order over a sorted list of holes.
-
-    aligned: a block of size s starts at a multiple of s (flat slot indexing, see the module
-    docstring); the bytes skipped to reach it stay a hole.
-    """
-
-    def __init__(self, arena_bytes: int, block_bytes: list[int], aligned: bool) -> None:
-        self.block_bytes, self.aligned = block_bytes, aligned
-        self.starts = np.array([0], dtype=np.int64)
-        self.sizes = np.array([arena_bytes], dtype=np.int64)
-
-    def alloc(self, model: int, num_blocks: int, previous: object | None) -> object | None:
-        size = self.block_bytes[model]
-        starts, sizes = self.starts, self.sizes
-        first = -(-starts // size) * size if self.aligned else starts
-        fit = np.maximum((starts + sizes - first) // size, 0)
-        total = np.cumsum(fit)
-        if total.size == 0 or total[-1] < num_blocks:
-            return None
-        last = int(np.searchsorted(total, num_blocks))
-        take = fit[: last + 1].copy()
-        take[last] -= total[last] - num_blocks
-        used = np.flatnonzero(take)
-        chunk_starts, chunk_sizes = first[used], take[used] * size
-        hole_ends = starts[used] + sizes[used]
-        left = (starts[used], chunk_starts - starts[used])
-        right = (chunk_starts + chunk_sizes, hole_ends - chunk_starts - chunk_sizes)
-        keep = np.ones(starts.size, dtype=bool)
-        keep[used] = False
-        new_starts = np.concatenate([starts[keep], left[0], right[0]])
-        new_sizes = np.concatenate([sizes[keep], left[1], right[1]])
-        order = np.argsort(new_starts[new_sizes > 0], kind="stable")
-        self.starts, self.sizes = new_starts[new_sizes > 0][order], new_sizes[new_sizes > 0][order]
-        return list(zip(chunk_starts.tolist(), chunk_sizes.tolist(), strict=True))
-
-    def free(self, model: int, handles: list[object]) -> None:
-        chunks = sorted(c for handle in handles for c in handle)  # type: ignore[attr-defined]
-        if not chunks:
-            return
-        starts = np.concatenate([self.starts, [c[0] for c in chunks]])
-        sizes = np.concatenate([self.sizes, [c[1] for c in chunks]])
-        order = np.argsort(starts, kind="stable")
-        starts, sizes = starts[order], sizes[order]
-        # coalesce: a hole starts a new run unless it begins where the previous one ends
-        ends = starts + sizes
-        if (starts[1:] < ends[:-1]).any():
-            raise RuntimeError("first-fit baseline: a freed chunk overlaps a hole (a defect)")
-        new_run = np.ones(starts.size, dtype=bool)
-        new_run[1:] = starts[1:] != ends[:-1]
-        run_id = np.cumsum(new_run) - 1
-        self.starts = starts[new_run]
-        self.sizes = np.bincount(run_id, weights=sizes).astype(np.int64)
-
-
-def fixed_block_tokens(shape: KVShape, block_bytes: int, min_page: int,
-                       alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> int | None:
-    """Tokens a shared `block_bytes` block holds for `shape` when SGLang indexes it flat.
-
-    Block b must be page b of the model's view (slot s at s x stride), so block_bytes = page x
-    stride exactly, with stride >= token_bytes and stride % alignment == 0; the largest page
-    comes from the smallest such stride. The rest, block_bytes - page x token_bytes, is lost in
-    every block. None when no stride gives at least `min_page` tokens.
-    """
-    if block_bytes % alignment_bytes:
-        return None
-    units = block_bytes // alignment_bytes
-    low, high = -(-shape.token_bytes // alignment_bytes), units // min_page
-    if high < low:
-        return None
-    strides = np.arange(low, high + 1, dtype=np.int64)
-    fitting = strides[units % strides == 0]
-    return int(units // fitting[0]) if fitting.size else None
-
-
-@dataclass(frozen=True)
-class FixedBlockPlan:
-    """One block size for every model, and the tokens each model puts in a block."""
-
-    block_bytes: int
-    tokens_per_block: tuple[int, ...]
-    token_bytes: tuple[int, ...]
-
-    @property
-    def remainder_waste(self) -> tuple[float, ...]:
-        """Per model, the fraction of each block that no token uses."""
-        return tuple(1 - p * t / self.block_bytes
-                     for p, t in zip(self.tokens_per_block, self.token_bytes, strict=True))
-
-    @classmethod
-    def fit(cls, shapes: tuple[KVShape, ...], block_bytes: int, min_page: int
-            ) -> FixedBlockPlan | None:
-        pages = [fixed_block_tokens(s, block_bytes, min_page) for s in shapes]
-        if any(p is None for p in pages):
-            return None
-        return cls(block_bytes, tuple(p for p in pages if p is not None),
-                   tuple(s.token_bytes for s in shapes))
-
-
-def fixed_block_plans(shapes: tuple[KVShape, ...], min_page: int, max_waste: float
-                      ) -> dict[str, FixedBlockPlan]:
-    """`largest`: B = min_page x the largest token stride; `lowpad`: the smallest 7-smooth B
-    above it whose worst remainder waste is within `max_waste` (searched up to 16x)."""
-    align = DEFAULT_ALIGNMENT_BYTES
-    largest_bytes = min_page * max(-(-s.token_bytes // align) * align for s in shapes)
-    largest = FixedBlockPlan.fit(shapes, largest_bytes, min_page)
-    if largest is None:
-        raise ConfigError(f"internal: {largest_bytes} B does not fit every model")
-    plans = {"largest": largest}
-    for block_bytes in smooth_numbers(largest_bytes, 16 * largest_bytes):
-        plan = FixedBlockPlan.fit(shapes, block_bytes, min_page)
-        if plan is not None and max(plan.remainder_waste) <= max_waste:
-            plans["lowpad"] = plan
-            break
-    return plans
 
 
 @dataclass(frozen=True)

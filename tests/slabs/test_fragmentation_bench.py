@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 
 from fineslab.bench import fragmentation as frag
-from fineslab.bench.fragmentation import (
+from fineslab.bench.fragmentation import Workload, block_events, replay
+from fineslab.bench.fragmentation_schemes import (
     CountingScheme,
     FirstFitScheme,
     FixedBlockPlan,
-    Workload,
-    block_events,
+    fixed_block_plans,
     fixed_block_tokens,
-    replay,
 )
 from fineslab.slabs.formats import KVDtype, KVShape
 
@@ -46,7 +45,7 @@ def test_fixed_block_respects_the_minimum_page_and_alignment() -> None:
 
 
 def test_fixed_block_plans_for_the_benchmark_models() -> None:
-    plans = frag.fixed_block_plans(frag.MODELS, min_page=16, max_waste=0.02)
+    plans = fixed_block_plans(frag.MODELS, min_page=16, max_waste=0.02)
     largest, lowpad = plans["largest"], plans["lowpad"]
     assert largest.block_bytes == 16 * 163840, "the 70B shard's 16-token block"
     assert largest.tokens_per_block == (20, 40, 160, 16)
