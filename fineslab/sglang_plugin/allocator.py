@@ -30,6 +30,7 @@ tensor of the drawn ids.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Protocol
 
 import torch
@@ -43,6 +44,12 @@ logger = logging.getLogger(__name__)
 
 #: SGLang writes padded tokens to slot 0 and never allocates page 0.
 PADDING_PAGE = 0
+#: How long a runtime whose last running request cannot get a page waits for its neighbours to
+#: free arena memory before it lets SGLang abort that request (SGLang's own pool never gets
+#: there: its admission keeps room for what it admitted; a shared arena can be taken in between).
+#: Below SGLang's scheduler watchdog (300 s by default), which would kill a longer wait.
+STARVED_WAIT_S = 60.0
+STARVED_POLL_S = 0.01
 
 
 class BlockSource(Protocol):
@@ -184,8 +191,32 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
 
     def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests: Any = None,
                               spec_algorithm: Any = None) -> bool:
+        """Reserve the next decode step's pages. Short with several requests running: False,
+        and SGLang retracts some of them (their pages go back). Short with one request left,
+        which SGLang would abort: wait for the neighbours to free memory (`STARVED_WAIT_S`)."""
         self.evict_to_free_tokens(tree_cache, num_tokens)
-        return self.reserve_tokens(num_tokens)
+        if self.reserve_tokens(num_tokens):
+            return True
+        if requests is None or len(requests) != 1:
+            return False
+        return self._wait_for_neighbours(num_tokens)
+
+    def _wait_for_neighbours(self, num_tokens: int) -> bool:
+        num_pages = _ceil_div(num_tokens, self.page_size)
+        if self._num_used() + num_pages > self._max_pages:
+            return False  # this runtime's own cap, not a neighbour: waiting cannot help
+        logger.warning("the arena is full: this runtime's last running request waits up to "
+                       "%.0f s for neighbours to free %d page(s)", STARVED_WAIT_S, num_pages)
+        start = time.monotonic()
+        while time.monotonic() - start < STARVED_WAIT_S:
+            time.sleep(STARVED_POLL_S)
+            if self.reserve_tokens(num_tokens):
+                logger.info("arena memory freed after %.2f s: decoding resumes",
+                            time.monotonic() - start)
+                return True
+        logger.error("no arena memory freed in %.0f s: SGLang aborts the request",
+                     STARVED_WAIT_S)
+        return False
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         pages = self._take(need_size // self.page_size)

@@ -127,6 +127,44 @@ def generate_http(base_url: str, input_ids: list[int], max_new_tokens: int,
     return list(resp.json()["output_ids"])
 
 
+#: Largest logprob gap (nats) between two tokens that still counts as a tie where a served
+#: greedy output parts from its reference. A request that was retracted and re-prefilled, or
+#: batched differently, computes its KV with other matmul shapes, which round bf16/fp16
+#: differently; on a random-weight model (near-flat next-token distributions) that flips near-ties.
+#: A wrong slot or a page written by a neighbour gives gaps of whole nats.
+TIE_NATS = 0.05
+TOP_K = 64
+
+
+def next_token_logprobs(base_url: str, input_ids: list[int]) -> dict[int, float]:
+    """The server's top-`TOP_K` logprobs of the token after `input_ids`."""
+    resp = httpx.post(base_url + "/generate", timeout=600, json={
+        "input_ids": input_ids, "return_logprob": True, "top_logprobs_num": TOP_K,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 1}})
+    resp.raise_for_status()
+    top = resp.json()["meta_info"]["output_top_logprobs"][0]
+    return {int(tok): float(lp) for lp, tok, _ in top}
+
+
+def tie_problem(base_url: str, prompt: list[int], want: list[int],
+                have: list[int] | BaseException) -> str | None:
+    """None if `have` equals `want` or parts from it at a tie (judged by the server on the
+    shared prefix); else what is wrong."""
+    if isinstance(have, BaseException):
+        return f"request failed: {have!r}"
+    if have == want:
+        return None
+    if len(have) != len(want):
+        return f"{len(have)} tokens, expected {len(want)}"
+    first = next(i for i, (w, h) in enumerate(zip(want, have, strict=True)) if w != h)
+    top = next_token_logprobs(base_url, prompt + want[:first])
+    a, b = top.get(want[first]), top.get(have[first])
+    if a is None or b is None or abs(a - b) > TIE_NATS:
+        return (f"parts at token {first}: {want[first]} (logprob {a}) vs {have[first]} "
+                f"(logprob {b}), not a tie within {TIE_NATS} nats")
+    return None
+
+
 def generate_concurrently(base_url: str, input_ids: list[list[int]], max_new_tokens: int
                           ) -> list[list[int] | BaseException]:
     """All requests at once, one thread each; an exception stands in for a failed request."""

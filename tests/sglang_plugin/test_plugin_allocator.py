@@ -9,12 +9,15 @@ created by the test, with a second runtime in the same table playing the neighbo
 from __future__ import annotations
 
 import random
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 from plugin_test_support import ScratchArena
 
+from fineslab.sglang_plugin import allocator as allocator_module
 from fineslab.sglang_plugin.allocator import PADDING_PAGE, SlabAllocator
 from fineslab.sglang_plugin.pool import SlabKVPool
 from fineslab.slabs import KVDtype, KVShape, RuntimeSlabs
@@ -119,3 +122,38 @@ def test_cap_from_max_total_tokens_is_respected(setup: tuple) -> None:
         assert capped.check_integrity() == []
     finally:
         capped_source.close()
+
+
+def test_last_request_waits_for_a_neighbour_to_free_memory(setup: tuple) -> None:
+    allocator, source, neighbour, _ = setup
+    grabbed = neighbour.alloc(neighbour.available_blocks())
+    one_request = [object()]
+    assert not allocator.check_decode_capacity(num_tokens=PAGE, tree_cache=None,
+                                               requests=[object(), object()]), (
+        "with several requests running, a short arena means retraction, not a wait")
+    timer = threading.Timer(0.3, neighbour.free, args=(grabbed[:4],))
+    timer.start()
+    start = time.monotonic()
+    assert allocator.check_decode_capacity(num_tokens=PAGE, tree_cache=None,
+                                           requests=one_request), (
+        "the last request must get the page its neighbour frees, not be aborted")
+    assert time.monotonic() - start >= 0.25, "it had to wait for the neighbour"
+    timer.join()
+    out = allocator.alloc(PAGE)
+    assert out is not None
+    allocator.free(out)
+    neighbour.free(grabbed[4:])
+    _check(allocator, source)
+
+
+def test_last_request_gives_up_after_the_wait(setup: tuple,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    allocator, source, neighbour, _ = setup
+    monkeypatch.setattr(allocator_module, "STARVED_WAIT_S", 0.2)
+    grabbed = neighbour.alloc(neighbour.available_blocks())
+    start = time.monotonic()
+    assert not allocator.check_decode_capacity(num_tokens=PAGE, tree_cache=None,
+                                               requests=[object()])
+    assert 0.2 <= time.monotonic() - start < 5, "the wait is bounded by STARVED_WAIT_S"
+    neighbour.free(grabbed)
+    _check(allocator, source)
