@@ -218,9 +218,12 @@ def make_plan(config: FleetConfig, cache_dir: str | None = None, *,
                 for m in config.models}
     gpus = [GpuSpec(i, d.memory_bytes, d.kind) for i, d in enumerate(devices)]
     placement = get_placement_policy(config.placement).place(_demands(config, profiles), gpus)
-    if placement.unplaced:
+    if placement.unplaced:  # place() raises first; kept for a policy that does not
         raise PlacementInfeasible("the placer could not place every model:\n  " + "\n  ".join(
             f"{u.model}: {u.reason}" for u in placement.unplaced))
+    for short in placement.reduced:
+        logger.warning("model %s placed with less than its SLO sizing: %s", short.model,
+                       short.reason)
     runtimes: list[RuntimePlan] = []
     for replica in placement.replicas:
         model = config.model(replica.model.split("#")[0])
