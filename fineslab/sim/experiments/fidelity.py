@@ -180,13 +180,13 @@ def _body(cfg: FidelityConfig, profile: ModelProfile, num_requests: int, live: L
 
 FIDELITY_NOTES = """Where the error comes from: the simulator charges a prefill step
 `prefill_s(tokens)` and a decode step `decode.step_s(batch, context)` read off the profile, and
-nothing else. The live server adds HTTP, tokenization and detokenization, streaming and the
-scheduler's own per-step overhead, which on a 2-core machine shared with other jobs varies
-from run to run. The stored profile was measured in another hour under other contention (its
-raw timings are in its provenance), so it is off by several times; the calibrated profile is
-measured on the same server minutes before the run, with lone probes. Under the workload the
-server's three processes (HTTP/tokenizer, scheduler, detokenizer) run at once and compete with
-each other and with other jobs for the 2 cores, so its steps are slower than the lone probes
-measured: live TPOT is about 1.5x the calibrated step at the same batch, and the TTFT error
-(queueing behind those slower steps) is the largest. Throughput, which the rate bounds, is
-predicted within 10%."""
+nothing else. The live server adds HTTP, tokenization, detokenization and the scheduler's own
+per-step overhead. The stored profile times the engine's steps in-process (`fineslab.profile
+measure`), so it leaves that overhead out: at these tiny sizes (a 16-token prefill takes about
+7 ms on 2 idle cores) the fixed per-request cost is as large as the prefill itself, which is
+why its TTFT is low by about half while TPOT and throughput agree. The calibrated profile is
+measured through the same server minutes before the run, so it carries the overhead. Both are
+measured numbers and depend on the machine's load: on a 2-core machine shared with other jobs,
+the server's three processes (HTTP/tokenizer, scheduler, detokenizer) compete with those jobs,
+the live steps run slower than the calibration probes, and the TTFT error grows (0.60 at a
+load average of 14 on 2026-11-22). The load average of this run is stated above."""
