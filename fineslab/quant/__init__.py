@@ -4,8 +4,8 @@ Precisions fineslab serves (docs/precisions.md has the gates and measured number
     bf16 / fp16   plain checkpoints
     fp8           W8A8 (SGLang's `fp8` method) + FP8 KV with per-layer scales  -> `fp8`
     awq           W4A16 (SGLang's native `awq` method)                          -> `awq`
-    qoq / kv4     W4A8 weights on GPUs (SGLang's `qoq`), 4-bit KV with per-token per-head
-                  scale and zero inside the slab block (ours)                   -> `kv4`
+    qoq / kv4     bf16 weights (SGLang 0.5.23 has no `qoq` W4A8 method); 4-bit KV with
+                  per-token per-head scale and zero inside the slab block (ours) -> `kv4`
 
 Public API
     write_awq_checkpoint(src, out, AWQConfig(group_size)) -> Path    (fineslab.quant.awq)
