@@ -16,6 +16,7 @@ attention backends (keys `gpu_<backend>_plugin_tok_s`, `..._stock_tok_s`, `..._r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import random
 import signal
@@ -127,9 +128,12 @@ def compare(cfg: BenchConfig, model_path: Path, logs: Path, *, cpu: bool,
                 rates[name].append(_one_round(servers[name].spec.base_url, cfg, seed=r + 1))
                 logger.info("round %d %s: %.1f tok/s", r, name, rates[name][-1])
     finally:
-        for server in servers.values():
-            server.stop()
-        arena.close()
+        # Every server is stopped and the arena closed even if one stop fails or a signal
+        # lands in the middle (a stop left out here would leave an orphan runtime spinning).
+        with contextlib.ExitStack() as cleanup:
+            cleanup.callback(arena.close)
+            for server in servers.values():
+                cleanup.callback(server.stop)
     return statistics.median(rates["plugin"]), statistics.median(rates["stock"])
 
 
