@@ -176,20 +176,32 @@ def test_api_key_is_required_when_configured(backend_url: str) -> None:
         server.stop()
 
 
-def test_a_runtime_marked_down_fails_its_inflight_requests_at_once(backend_url: str) -> None:
-    server = _serve([_route("fast", backend_url)])
+def test_a_runtime_marked_down_fails_its_inflight_requests_at_once() -> None:
+    # A backend slow enough (5 s a request) that "at once" is unambiguous on a loaded machine.
+    port = free_port()
+    slow = start_echo_backend(port, delay_s=5.0, token_gap_s=0.01)
+    server = _serve([_route("fast", f"http://127.0.0.1:{port}")])
     try:
-        async def scenario() -> tuple[int, str, int]:
+        replica = server.router.replicas["fast"][0]
+
+        async def scenario() -> tuple[int, str, int, float]:
             async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
                 body = {"model": "fast", "prompt": "hi", "max_tokens": 2}
                 pending = asyncio.ensure_future(client.post("/v1/completions", json=body))
-                await asyncio.sleep(0.1)  # admitted, the backend sleeps 0.3 s
+                for _ in range(500):  # until the router has handed it to the runtime
+                    if replica.inflight == 1:
+                        break
+                    await asyncio.sleep(0.01)
+                assert replica.inflight == 1, "the request must be in flight at the runtime"
+                marked = asyncio.get_running_loop().time()
                 server.router.mark_down("fast-r0")
                 reply = await pending
+                waited = asyncio.get_running_loop().time() - marked
                 health = await client.get("/health")
-                return reply.status_code, reply.json()["error"]["code"], health.status_code
+                return reply.status_code, reply.json()["error"]["code"], health.status_code, waited
 
-        status, code, health = asyncio.run(scenario())
+        status, code, health, waited = asyncio.run(scenario())
+        assert waited < 2.5, f"the in-flight request must fail at once, not after {waited:.1f} s"
         assert (status, code) == (502, "runtime_down")
         assert health == 503, "a model with no live runtime makes /health fail"
         server.router.mark_up("fast-r0", pid=123)
@@ -200,3 +212,5 @@ def test_a_runtime_marked_down_fails_its_inflight_requests_at_once(backend_url: 
         assert 'fineslab_runtime_restarts{model="fast",runtime="fast-r0"} 1.0' in text
     finally:
         server.stop()
+        slow.terminate()
+        slow.wait(10)
