@@ -57,9 +57,9 @@ def router(backend_url: str) -> Iterator[RouterServer]:
 
 
 def test_models_and_health_list_every_model(router: RouterServer) -> None:
-    models = httpx.get(router.base_url + "/v1/models").json()
+    models = httpx.get(router.base_url + "/v1/models", timeout=30).json()
     assert sorted(m["id"] for m in models["data"]) == ["fast", "strict"]
-    health = httpx.get(router.base_url + "/health")
+    health = httpx.get(router.base_url + "/health", timeout=30)
     assert health.status_code == 200 and health.json()["status"] == "ok"
 
 
@@ -96,10 +96,10 @@ def test_streaming_passes_every_event_through(router: RouterServer) -> None:
 def test_bad_requests_get_their_status_and_a_json_error(router: RouterServer, payload: bytes,
                                                         status: int, code: str) -> None:
     reply = httpx.post(router.base_url + "/v1/completions", content=payload,
-                       headers={"content-type": "application/json"})
+                       headers={"content-type": "application/json"}, timeout=30)
     assert reply.status_code == status, reply.text
     assert reply.json()["error"]["code"] == code
-    assert httpx.get(router.base_url + "/health").status_code == 200, "still healthy"
+    assert httpx.get(router.base_url + "/health", timeout=30).status_code == 200, "still healthy"
 
 
 def test_a_request_that_cannot_meet_its_slo_gets_429_with_retry_after(
@@ -129,7 +129,7 @@ def test_queue_releases_at_most_max_running_and_drops_what_waits_too_long(
     assert codes.count(200) >= 4, codes
     assert codes.count(429) >= 1, f"some requests must miss a 1 s SLO behind 0.3 s waves: {codes}"
     assert set(codes) <= {200, 429}, codes
-    metrics = httpx.get(router.base_url + "/metrics").text
+    metrics = httpx.get(router.base_url + "/metrics", timeout=30).text
     assert 'fineslab_requests_dropped_total{model="strict",outcome="rejected"}' in metrics
     assert 'fineslab_queue_length{model="strict"} 0.0' in metrics, "the queue drains"
 
@@ -138,7 +138,7 @@ def test_metrics_expose_ttft_tpot_and_slo_attainment(router: RouterServer) -> No
     body = {"model": "fast", "prompt": "hi", "max_tokens": 4, "stream": True}
     with httpx.stream("POST", router.base_url + "/v1/completions", json=body, timeout=30) as r:
         r.read()
-    text = httpx.get(router.base_url + "/metrics").text
+    text = httpx.get(router.base_url + "/metrics", timeout=30).text
     for series in ('fineslab_ttft_seconds_count{model="fast"}',
                    'fineslab_tpot_seconds_count{model="fast"}',
                    'fineslab_ttft_slo_attainment{model="fast"} 1.0',
@@ -154,7 +154,7 @@ def test_best_effort_serves_what_the_scheduler_would_drop(backend_url: str) -> N
         body = {"model": "strict", "prompt": "x" * 100, "max_tokens": 1}
         reply = httpx.post(server.base_url + "/v1/completions", json=body, timeout=30)
         assert reply.status_code == 200, reply.text
-        metrics = httpx.get(server.base_url + "/metrics").text
+        metrics = httpx.get(server.base_url + "/metrics", timeout=30).text
         assert 'fineslab_requests_dropped_total{model="strict",outcome="best_effort"} 1.0' \
             in metrics
     finally:
@@ -166,12 +166,13 @@ def test_api_key_is_required_when_configured(backend_url: str) -> None:
     try:
         body = {"model": "fast", "prompt": "hi", "max_tokens": 1}
         url = server.base_url + "/v1/completions"
-        assert httpx.post(url, json=body).status_code == 401
-        assert httpx.post(url, json=body, headers={"Authorization": "Bearer nope"}) \
-            .status_code == 401
+        assert httpx.post(url, json=body, timeout=30).status_code == 401
+        wrong = httpx.post(url, json=body, headers={"Authorization": "Bearer nope"}, timeout=30)
+        assert wrong.status_code == 401
         ok = httpx.post(url, json=body, headers={"Authorization": "Bearer s3cret"}, timeout=30)
         assert ok.status_code == 200
-        assert httpx.get(server.base_url + "/health").status_code == 200, "health stays open"
+        health = httpx.get(server.base_url + "/health", timeout=30)
+        assert health.status_code == 200, "health stays open"
     finally:
         server.stop()
 
@@ -208,7 +209,7 @@ def test_a_runtime_marked_down_fails_its_inflight_requests_at_once() -> None:
         reply = httpx.post(server.base_url + "/v1/completions",
                            json={"model": "fast", "prompt": "hi", "max_tokens": 1}, timeout=30)
         assert reply.status_code == 200, "served again once the runtime is back"
-        text = httpx.get(server.base_url + "/metrics").text
+        text = httpx.get(server.base_url + "/metrics", timeout=30).text
         assert 'fineslab_runtime_restarts{model="fast",runtime="fast-r0"} 1.0' in text
     finally:
         server.stop()
