@@ -5,41 +5,35 @@ smaller operating point, at least one replica per model where memory allows) and
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from fineslab.scheduler.placement import (
     PLACEMENT_POLICIES,
-    GpuSpec,
     ModelDemand,
     get_placement_policy,
 )
-from fineslab.scheduler.profile_schema import load_profiles
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from placer_support import GIB, PROFILES, demand_st, h100s
 
 from fineslab.errors import PlacementInfeasible
 
-GIB = 1 << 30
-PROFILES = load_profiles(Path(__file__).resolve().parents[2] / "profiles")
-H100_USABLE_BYTES = int(0.9 * 80 * GIB)
 QWEN_FP8 = PROFILES["qwen3-32b--fp8--h100"]
 LLAMA8_FP8 = PROFILES["llama-3.1-8b--fp8--h100"]
 LLAMA70_AWQ = PROFILES["llama-3.1-70b--awq--h100"]
 
 
-def h100s(num_gpus: int, memory_bytes: int = H100_USABLE_BYTES) -> list[GpuSpec]:
-    return [GpuSpec(i, memory_bytes, "h100") for i in range(num_gpus)]
+def _hot_big_small(hot_rate_per_s: float) -> list[ModelDemand]:
+    """Qwen3-32B FP8 at the given rate within 2 s, beside a 70B AWQ and an 8B FP8 model."""
+    return [ModelDemand("hot", QWEN_FP8, hot_rate_per_s, 2.0),
+            ModelDemand("big", LLAMA70_AWQ, 0.5, 5.0),
+            ModelDemand("small", LLAMA8_FP8, 1.0, 2.0)]
 
 
 @pytest.mark.parametrize("policy", sorted(PLACEMENT_POLICIES))
 def test_a_rate_beyond_the_fleet_still_gets_replicas(policy: str) -> None:
     # Qwen3-32B FP8 at 16 req/s within 2 s needs 3+ replicas on 2 GPUs: sizing used to give up
     # and the model lost every request although one replica fits beside the others.
-    models = [ModelDemand("hot", QWEN_FP8, 16.0, 2.0),
-              ModelDemand("big", LLAMA70_AWQ, 0.5, 5.0),
-              ModelDemand("small", LLAMA8_FP8, 1.0, 2.0)]
-    plan = get_placement_policy(policy).place(models, h100s(2))
+    plan = get_placement_policy(policy).place(_hot_big_small(hot_rate_per_s=16.0), h100s(2))
     assert plan.unplaced == (), f"{policy} left models unplaced: {plan.unplaced}"
     assert {r.model for r in plan.replicas} == {"hot", "big", "small"}
     reduced = {r.model: r for r in plan.reduced}
@@ -50,10 +44,7 @@ def test_a_rate_beyond_the_fleet_still_gets_replicas(policy: str) -> None:
 def test_partly_placed_model_is_resized_for_its_real_replica_count(policy: str) -> None:
     # Sized at 2 replicas of 4 req/s, only one fits beside the 70B model: the one placed must
     # be charged for the whole 8 req/s, not for half of it.
-    models = [ModelDemand("hot", QWEN_FP8, 8.0, 2.0),
-              ModelDemand("big", LLAMA70_AWQ, 0.5, 5.0),
-              ModelDemand("small", LLAMA8_FP8, 1.0, 2.0)]
-    plan = get_placement_policy(policy).place(models, h100s(2))
+    plan = get_placement_policy(policy).place(_hot_big_small(hot_rate_per_s=8.0), h100s(2))
     hot = [r for r in plan.replicas if r.model == "hot"]
     assert len(hot) == 1
     point = hot[0].operating_point
@@ -87,8 +78,6 @@ def test_a_model_that_fits_nowhere_raises_naming_it(policy: str) -> None:
     assert plan.gpus_of("small"), "the rest is still placed"
 
 
-H100_PROFILES = sorted(name for name in PROFILES if name.endswith("--h100"))
-demand_st = st.tuples(st.sampled_from(H100_PROFILES), st.floats(0.1, 30.0), st.floats(0.05, 8.0))
 
 
 @settings(max_examples=40, deadline=None)

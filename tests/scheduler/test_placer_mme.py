@@ -4,25 +4,19 @@ and properties over random fleets (memory never exceeded; every model accounted 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from fineslab.scheduler.curves import PiecewiseLinear
 from fineslab.scheduler.placement import (
     PLACEMENT_POLICIES,
-    GpuSpec,
     ModelDemand,
     PlacementPlan,
     get_placement_policy,
 )
 from fineslab.scheduler.placement.scoring import Resident, exact_score, proxy_score, water_fill
-from fineslab.scheduler.profile_schema import load_profiles
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-GIB = 1 << 30
-PROFILES = load_profiles(Path(__file__).resolve().parents[2] / "profiles")
-H100_USABLE_BYTES = int(0.9 * 80 * GIB)
+from placer_support import GIB, H100_USABLE_BYTES, PROFILES, demand_st, h100s
 
 
 def resident(key: str, points: list[list[float]], kv_base: float = 0.0) -> Resident:
@@ -68,7 +62,7 @@ def test_water_filling_beats_an_equal_split(curves: list[list[float]], budget: f
 
 def table4(policy: str) -> PlacementPlan:
     """Table 4: A = Llama-3.1-8B FP16, B = Llama-3.1-8B FP8, C = Llama-3.1-70B AWQ, 2 H100s."""
-    gpus = [GpuSpec(i, H100_USABLE_BYTES, "h100") for i in range(2)]
+    gpus = h100s(2)
     models = [ModelDemand("A", PROFILES["llama-3.1-8b--fp16--h100"], 4.0, 2.0),
               ModelDemand("B", PROFILES["llama-3.1-8b--fp8--h100"], 5.0, 2.0),
               ModelDemand("C", PROFILES["llama-3.1-70b--awq--h100"], 1.0, 2.0)]
@@ -98,7 +92,7 @@ def test_static_partitions_split_memory_by_footprint() -> None:
 
 
 def test_tp_model_takes_an_aligned_group() -> None:
-    gpus = [GpuSpec(i, H100_USABLE_BYTES, "h100") for i in range(8)]
+    gpus = h100s(8)
     models = [ModelDemand("big", PROFILES["llama-3.1-70b--fp16--h100"], 1.0, 5.0),
               ModelDemand("small", PROFILES["llama-3.1-8b--fp8--h100"], 1.0, 5.0)]
     plan = get_placement_policy("mme").place(models, gpus)
@@ -111,7 +105,7 @@ def test_tp_model_takes_an_aligned_group() -> None:
 def test_dp_replicas_when_one_cannot_meet_rate_within_slo() -> None:
     # Llama-3.1-8B FP16 at 20 req/s needs 5120 tokens/s: batch 64 (5517 tokens/s), whose
     # 64 x 1024-token prompts take 32 chunks x 55.7 ms = 1.78 s > 0.5 s SLO. Split over DP.
-    gpus = [GpuSpec(i, H100_USABLE_BYTES, "h100") for i in range(4)]
+    gpus = h100s(4)
     plan = get_placement_policy("mme").place(
         [ModelDemand("hot", PROFILES["llama-3.1-8b--fp16--h100"], 20.0, 0.5)], gpus)
     groups = plan.gpus_of("hot")
@@ -121,7 +115,7 @@ def test_dp_replicas_when_one_cannot_meet_rate_within_slo() -> None:
 
 
 def test_unplaceable_models_come_with_reasons() -> None:
-    gpus = [GpuSpec(i, H100_USABLE_BYTES, "h100") for i in range(2)]
+    gpus = h100s(2)
     models = [ModelDemand("tight", PROFILES["llama-3.1-8b--fp16--h100"], 1.0, 0.001),
               ModelDemand("wide", PROFILES["llama-3.1-70b--fp16--h100"], 1.0, 5.0),
               ModelDemand("elsewhere", PROFILES["llama-3.1-8b--fp16--a100"], 1.0, 5.0)]
@@ -133,8 +127,6 @@ def test_unplaceable_models_come_with_reasons() -> None:
     assert plan.replicas == ()
 
 
-H100_PROFILES = sorted(name for name in PROFILES if name.endswith("--h100"))
-demand_st = st.tuples(st.sampled_from(H100_PROFILES), st.floats(0.1, 30.0), st.floats(0.05, 8.0))
 
 
 @settings(max_examples=40, deadline=None)
@@ -143,7 +135,7 @@ demand_st = st.tuples(st.sampled_from(H100_PROFILES), st.floats(0.1, 30.0), st.f
 def test_plan_never_exceeds_memory_and_accounts_for_every_model(
         demands: list[tuple[str, float, float]], num_gpus: int, memory_fraction: float,
         policy: str) -> None:
-    gpus = [GpuSpec(i, int(memory_fraction * 80 * GIB), "h100") for i in range(num_gpus)]
+    gpus = h100s(num_gpus, int(memory_fraction * 80 * GIB))
     models = [ModelDemand(f"m{i}", PROFILES[name], rate, slo)
               for i, (name, rate, slo) in enumerate(demands)]
     plan = get_placement_policy(policy).place(models, gpus, allow_unplaced=True)
