@@ -8,10 +8,12 @@ group), and waits for its `ready` line; `LaunchedFleet` reads the router's /heal
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,3 +86,17 @@ def launch(example: str, folder: Path, model_cache: Path, fleet_id: str,
         assert time.monotonic() < deadline, "fleet not ready:\n" + output.read_text()[-4000:]
         time.sleep(1)
     return fleet, time.monotonic() - start_s
+
+
+@contextlib.contextmanager
+def launched(example: str, folder: Path, model_cache: Path, fleet_id: str,
+             stop_signal: int) -> Iterator[tuple[LaunchedFleet, float]]:
+    """`launch`, and at exit `stop_signal` to a launcher still running (a shutdown test that
+    did not run or failed leaves it up)."""
+    fleet, start_s = launch(example, folder, model_cache, fleet_id)
+    try:
+        yield fleet, start_s
+    finally:
+        if fleet.proc.poll() is None:
+            os.killpg(fleet.proc.pid, stop_signal)
+            fleet.proc.wait(120)

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from fleet_support import START_TIMEOUT_S, LaunchedFleet, group_alive, launch, shm_files
+from fleet_support import START_TIMEOUT_S, LaunchedFleet, group_alive, launched, shm_files
 
 from fineslab import cpu_mode
 
@@ -35,11 +35,9 @@ MODEL_DIRS = {"llama-bf16": "llama-tiny", "llama-small-fp16": "llama-small",
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[LaunchedFleet]:
     folder = tmp_path_factory.mktemp("demo-fleet")
-    launched, _ = launch("cpu-demo.yaml", folder, model_cache, f"e2e-{os.getpid()}")
-    yield launched
-    if launched.proc.poll() is None:  # the shutdown test did not run or failed
-        os.killpg(launched.proc.pid, signal.SIGTERM)
-        launched.proc.wait(120)
+    with launched("cpu-demo.yaml", folder, model_cache, f"e2e-{os.getpid()}",
+                  signal.SIGTERM) as (running, _):
+        yield running
 
 
 def test_launch_reports_progress_and_every_runtime_up(fleet: LaunchedFleet) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from fleet_support import REPO, LaunchedFleet, group_alive, launch, shm_files
+from fleet_support import REPO, LaunchedFleet, group_alive, launched, shm_files
 
 from fineslab.launch.config import load_fleet_config
 from fineslab.launch.plan import make_plan
@@ -35,12 +35,10 @@ MAX_TOKENS = 5
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[LaunchedFleet]:
     folder = tmp_path_factory.mktemp("mixed-fleet")
-    launched, start_s = launch("cpu-mixed.yaml", folder, model_cache, f"mixed-{os.getpid()}")
-    print(f"cpu-mixed fleet ready after {start_s:.0f} s")
-    yield launched
-    if launched.proc.poll() is None:  # the shutdown test did not run or failed
-        os.killpg(launched.proc.pid, signal.SIGINT)
-        launched.proc.wait(120)
+    with launched("cpu-mixed.yaml", folder, model_cache, f"mixed-{os.getpid()}",
+                  signal.SIGINT) as (running, start_s):
+        print(f"cpu-mixed fleet ready after {start_s:.0f} s")
+        yield running
 
 
 def test_all_four_runtimes_come_up_healthy(fleet: LaunchedFleet) -> None:
