@@ -30,6 +30,7 @@ from fineslab.scheduler.local import get_batch_policy
 from fineslab.scheduler.placement import (
     GpuSpec,
     ModelDemand,
+    PlacementConfig,
     PlacementPlan,
     ReplicaPlacement,
     get_placement_policy,
@@ -81,10 +82,15 @@ class SimResult:
         return summarize_by_model(self.outcomes)
 
 
-def place(models: Sequence[FleetModel], gpus: Sequence[GpuSpec], placer: str) -> PlacementPlan:
+def place(models: Sequence[FleetModel], gpus: Sequence[GpuSpec], placer: str,
+          config: SimConfig) -> PlacementPlan:
+    """The placer is told the interference factor the simulation runs with (as a real
+    deployment would tell it a measured device property)."""
     demands = [ModelDemand(m.name, m.profile, m.rate_per_s, m.ttft_slo_s) for m in models]
+    placement_config = PlacementConfig(interference_per_neighbor=config.interference_per_neighbor)
     # An experiment reports what a placer cannot place (a miss for each of its requests).
-    return get_placement_policy(placer).place(demands, gpus, allow_unplaced=True)
+    return get_placement_policy(placer, placement_config).place(demands, gpus,
+                                                                allow_unplaced=True)
 
 
 def _non_kv_bytes(replica: ReplicaPlacement) -> int:
@@ -121,7 +127,7 @@ class Simulator:
         """`plan` replaces the system's placer (an experiment that fixes the placement)."""
         self.system, self.config = system, config
         self.models = {m.name: m for m in models}
-        self.plan = plan or place(models, gpus, system.placer)
+        self.plan = plan or place(models, gpus, system.placer, config)
         self.kv = FleetKv()
         try:
             self.engines = self._build()

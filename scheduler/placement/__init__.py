@@ -2,16 +2,20 @@
 
     plan = get_placement_policy("mme").place(demands, gpus)   # "mme-exact", "kvpr", "static"
     print(plan.table())
+
+    # told what co-location costs (the MME placers and Static use it, KVPR does not)
+    get_placement_policy("mme", PlacementConfig(interference_per_neighbor=0.2))
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 from fineslab.scheduler.placement.base import (
     GpuSpec,
     ModelDemand,
     OperatingPoint,
+    PlacementConfig,
     PlacementPlan,
     PlacementPolicy,
     ReducedModel,
@@ -24,24 +28,31 @@ from fineslab.scheduler.placement.sizing import candidate_groups, operating_ladd
 
 from fineslab.errors import ConfigError
 
-PLACEMENT_POLICIES: dict[str, Callable[[], PlacementPolicy]] = {
-    "mme": lambda: MmePlacer("proxy"),
-    "mme-exact": lambda: MmePlacer("exact"),
-    "kvpr": KvprPlacer,
-    "static": StaticPlacer,
+
+class PlacerFactory(Protocol):
+    def __call__(self, config: PlacementConfig | None = None) -> PlacementPolicy: ...
+
+
+PLACEMENT_POLICIES: dict[str, PlacerFactory] = {
+    "mme": lambda config=None: MmePlacer("proxy", config),
+    "mme-exact": lambda config=None: MmePlacer("exact", config),
+    "kvpr": lambda config=None: KvprPlacer(),  # Prism's KVPR has no compute term
+    "static": lambda config=None: StaticPlacer(config),
 }
 
 
-def get_placement_policy(name: str) -> PlacementPolicy:
+def get_placement_policy(name: str, config: PlacementConfig | None = None) -> PlacementPolicy:
     try:
-        return PLACEMENT_POLICIES[name]()
+        factory = PLACEMENT_POLICIES[name]
     except KeyError:
         raise ConfigError(f"unknown placement policy {name!r}; known: "
                           f"{sorted(PLACEMENT_POLICIES)}") from None
+    return factory(config)
 
 
 __all__ = [
     "PLACEMENT_POLICIES", "GpuSpec", "KvprPlacer", "MmePlacer", "ModelDemand", "OperatingPoint",
-    "PlacementPlan", "PlacementPolicy", "ReducedModel", "ReplicaPlacement", "StaticPlacer",
-    "UnplacedModel", "candidate_groups", "get_placement_policy", "operating_ladder", "size_model",
+    "PlacementConfig", "PlacementPlan", "PlacementPolicy", "PlacerFactory", "ReducedModel",
+    "ReplicaPlacement", "StaticPlacer", "UnplacedModel", "candidate_groups",
+    "get_placement_policy", "operating_ladder", "size_model",
 ]

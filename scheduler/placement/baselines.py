@@ -18,7 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fineslab.scheduler.placement.base import GpuSpec, ModelDemand, PlacementPlan
+from fineslab.scheduler.placement.base import (
+    GpuSpec,
+    ModelDemand,
+    PlacementConfig,
+    PlacementPlan,
+)
 from fineslab.scheduler.placement.degrade import place_degrading
 from fineslab.scheduler.placement.mme import MmePlacer
 from fineslab.scheduler.placement.state import ClusterState, Replica, to_plan
@@ -72,12 +77,18 @@ def _non_kv_bytes(fixed_bytes: int, kv_base_total_bytes: float, tp: int) -> floa
 
 
 class StaticPlacer:
+    """Algorithm 1's placement ("placement follows the same policy as FineServe"), told the
+    same `config`, then F_M-proportional partitions."""
+
     name = "static"
+
+    def __init__(self, config: PlacementConfig | None = None) -> None:
+        self.config = config or PlacementConfig()
 
     def place(self, models: Sequence[ModelDemand], gpus: Sequence[GpuSpec], *,
               allow_unplaced: bool = False) -> PlacementPlan:
-        state, unplaced, reduced = MmePlacer("proxy").place_into_state(models, gpus,
-                                                                        allow_unplaced)
+        state, unplaced, reduced = MmePlacer("proxy", self.config).place_into_state(
+            models, gpus, allow_unplaced)
         partitions = self._partitions(state)
         shares = {g: {key: float(part - _fixed_of(state, g, key))
                       for key, part in partitions[g].items()} for g in state.gpus}

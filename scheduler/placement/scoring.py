@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fineslab.scheduler.curves import PiecewiseLinear, upper_concave_hull
 
@@ -54,6 +54,14 @@ class Resident:
 
     def tokens_per_s(self, kv_bytes: float) -> float:
         return self.mme(min(kv_bytes, self.mme.xs[-1]))
+
+    def slowed(self, slowdown: float) -> Resident:
+        """The replica running `slowdown` times slower (co-location): every tokens/s of its
+        MME curve, hence every slope, divided by it."""
+        if slowdown == 1.0:
+            return self
+        curve = PiecewiseLinear(self.mme.xs, tuple(y / slowdown for y in self.mme.ys))
+        return replace(self, mme=curve)
 
     @property
     def mu(self) -> float:

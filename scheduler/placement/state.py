@@ -58,6 +58,14 @@ class ClusterState:
         self.remaining_bytes = {g.gpu_id: g.memory_bytes for g in gpus}
         self.residents: dict[int, list[Resident]] = {g.gpu_id: [] for g in gpus}
         self.placed: list[tuple[Replica, tuple[int, ...], float]] = []
+        self._by_key: dict[str, tuple[Replica, tuple[int, ...]]] = {}
+
+    def replica_of(self, key: str) -> Replica:
+        return self._by_key[key][0]
+
+    def gpus_of(self, key: str) -> tuple[int, ...]:
+        """The GPUs the placed replica `key` runs on."""
+        return self._by_key[key][1]
 
     def group_residents(self, group: tuple[int, ...]) -> list[Resident]:
         seen: dict[str, Resident] = {}
@@ -88,6 +96,7 @@ class ClusterState:
             self.remaining_bytes[g] -= replica.point.fixed_bytes
             self.residents[g].append(replica.resident)
         self.placed.append((replica, group, score))
+        self._by_key[replica.resident.key] = (replica, group)
 
     def no_fit_reason(self, replica: Replica) -> str:
         largest = max(self.remaining_bytes.values(), default=0)

@@ -112,7 +112,7 @@ def run_fig13(cfg: AblationConfig, config: SimConfig) -> tuple[dict[str, float],
         gpus = gpus_for(spec, config)
         # The placement is fixed: one replica on GPU 0, sized for 1 req/s (sized for the real
         # rate the placer would ask for DP replicas one GPU cannot hold).
-        plan = place([replace(m, rate_per_s=1.0) for m in models], gpus, "static")
+        plan = place([replace(m, rate_per_s=1.0) for m in models], gpus, "static", config)
         fcfs = simulate(models, gpus, FIG13_SYSTEMS[2], requests, spec.duration_s, config, plan)
         ttfts = [o.ttft_s for o in fcfs.outcomes if o.ttft_s is not None]
         p90_s = float(np.percentile(ttfts, 90))

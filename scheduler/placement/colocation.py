@@ -1,0 +1,100 @@
+"""Co-location in the MME placer: the compute a candidate GPU's residents would share.
+
+Algorithm 1 scores memory. Co-located runtimes also share a GPU's SMs and HBM bandwidth, so
+each resident runs slower the more neighbours it has. With f = `PlacementConfig.
+interference_per_neighbor` the placer assumes the worst case, every neighbour busy:
+
+    n_m(G')        = other replicas on any of m's GPUs once M is on G (a TP replica sees the
+                     residents of all its ranks)
+    slowdown_m(G') = 1 + f * n_m(G')                 step time over the step time alone
+
+and evaluates a candidate G' (G with M added) for M and for every replica already there:
+
+    mu_m(G')   = mu_m / slowdown_m(G')       the paper's mu_M(G) depends on G: a KV increment
+                                             buys tokens at the rate the shared compute runs
+    feasible(m, s) = some profiled batch b has capacity(b) / s >= rate per replica
+                                          and  TTFT(b) * s <= TTFT SLO
+    keeps_slos(G') = no member feasible at its present neighbour count (M: alone) is
+                     infeasible at n_m(G')
+
+The paper's section 5 asks the placer to "allocate sufficient compute resources to each model
+in order to satisfy the latency of the compute-intensive prefill phase"; `keeps_slos` is that
+check with neighbours counted. F_M stays the alone-sized footprint (the memory charge does not
+change with neighbours). With f = 0 every slowdown is 1, every candidate keeps its SLOs and
+the placer is the paper's Algorithm 1 exactly.
+
+Cost per candidate: O(|G'| * (|G'| + B)) for B profiled batch sizes, plus rebuilding each
+member's MME hull once more (tens of points).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fineslab.scheduler.placement.scoring import Resident
+from fineslab.scheduler.placement.state import ClusterState, Replica
+from fineslab.scheduler.predictors import ChunkedPrefillPredictor, request_rate_capacity_per_s
+
+
+@dataclass(frozen=True)
+class ComputePoint:
+    """One profiled batch size of a model, alone on its GPUs."""
+
+    batch_size: int
+    capacity_per_s: float  # requests/s
+    ttft_s: float  # b mean prompts arriving together
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A candidate group as the scorer sees it with co-location counted."""
+
+    members: tuple[Resident, ...]  # mu scaled by 1 / slowdown
+    keeps_slos: bool
+
+
+class Colocation:
+    """Slowdowns and SLO checks for one placement pass (caches each model's compute points)."""
+
+    def __init__(self, interference_per_neighbor: float) -> None:
+        self.per_neighbor = interference_per_neighbor
+        self._points: dict[str, tuple[ComputePoint, ...]] = {}
+
+    def slowdown(self, num_neighbors: int) -> float:
+        return 1.0 + self.per_neighbor * num_neighbors
+
+    def candidate(self, state: ClusterState, replica: Replica,
+                  group: tuple[int, ...]) -> Candidate:
+        """`replica` on `group`: its members' slowed residents and whether every SLO holds."""
+        residents = state.group_residents(group)
+        after = {r.key: len(state.group_residents(state.gpus_of(r.key))) for r in residents}
+        after[replica.resident.key] = len(residents)
+        members = (*residents, replica.resident)
+        slowed = tuple(m.slowed(self.slowdown(after[m.key])) for m in members)
+        keeps = self.feasible(replica, self.slowdown(after[replica.resident.key])) \
+            or not self.feasible(replica, 1.0)
+        for r in residents:
+            placed = state.replica_of(r.key)
+            keeps = keeps and (self.feasible(placed, self.slowdown(after[r.key]))
+                               or not self.feasible(placed, self.slowdown(after[r.key] - 1)))
+        return Candidate(slowed, keeps)
+
+    def feasible(self, replica: Replica, slowdown: float) -> bool:
+        """Some profiled batch meets the replica's rate within its TTFT SLO at `slowdown`."""
+        rate_s = replica.point.rate_per_replica_s
+        slo_s = replica.demand.ttft_slo_s
+        return any(p.capacity_per_s >= rate_s * slowdown and p.ttft_s * slowdown <= slo_s
+                   for p in self._compute_points(replica))
+
+    def _compute_points(self, replica: Replica) -> Sequence[ComputePoint]:
+        name = replica.demand.name
+        if name not in self._points:
+            profile = replica.demand.profile
+            predictor = ChunkedPrefillPredictor.from_profile(profile)
+            prompt, output = profile.workload.prompt_tokens, profile.workload.output_tokens
+            self._points[name] = tuple(
+                ComputePoint(b, request_rate_capacity_per_s(profile, b, output),
+                             predictor.ttft_s([prompt] * b))
+                for b in (int(x) for x in profile.throughput_tokens_per_s.xs))
+        return self._points[name]
