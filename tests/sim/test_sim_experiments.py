@@ -5,8 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from fineslab.sim.config import SYSTEMS, SimConfig
-from fineslab.sim.experiments.common import MixEntry, PointSpec, Traces, run_point
+from fineslab.sim.experiments.common import (
+    MixEntry,
+    PointSpec,
+    Traces,
+    fleet_models,
+    gpus_for,
+    run_point,
+)
+from fineslab.sim.experiments.fig10 import FIG10_MIX
 from fineslab.sim.experiments.report import ATTAINMENT, TOKENS, sweep_section
+from fineslab.sim.simulator import place
 from fineslab.workload import AZURE_CONV, SHAREGPT_STATS
 
 TRACES = Traces(SHAREGPT_STATS, AZURE_CONV)
@@ -38,3 +47,19 @@ def test_sweep_section_writes_a_table_and_a_plot(tmp_path: Path) -> None:
     assert "| rate_scale | fineslab SLO attainment | fineslab tokens/s |" in text
     assert text.count("\n| 1.0 |") + text.count("\n| 2.0 |") == 2, "one row per rate"
     assert (tmp_path / "demo.png").stat().st_size > 1000, "a real PNG"
+
+
+def test_the_placer_is_told_the_simulated_interference() -> None:
+    # Issue 7's fig10 gap: told nothing, MME stacked three replicas on GPU 1 (70B FP8 TP2
+    # shard, 8B FP8, 8B AWQ), whose steps the simulator then slowed by 1.4x-1.6x.
+    spec = PointSpec(FIG10_MIX, 4, 20.0, 8.0, "poisson", 60.0)
+    models = fleet_models(spec, TRACES)
+
+    def most_per_gpu(placer: str, interference: float) -> int:
+        config = SimConfig(interference_per_neighbor=interference)
+        plan = place(models, gpus_for(spec, config), placer, config)
+        return max(len(plan.replicas_on(g.gpu_id)) for g in plan.gpus)
+
+    assert most_per_gpu("mme", 0.0) == 3, "factor 0: the paper's memory-only placement"
+    for placer in ("mme", "static"):
+        assert most_per_gpu(placer, 0.2) == 2, f"{placer} spreads once told the factor"
