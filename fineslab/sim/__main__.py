@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--azure", default=str(AZURE_CONV), help="Azure-format trace CSV")
         cmd.add_argument("--interference", type=float,
                          default=SimConfig().interference_per_neighbor,
-                         help="step slowdown per busy co-located replica")
+                         help="step slowdown per busy co-located replica (the MME and "
+                              "Static placers are told the same factor)")
         add_json_flag(cmd)
         cmd.set_defaults(func=func)
         if name == "fidelity":

@@ -54,7 +54,9 @@ class SimConfig:
         bandwidth (MPS-style spatial sharing); the paper (section 3) measures two co-located
         quantized 8B models reaching 1.95x (FP8+FP8) down to about 1.5x the aggregate throughput
         of one, i.e. f between 0.03 and 0.33; 0.2 is in that range. It is a documented
-        assumption, not a fit.
+        assumption, not a fit. The placers are told the same factor
+        (`PlacementConfig.interference_per_neighbor`), as a deployment would tell them a
+        measured device property; the MME and Static placers use it, KVPR does not.
     max_snapshot_requests: the local scheduler sees the oldest this many waiting requests of a
         replica. With one SLO per model EDF order is arrival order, so a longer queue only adds
         requests that would be decided later anyway; the cap keeps a 5,000-deep FCFS queue from

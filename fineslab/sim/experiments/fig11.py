@@ -36,6 +36,10 @@ WHY = """- Same caveats as fig10 (roofline latencies, our base rates, KV reserve
   and no GPU keeps the 41 GiB the 70B AWQ replica needs; KVPR, which spreads load by
   SLO-weighted rate, fits every model. So Prism* leads at 8 GPUs, against the paper. From 10
   GPUs on fineslab places everything and leads or ties.
+- The MME placer is told the simulator's interference factor (0.2 per busy neighbour; see
+  fig10). It changes the numbers only at 10 GPUs: fineslab 0.996 -> 1.0 and Static* 0.86 -> 0.939
+  (Poisson): told 0 it put 8B AWQ on GPU 7 beside the 70B FP8 TP2 shard and 8B FP8, told 0.2
+  beside Qwen3-32B FP8 on GPU 9.
 - A bigger fleet removes both baselines' handicaps: with enough GPUs KVPR places every model
   and Static*'s partitions grow, so the curves converge; the paper's gap at 16 GPUs comes from
   runtime memory contention next to AWQ models, which our admission model (a request is
