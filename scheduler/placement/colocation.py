@@ -17,7 +17,7 @@ and evaluates a candidate G' (G with M added) for M and for every replica alread
     keeps_slos(G') = no member feasible at its present neighbour count (M: alone) is
                      infeasible at n_m(G')
 
-The paper's section 5 asks the placer to "allocate sufficient compute resources to each model
+The paper's section 6.1 asks the placer to "allocate sufficient compute resources to each model
 in order to satisfy the latency of the compute-intensive prefill phase"; `keeps_slos` is that
 check with neighbours counted. F_M stays the alone-sized footprint (the memory charge does not
 change with neighbours). With f = 0 every slowdown is 1, every candidate keeps its SLOs and
@@ -68,16 +68,15 @@ class Colocation:
                   group: tuple[int, ...]) -> Candidate:
         """`replica` on `group`: its members' slowed residents and whether every SLO holds."""
         residents = state.group_residents(group)
-        after = {r.key: len(state.group_residents(state.gpus_of(r.key))) for r in residents}
-        after[replica.resident.key] = len(residents)
-        members = (*residents, replica.resident)
-        slowed = tuple(m.slowed(self.slowdown(after[m.key])) for m in members)
-        keeps = self.feasible(replica, self.slowdown(after[replica.resident.key])) \
-            or not self.feasible(replica, 1.0)
+        # (replica, neighbours now, neighbours after): a resident gains M; M is alone now.
+        counts = []
         for r in residents:
-            placed = state.replica_of(r.key)
-            keeps = keeps and (self.feasible(placed, self.slowdown(after[r.key]))
-                               or not self.feasible(placed, self.slowdown(after[r.key] - 1)))
+            now = len(state.group_residents(state.gpus_of(r.key))) - 1
+            counts.append((state.replica_of(r.key), now, now + 1))
+        counts.append((replica, 0, len(residents)))
+        slowed = tuple(m.resident.slowed(self.slowdown(after)) for m, _, after in counts)
+        keeps = all(self.feasible(m, self.slowdown(after))
+                    or not self.feasible(m, self.slowdown(now)) for m, now, after in counts)
         return Candidate(slowed, keeps)
 
     def feasible(self, replica: Replica, slowdown: float) -> bool:
