@@ -6,7 +6,7 @@
     local/                               batch policies: adaptive (Algorithm 2), fcfs,
                                          moore-hodgson; get_batch_policy(name)
     placement/                           placers: mme, mme-exact (Algorithm 1), kvpr, static;
-                                         get_placement_policy(name)
+                                         get_placement_policy(name, config); colocation
 
 See docs/scheduling.md for the formulas.
 """

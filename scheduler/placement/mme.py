@@ -20,7 +20,8 @@ candidates on which M and every replica already there keep an SLO-feasible opera
 with their neighbours counted; only when no candidate does, over all of them. With f = 0 (the
 default) both are the paper's lines.
 Cost: O(R * C * |G'|) score evaluations for R replicas and C candidates; 200 models on 64 GPUs
-take well under a second (fineslab.bench.placer).
+take well under a second (fineslab.bench.placer: 0.08 s; told f = 0.2, 0.48 s, which rebuilds
+each member's MME hull per candidate).
 """
 
 from __future__ import annotations
