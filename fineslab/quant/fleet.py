@@ -19,9 +19,11 @@ What each (weights, KV) choice becomes on each device (docs/precisions.md has th
 `prepare_served_model` writes what is needed under an output folder (seconds for the tiny
 models: weight conversion, and a float32 transformers pass for the FP8 KV scales) and returns a
 `PrecisionRuntime`; a `prepared.json` stamp lets the next launch reuse it while the source is
-unchanged. `verify_runtime` checks the result before a runtime loads it. The launcher
-(`fineslab.launch`) is the one place that starts runtimes; `run_fleet` below is a thin door to it
-for the precision tests and the precision benchmark.
+unchanged. Two launches preparing the same folder take turns on `<out_dir>.lock` (an exclusive
+`flock`): the second waits, then reuses the first's result through the stamp. `verify_runtime`
+checks the result before a runtime loads it. The launcher (`fineslab.launch`) is the one place
+that starts runtimes; `run_fleet` below is a thin door to it for the precision tests and the
+precision benchmark.
 
 The fleet's four named precisions (FineServe's) are (weights, KV) pairs: `NAMED_PRECISIONS`.
 """
@@ -29,6 +31,7 @@ The fleet's four named precisions (FineServe's) are (weights, KV) pairs: `NAMED_
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import logging
 import urllib.request
@@ -68,6 +71,7 @@ AWQ_GROUP_SIZE = 64
 #: Calibration token ids for the FP8 KV scales (a fixed, model-agnostic prompt of small ids).
 CALIBRATION_IDS = (tuple(range(3, 131)), tuple(range(200, 264)))
 STAMP_FILE = "prepared.json"
+LOCK_SUFFIX = ".lock"
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,30 @@ def _prepare_kv(kv: str, src_dir: Path, out_dir: Path, cpu: bool
             {}, scales_file)
 
 
+@contextmanager
+def _preparation_lock(out_dir: Path, name: str) -> Iterator[None]:
+    """Hold `<out_dir>.lock` exclusively: one process at a time checks the stamp and prepares.
+
+    Beside `out_dir`, not in it, so a preparation may replace the folder's contents. The lock
+    file stays (removing it would race with a process about to lock it); the kernel drops the
+    lock when its holder exits, crashed or not. The waiter loses at most the other process's
+    preparation time, which it would otherwise have spent converting the same checkpoint.
+    """
+    lock_path = out_dir.with_name(out_dir.name + LOCK_SUFFIX)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("%s: waiting for another process preparing the same checkpoint in %s",
+                        name, out_dir)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def prepare_served_model(name: str, weights: str, kv: str, src_dir: Path, out_dir: Path, *,
                          device: str = "cpu", precision: str | None = None) -> PrecisionRuntime:
     """Checkpoint, SGLang arguments and KV environment for serving `src_dir` with `weights`
@@ -199,18 +227,22 @@ def prepare_served_model(name: str, weights: str, kv: str, src_dir: Path, out_di
         raise ConfigError(f"precision {weights!r}: expected one of {sorted(_TORCH_DTYPE)}")
     src_dir = Path(src_dir)
     stamp = _source_stamp(src_dir, weights, kv, device)
-    cached = _stamped(out_dir, stamp)
-    if cached is not None:
-        logger.info("%s: reusing the prepared checkpoint in %s", name, out_dir)
-        return dataclasses.replace(cached, name=name, precision=precision or cached.precision)
-    cpu = device == "cpu"
-    path, weight_args = _prepare_weights(weights, src_dir, out_dir, cpu)
-    kv_args, kv_env, scales = _prepare_kv(kv, src_dir, out_dir, cpu)
-    runtime = PrecisionRuntime(name, precision or f"{weights}+{kv}", path, KV_DTYPES[kv],
-                               (*weight_args, *kv_args), kv_env, src_dir, scales)
-    if out_dir.exists():
-        _write_stamp(out_dir, stamp, runtime)
-    return runtime
+    with _preparation_lock(out_dir, name):
+        cached = _stamped(out_dir, stamp)
+        if cached is not None:
+            logger.info("%s: reusing the prepared checkpoint in %s", name, out_dir)
+            return dataclasses.replace(cached, name=name, precision=precision or cached.precision)
+        logger.info("%s: preparing %s weights and %s KV in %s", name, weights, kv, out_dir)
+        # No stamp while the folder is rewritten: a crash leaves it unstamped, not stale.
+        (out_dir / STAMP_FILE).unlink(missing_ok=True)
+        cpu = device == "cpu"
+        path, weight_args = _prepare_weights(weights, src_dir, out_dir, cpu)
+        kv_args, kv_env, scales = _prepare_kv(kv, src_dir, out_dir, cpu)
+        runtime = PrecisionRuntime(name, precision or f"{weights}+{kv}", path, KV_DTYPES[kv],
+                                   (*weight_args, *kv_args), kv_env, src_dir, scales)
+        if out_dir.exists():
+            _write_stamp(out_dir, stamp, runtime)  # last, by rename: a stamp means complete
+        return runtime
 
 
 def verify_runtime(runtime: PrecisionRuntime) -> None:

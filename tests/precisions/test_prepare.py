@@ -4,14 +4,18 @@ with, reuse of an earlier preparation, and the checks before a runtime loads it 
 from __future__ import annotations
 
 import json
+import logging
+import multiprocessing
 import os
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
 import pytest
 
 from fineslab.env import KV_FORMAT_VAR, KV_SCALES_VAR
 from fineslab.errors import ConfigError
-from fineslab.quant.fleet import prepare_served_model, verify_runtime
+from fineslab.quant.fleet import PrecisionRuntime, prepare_served_model, verify_runtime
 from fineslab.slabs.formats import KVDtype
 
 
@@ -61,3 +65,55 @@ def test_a_scales_file_missing_a_layer_is_refused_naming_the_file(model_cache: P
     runtime.kv_scales_path.write_text(json.dumps(body))
     with pytest.raises(ConfigError, match=rf"{runtime.kv_scales_path}: no scale for layer"):
         verify_runtime(runtime)
+
+
+class _LogLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _prepare_after_barrier(src: Path, out: Path, start: Barrier,
+                           results: Queue[tuple[PrecisionRuntime, list[str]]]) -> None:
+    """A launch in a fresh process: prepare `src` as awq into `out` once both processes are
+    ready, and report the runtime and this process's preparation log lines."""
+    log = logging.getLogger("fineslab.quant.fleet")
+    handler = _LogLines()
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    start.wait(timeout=120)
+    runtime = prepare_served_model("m", "awq", "fp16", src, out)
+    results.put((runtime, handler.lines))
+
+
+def test_two_processes_preparing_one_folder_prepare_it_once(model_cache: Path,
+                                                            tmp_path: Path) -> None:
+    """Regression: two launches preparing the same checkpoint at once both converted it, each
+    writing the other's files (a reader could load a half-written safetensors)."""
+    ctx = multiprocessing.get_context("spawn")
+    start, results = ctx.Barrier(2), ctx.Queue()
+    out = tmp_path / "out"
+    procs = [ctx.Process(target=_prepare_after_barrier,
+                         args=(model_cache / "llama-tiny", out, start, results))
+             for _ in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        reports = [results.get(timeout=300) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.exitcode is None:
+                p.kill()
+    assert [p.exitcode for p in procs] == [0, 0], "both preparations succeed"
+    (first, first_lines), (second, second_lines) = reports
+    assert first == second, "both launches get the same runtime"
+    lines = first_lines + second_lines
+    assert sum(line.startswith("m: preparing") for line in lines) == 1, \
+        f"the checkpoint is prepared exactly once: {lines}"
+    assert sum(line.startswith("m: reusing") for line in lines) == 1, \
+        f"the other launch reuses it: {lines}"
+    verify_runtime(first)
