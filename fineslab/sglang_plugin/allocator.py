@@ -99,6 +99,7 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         self._num_held = 0
         self._reserved: list[int] = []
         self._parked: list[int] = []
+        self._full_at_tokens: int | None = None  # see admission_reopens
         super().__init__(size, page_size, dtype, device, kvcache, need_sort=False)
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
 
@@ -117,6 +118,28 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
     def used_tokens(self) -> int:
         """Slots SGLang owns (requests and its prefix cache)."""
         return self._num_used() * self.page_size
+
+    def admission_reopens(self, batch_is_full: bool) -> bool:
+        """Whether to clear SGLang's `batch_is_full` before its next admission attempt.
+
+        SGLang sets the flag when a waiting request did not fit, and clears it only when one of
+        this runtime's own requests leaves: it assumes nobody else frees its memory. In an arena
+        a neighbour's finished requests free memory too, and waiting requests would sit until one
+        of ours ended. So: remember the least available size seen while the flag is set, and
+        reopen admission as soon as the available size is above it (a neighbour, or a finished
+        request, gave memory back). A reopened attempt that still does not fit sets the flag
+        again; the cost is one admission pass per increase, none while the flag is clear.
+        """
+        if not batch_is_full:
+            self._full_at_tokens = None
+            return False
+        available = self.available_size()
+        if self._full_at_tokens is not None and available > self._full_at_tokens:
+            self._full_at_tokens = None
+            return True
+        if self._full_at_tokens is None or available < self._full_at_tokens:
+            self._full_at_tokens = available
+        return False
 
     # -- reservation ------------------------------------------------------------------------
 

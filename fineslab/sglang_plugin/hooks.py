@@ -7,6 +7,7 @@ hooks (`install.py` lists the targets). In a scheduler process the calls come in
     _resolve_kv_pool_class    -> SlabKVPool over the arena views (kind "mha")
     _build_token_to_kv_pool_allocator -> SlabAllocator over this runtime's blocks
     _check_full_pool (idle)   -> SGLang's leak check, with the neighbours' memory accounted for
+    _get_new_batch_prefill_raw (every step) -> reopen admission after a neighbour freed memory
 
 Processes that never build a pool (the tokenizer, the detokenizer) never call them, and so never
 open the arena.
@@ -127,6 +128,17 @@ class PluginSession:
             kwargs["sizes"].max_total_num_tokens, configurator.page_size,
             configurator.kv_cache_dtype, str(configurator.device), pool, need_sort=False,
             source=link.source)
+
+    def new_batch_prefill(self, original: Callable[..., Any], scheduler: Any, *args: Any,
+                          **kwargs: Any) -> Any:
+        """Reopen SGLang's admission when a neighbour gave memory back (see
+        `SlabAllocator.admission_reopens`), then run SGLang's own prefill admission."""
+        allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
+        running_batch = kwargs.get("running_batch", args[1] if len(args) > 1 else None)
+        if isinstance(allocator, SlabAllocator) and running_batch is not None and \
+                allocator.admission_reopens(bool(running_batch.batch_is_full)):
+            running_batch.batch_is_full = False
+        return original(scheduler, *args, **kwargs)
 
     def check_full_pool(self, original: Callable[..., Any], checker: Any, ps: Any,
                         *args: Any, **kwargs: Any) -> Any:

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ HOOK_TARGETS: tuple[HookTarget, ...] = (
     HookTarget(f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", "build_allocator",
                ("sizes", "token_to_kv_pool", "token_to_kv_pool_allocator")),
     HookTarget(f"{_CHECKER}._check_full_pool", "check_full_pool", ("ps", "uncached")),
+    HookTarget(f"{_SCHEDULER}._get_new_batch_prefill_raw", "new_batch_prefill",
+               ("prefill_delayer_single_pass", "running_batch")),
 )
 
 

@@ -157,3 +157,21 @@ def test_last_request_gives_up_after_the_wait(setup: tuple,
     assert 0.2 <= time.monotonic() - start < 5, "the wait is bounded by STARVED_WAIT_S"
     neighbour.free(grabbed)
     _check(allocator, source)
+
+
+def test_admission_reopens_when_a_neighbour_frees_memory(setup: tuple) -> None:
+    allocator, source, neighbour, _ = setup
+    grabbed = neighbour.alloc(neighbour.available_blocks() - 4)
+    assert not allocator.admission_reopens(False), "a clear flag stays clear"
+    assert not allocator.admission_reopens(True), "flag just set: nothing freed since"
+    own = allocator.alloc(2 * PAGE)  # own decoding shrinks what is available: still shut
+    assert own is not None
+    assert not allocator.admission_reopens(True), "less memory than when the flag was set"
+    neighbour.free(grabbed[:8])
+    assert allocator.admission_reopens(True), "the neighbour freed two slabs: try again"
+    assert not allocator.admission_reopens(True), "the next pass set the flag again: wait"
+    neighbour.free(grabbed[8:])
+    assert allocator.admission_reopens(True), "more memory again: try again"
+    assert not allocator.admission_reopens(False)
+    allocator.free(own)
+    _check(allocator, source)
