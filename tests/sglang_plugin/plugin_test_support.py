@@ -191,6 +191,7 @@ class UsageSampler:
     arena: ScratchArena
     period_s: float = 0.02
     peaks: dict[str, int] = field(default_factory=dict)
+    timeline: list[tuple[float, dict[str, int]]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -200,10 +201,25 @@ class UsageSampler:
         return self
 
     def _run(self) -> None:
+        start = time.monotonic()
         while not self._stop.is_set():
-            for rid, used in self.arena.used_bytes().items():
+            usage = self.arena.used_bytes()
+            for rid, used in usage.items():
                 self.peaks[rid] = max(self.peaks.get(rid, 0), used)
+            if not self.timeline or self.timeline[-1][1] != usage:
+                self.timeline.append((time.monotonic() - start, usage))
             time.sleep(self.period_s)
+
+    def describe(self, every_s: float = 1.0) -> str:
+        """The usage timeline, a line per `every_s` (and the last), in % of the arena."""
+        lines, next_s = [], 0.0
+        for i, (t, usage) in enumerate(self.timeline):
+            if t >= next_s or i == len(self.timeline) - 1:
+                shares = " ".join(f"{rid} {used / self.arena.arena_bytes:4.0%}"
+                                  for rid, used in sorted(usage.items()))
+                lines.append(f"  {t:7.2f} s  {shares}")
+                next_s = t + every_s
+        return "\n".join(lines)
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
