@@ -55,8 +55,7 @@ class ServerSpec:
             "--model-path", self.model_path, "--host", self.host, "--port", str(self.port),
         ]
         if self.cpu:
-            argv += ["--device", "cpu", "--attention-backend", "torch_native",
-                     "--sampling-backend", "pytorch", "--disable-cuda-graph"]
+            argv += cpu_mode.cpu_server_argv()
         return argv + list(self.extra_args)
 
     @property

@@ -100,3 +100,19 @@ def test_cpu_server_args_are_accepted_by_sglang_server_args() -> None:
     result = _run_in_cpu_child(code)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == cpu_mode.CPU_SERVER_ARGS
+
+
+def test_cpu_server_argv_parses_back_to_the_cpu_server_args() -> None:
+    code = (
+        "import argparse, json\n"
+        "from fineslab import cpu_mode\n"
+        "from sglang.srt.server_args import ServerArgs\n"
+        "parser = argparse.ArgumentParser()\n"
+        "ServerArgs.add_cli_args(parser)\n"
+        "ns = parser.parse_args(['--model-path', 'unused', *cpu_mode.cpu_server_argv()])\n"
+        "args = ServerArgs.from_cli_args(ns)\n"
+        "print(json.dumps({k: getattr(args, k) for k in cpu_mode.CPU_SERVER_ARGS}))\n"
+    )
+    result = _run_in_cpu_child(code)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == cpu_mode.CPU_SERVER_ARGS

@@ -24,12 +24,27 @@ from fineslab.env import CPU_MODE_VAR, SGLANG_CPU_ENGINE_VAR, FineslabEnv
 STUBS_DIR = Path(__file__).resolve().parent / "stubs"
 
 #: Server arguments SGLang needs on CPU (`--device cpu` and friends), as `ServerArgs` fields.
+#: `sleep_on_idle`: an idle scheduler waits on its sockets (woken at once by a request) instead
+#: of spinning its event loop, which otherwise keeps one core busy per idle runtime.
 CPU_SERVER_ARGS: dict[str, object] = {
     "device": "cpu",
     "attention_backend": "torch_native",
     "sampling_backend": "pytorch",
     "disable_cuda_graph": True,
+    "sleep_on_idle": True,
 }
+
+
+def cpu_server_argv() -> list[str]:
+    """`CPU_SERVER_ARGS` as `sglang.launch_server` flags (a True field is a bare flag)."""
+    argv: list[str] = []
+    for name, value in CPU_SERVER_ARGS.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False:
+            argv += [flag, str(value)]
+    return argv
 
 
 def cuda_available() -> bool:
