@@ -81,15 +81,34 @@ def check_hooks(targets: Sequence[HookTarget] = HOOK_TARGETS) -> None:
             "KV pool:\n  " + "\n  ".join(problems))
 
 
+def apply_session_hooks(session: object, targets: Sequence[HookTarget]) -> None:
+    """Register `session`'s wrappers as AROUND hooks on `targets` and patch SGLang with them.
+
+    SGLang's registry only logs a hook that fails to apply, which would leave the runtime on its
+    own KV pool; so this checks every target was patched and raises EnvironmentSetupError naming
+    the SGLang version and each target that was not.
+    """
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target in targets:
+        hook: Callable[..., object] = getattr(session, target.session_method)
+        HookRegistry.register(target.path, hook, HookType.AROUND)
+    HookRegistry.apply_hooks()
+    unapplied = [t.path for t in targets if t.path not in HookRegistry._patched]
+    if unapplied:
+        raise EnvironmentSetupError(
+            f"fineslab plugin: SGLang {sglang_version()} (written for {TESTED_SGLANG_VERSION}) "
+            f"did not apply hooks on {unapplied}; refusing to start rather than fall back to "
+            "SGLang's own KV pool")
+
+
 def install(join: ArenaJoin, targets: Sequence[HookTarget] = HOOK_TARGETS) -> object:
     """Make this process's SGLang keep its KV in the arena `join` names; returns the session.
 
     Registers AROUND hooks with SGLang's HookRegistry and applies them at once. Raises
-    EnvironmentSetupError if this SGLang lacks a hook target. Idempotent per process only in
-    the sense SGLang's registry is: call it once.
+    EnvironmentSetupError if this SGLang lacks a hook target or does not apply one. Idempotent
+    per process only in the sense SGLang's registry is: call it once.
     """
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
     from fineslab.sglang_plugin.hooks import PluginSession
 
     check_hooks(targets)
@@ -98,14 +117,7 @@ def install(join: ArenaJoin, targets: Sequence[HookTarget] = HOOK_TARGETS) -> ob
         logger.warning("fineslab plugin: SGLang %s, tested on %s; hooks resolve, continuing",
                        version, TESTED_SGLANG_VERSION)
     session = PluginSession(join)
-    for target in targets:
-        hook: Callable[..., object] = getattr(session, target.session_method)
-        HookRegistry.register(target.path, hook, HookType.AROUND)
-    HookRegistry.apply_hooks()
-    unapplied = [t.path for t in targets if t.path not in HookRegistry._patched]
-    if unapplied:
-        raise EnvironmentSetupError(
-            f"fineslab plugin: SGLang {version} did not apply hooks on {unapplied}")
+    apply_session_hooks(session, targets)
     logger.info("fineslab plugin: runtime %r will keep its KV in arena %r",
                 join.runtime_id, join.arena_name)
     return session
@@ -133,4 +145,5 @@ def register() -> None:
         raise SystemExit(f"fineslab SGLang plugin: {exc}") from exc
 
 
-__all__ = ["HOOK_TARGETS", "ConfigError", "HookTarget", "check_hooks", "install", "register"]
+__all__ = ["HOOK_TARGETS", "ConfigError", "HookTarget", "apply_session_hooks", "check_hooks",
+           "install", "register"]

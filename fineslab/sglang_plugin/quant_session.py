@@ -26,7 +26,7 @@ from fineslab.env import KV_FORMAT_VAR, KV_SCALES_VAR, FineslabEnv
 from fineslab.errors import ConfigError
 from fineslab.sglang_plugin.config import ArenaJoin
 from fineslab.sglang_plugin.hooks import PluginSession, kv_shape_of, refuse_model_kinds
-from fineslab.sglang_plugin.install import HOOK_TARGETS, check_hooks
+from fineslab.sglang_plugin.install import HOOK_TARGETS, apply_session_hooks, check_hooks
 from fineslab.sglang_plugin.link import arena_device
 from fineslab.sglang_plugin.quant_pools import Fp8SlabKVPool, Kv4SlabKVPool
 from fineslab.sglang_plugin.refusals import refuse_unsupported, settings_of
@@ -103,15 +103,11 @@ class QuantPluginSession(PluginSession):
 
 
 def install_quant(join: ArenaJoin, request: KVFormatRequest) -> QuantPluginSession:
-    """Install the quantized-KV session's hooks in this process (the scheduler)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
+    """Install the quantized-KV session's hooks in this process (the scheduler); raises
+    EnvironmentSetupError if this SGLang lacks a hook target or does not apply one."""
     check_hooks(HOOK_TARGETS)
     session = QuantPluginSession(join, request)
-    for target in HOOK_TARGETS:
-        HookRegistry.register(target.path, getattr(session, target.session_method),
-                              HookType.AROUND)
-    HookRegistry.apply_hooks()
+    apply_session_hooks(session, HOOK_TARGETS)
     logger.info("fineslab quant plugin: runtime %r keeps %s KV in arena %r", join.runtime_id,
                 request.kv_dtype.value, join.arena_name)
     return session
