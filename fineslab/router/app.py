@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 from fineslab.router.config import ModelRoute, RouterSettings
 from fineslab.router.metrics import LiveCollector, RouterMetrics
 from fineslab.router.proxy import error_body, forward
-from fineslab.router.queues import ModelQueue, RequestDropped
+from fineslab.router.queues import ModelQueue, NoLiveRuntime, RequestDropped
 from fineslab.router.replicas import Replica
 from fineslab.router.requests import BadRequest, PromptCounter, parse_body, read_request
 from fineslab.scheduler.local import get_batch_policy
@@ -147,6 +147,9 @@ class Router:
         queue = self.queues[route.name]
         try:
             lease = await queue.acquire(parsed.prompt_tokens)
+        except NoLiveRuntime as exc:
+            return JSONResponse(error_body(str(exc), "runtime_unavailable", "runtime_down"), 503,
+                                headers={"Retry-After": str(self.settings.retry_after_s)})
         except RequestDropped as exc:
             status = self.settings.drop_status
             return JSONResponse(error_body(str(exc), "slo_drop", status), status,

@@ -14,7 +14,10 @@ round (on an arrival, a completion, a replica change, or every `tick_s`) the dis
        deferred: stays.
 
 With no free slot the policy still runs with N_max = 1 so that requests that can no longer meet
-their deadline are dropped on time, but nothing is admitted. Invariant, per model:
+their deadline are dropped on time, but nothing is admitted. That holds with no runtime up too: a
+request then waits for a restart until its deadline, and is rejected as `NoLiveRuntime` (503)
+even under `on_drop: best_effort`, which would otherwise wait for a runtime that may not return.
+Invariant, per model:
 
     sum(replica.inflight) == leases handed out - leases released
     every ticket ends exactly once: leased, rejected, or cancelled by its client
@@ -42,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 class RequestDropped(TransientError):
     """The local scheduler dropped the request: it cannot meet its TTFT deadline."""
+
+
+class NoLiveRuntime(RequestDropped):
+    """Dropped while none of the model's runtimes was up (HTTP 503, whatever `on_drop` says)."""
 
 
 @dataclass
@@ -114,7 +121,7 @@ class ModelQueue:
         live = [t for t in self._waiting.values() if not t.future.done() and not t.best_effort]
         up = [r for r in self.replicas if r.up]
         free_slots = sum(max(0, self.route.max_running_requests - r.inflight) for r in up)
-        if live and up:
+        if live:
             self._decide(live, up, free_slots)
         self._serve_best_effort()
 
@@ -137,7 +144,12 @@ class ModelQueue:
                 self._lease(by_id[request.request_id], up)
         for dropped in decision.dropped:
             ticket = by_id[dropped.request.request_id]
-            if self.settings.on_drop == "best_effort":
+            if not up:
+                ticket.future.set_exception(NoLiveRuntime(
+                    f"model {self.route.name}: no runtime is up (restarting?); "
+                    f"{dropped.reason}"))
+                self.metrics.dropped(self.route.name, "rejected")
+            elif self.settings.on_drop == "best_effort":
                 ticket.best_effort = True
                 self._best_effort.append(ticket)
                 self.metrics.dropped(self.route.name, "best_effort")

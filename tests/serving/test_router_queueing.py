@@ -215,3 +215,25 @@ def test_a_runtime_marked_down_fails_its_inflight_requests_at_once() -> None:
         server.stop()
         slow.terminate()
         slow.wait(10)
+
+
+@pytest.mark.parametrize("on_drop", ["reject", "best_effort"])
+def test_a_request_for_a_model_with_no_runtime_up_gets_503_by_its_deadline(
+        backend_url: str, on_drop: str) -> None:
+    server = _serve([_route("strict", backend_url, slo_s=1.0, s_per_token=0.001)],
+                    on_drop=on_drop)
+    try:
+        server.router.mark_down("strict-r0")
+        body = {"model": "strict", "prompt": "hi", "max_tokens": 1}
+        url = server.base_url + "/v1/completions"
+        reply = httpx.post(url, json=body, timeout=30)
+        waited = reply.elapsed.total_seconds()
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"]["code"] == "runtime_down"
+        assert "no runtime is up" in reply.json()["error"]["message"]
+        assert "retry-after" in reply.headers
+        assert 0.9 <= waited < 5.0, f"it waits for a restart until its 1 s deadline, not {waited}"
+        server.router.mark_up("strict-r0", pid=123)
+        assert httpx.post(url, json=body, timeout=30).status_code == 200, "served once back"
+    finally:
+        server.stop()
