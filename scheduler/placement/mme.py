@@ -15,13 +15,14 @@ candidates are only GPUs of that device. When the fleet cannot hold what sizing 
 (beyond the paper: it would leave such a model unplaced).
 
 Co-location (`PlacementConfig.interference_per_neighbor` = f > 0, see `colocation`): line 6
-scores each member m with mu_m / (1 + f * n_m(G')), and line 7 takes the argmax over the
-candidates on which M and every replica already there keep an SLO-feasible operating point
-with their neighbours counted; only when no candidate does, over all of them. With f = 0 (the
-default) both are the paper's lines.
+scores each member m with mu_m / (1 + f * load_m(G')), load_m = the sum of its neighbours'
+expected busy fractions (rate / capacity at their sized batch, at most 1 each), and line 7
+takes the argmax over the candidates on which M and every replica already there keep an
+SLO-feasible operating point at that slowdown; only when no candidate does, over all of them.
+With f = 0 (the default) both are the paper's lines.
 Cost: O(R * C * |G'|) score evaluations for R replicas and C candidates; 200 models on 64 GPUs
-take well under a second (fineslab.bench.placer: 0.08 s; told f = 0.2, 0.48 s, which rebuilds
-each member's MME hull per candidate).
+take well under a second (fineslab.bench.placer: 0.04-0.08 s; told f = 0.2, 0.48-0.50 s,
+which rebuilds each member's MME hull per candidate).
 """
 
 from __future__ import annotations
