@@ -39,7 +39,8 @@ WHY = """- Same caveats as fig10 (roofline latencies, our base rates, KV reserve
 - The MME placer is told the simulator's interference factor (0.2 per busy neighbour; see
   fig10). It changes the numbers only at 10 GPUs: fineslab 0.996 -> 1.0 and Static* 0.86 -> 0.939
   (Poisson): told 0 it put 8B AWQ on GPU 7 beside the 70B FP8 TP2 shard and 8B FP8, told 0.2
-  beside Qwen3-32B FP8 on GPU 9.
+  beside Qwen3-32B FP8 on GPU 9. Charging neighbours at their expected busy fraction instead
+  of always busy (fig10, SLO 10) leaves every fig11 placement as it was.
 - A bigger fleet removes both baselines' handicaps: with enough GPUs KVPR places every model
   and Static*'s partitions grow, so the curves converge; the paper's gap at 16 GPUs comes from
   runtime memory contention next to AWQ models, which our admission model (a request is
