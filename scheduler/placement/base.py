@@ -48,7 +48,8 @@ class PlacementConfig:
     interference_per_neighbor: f, the compute slowdown co-location costs. A step of a replica
         with n other replicas on its GPUs lasts up to alone_s * (1 + f * n) (co-located
         runtimes share SMs and HBM bandwidth); the MME placer scores and checks a candidate
-        GPU with it (`colocation`). It is a device property, measured like a profile: the
+        GPU with it, each neighbour counted at its expected busy fraction (`colocation`). It
+        is a device property, measured like a profile: the
         paper's section 3 measures two co-located quantized 8B models on an H100 reaching
         1.5x-1.95x the aggregate throughput of one, i.e. f between 0.03 and 0.33. The default 0
         is the paper's Algorithm 1, which scores memory only; the simulator tells the placer
