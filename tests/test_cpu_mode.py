@@ -89,30 +89,32 @@ def test_forced_cpu_mode_wins_over_detection() -> None:
     assert cpu_mode.is_cpu_mode(FineslabEnv(cpu_mode=False, model_cache_dir="x")) is False
 
 
-def test_cpu_server_args_are_accepted_by_sglang_server_args() -> None:
-    code = (
-        "import json\n"
-        "from fineslab import cpu_mode\n"
-        "from sglang.srt.server_args import ServerArgs\n"
-        "args = ServerArgs(model_path='unused', **cpu_mode.CPU_SERVER_ARGS)\n"
-        "print(json.dumps({k: getattr(args, k) for k in cpu_mode.CPU_SERVER_ARGS}))\n"
-    )
-    result = _run_in_cpu_child(code)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == cpu_mode.CPU_SERVER_ARGS
-
-
-def test_cpu_server_argv_parses_back_to_the_cpu_server_args() -> None:
+def _server_args_in_child(build: str) -> dict[str, object]:
+    """The CPU_SERVER_ARGS fields of the ServerArgs that `build` (code setting `args`) makes,
+    in a CPU-mode child process."""
     code = (
         "import argparse, json\n"
         "from fineslab import cpu_mode\n"
         "from sglang.srt.server_args import ServerArgs\n"
-        "parser = argparse.ArgumentParser()\n"
-        "ServerArgs.add_cli_args(parser)\n"
-        "ns = parser.parse_args(['--model-path', 'unused', *cpu_mode.cpu_server_argv()])\n"
-        "args = ServerArgs.from_cli_args(ns)\n"
+        f"{build}"
         "print(json.dumps({k: getattr(args, k) for k in cpu_mode.CPU_SERVER_ARGS}))\n"
     )
     result = _run_in_cpu_child(code)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == cpu_mode.CPU_SERVER_ARGS
+    fields: dict[str, object] = json.loads(result.stdout.strip().splitlines()[-1])
+    return fields
+
+
+def test_cpu_server_args_are_accepted_by_sglang_server_args() -> None:
+    built = _server_args_in_child(
+        "args = ServerArgs(model_path='unused', **cpu_mode.CPU_SERVER_ARGS)\n")
+    assert built == cpu_mode.CPU_SERVER_ARGS
+
+
+def test_cpu_server_argv_parses_back_to_the_cpu_server_args() -> None:
+    parsed = _server_args_in_child(
+        "parser = argparse.ArgumentParser()\n"
+        "ServerArgs.add_cli_args(parser)\n"
+        "ns = parser.parse_args(['--model-path', 'unused', *cpu_mode.cpu_server_argv()])\n"
+        "args = ServerArgs.from_cli_args(ns)\n")
+    assert parsed == cpu_mode.CPU_SERVER_ARGS
