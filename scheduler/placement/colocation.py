@@ -39,7 +39,6 @@ member's MME hull once more (tens of points).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fineslab.scheduler.placement.scoring import Resident
@@ -69,8 +68,7 @@ class Colocation:
 
     def __init__(self, interference_per_neighbor: float) -> None:
         self.per_neighbor = interference_per_neighbor
-        self._points: dict[str, tuple[ComputePoint, ...]] = {}
-        self._busy: dict[tuple[str, int, float], float] = {}
+        self._points: dict[str, dict[int, ComputePoint]] = {}  # by model, then batch size
 
     def slowdown(self, neighbor_load: float) -> float:
         """1 + f * load: the expected step time over the time alone."""
@@ -78,16 +76,10 @@ class Colocation:
 
     def busy_fraction(self, replica: Replica) -> float:
         """u_k: the share of time `replica` runs steps at its sized batch, in [0, 1]."""
-        point = replica.point
-        # Keyed by the point, not the replica: degrade's passes re-size replicas.
-        key = (replica.demand.name, point.batch_size, point.rate_per_replica_s)
-        if key not in self._busy:
-            profile = replica.demand.profile
-            capacity_s = request_rate_capacity_per_s(profile, point.batch_size,
-                                                     profile.workload.output_tokens)
-            self._busy[key] = (1.0 if capacity_s <= 0
-                               else min(1.0, max(0.0, point.rate_per_replica_s / capacity_s)))
-        return self._busy[key]
+        point = replica.point  # sized at a profiled batch, so one of the compute points
+        capacity_s = self._compute_points(replica)[point.batch_size].capacity_per_s
+        return 1.0 if capacity_s <= 0 else min(1.0, max(0.0, point.rate_per_replica_s
+                                                        / capacity_s))
 
     def neighbor_load(self, state: ClusterState, key: str) -> float:
         """Sum of u_k over the other replicas on the placed replica `key`'s GPUs."""
@@ -116,16 +108,17 @@ class Colocation:
         rate_s = replica.point.rate_per_replica_s
         slo_s = replica.demand.ttft_slo_s
         return any(p.capacity_per_s >= rate_s * slowdown and p.ttft_s * slowdown <= slo_s
-                   for p in self._compute_points(replica))
+                   for p in self._compute_points(replica).values())
 
-    def _compute_points(self, replica: Replica) -> Sequence[ComputePoint]:
+    def _compute_points(self, replica: Replica) -> dict[int, ComputePoint]:
+        """Each profiled batch size of the replica's model, alone (cached per model)."""
         name = replica.demand.name
         if name not in self._points:
             profile = replica.demand.profile
             predictor = ChunkedPrefillPredictor.from_profile(profile)
             prompt, output = profile.workload.prompt_tokens, profile.workload.output_tokens
-            self._points[name] = tuple(
-                ComputePoint(b, request_rate_capacity_per_s(profile, b, output),
-                             predictor.ttft_s([prompt] * b))
-                for b in (int(x) for x in profile.throughput_tokens_per_s.xs))
+            self._points[name] = {
+                b: ComputePoint(b, request_rate_capacity_per_s(profile, b, output),
+                                predictor.ttft_s([prompt] * b))
+                for b in (int(x) for x in profile.throughput_tokens_per_s.xs)}
         return self._points[name]
