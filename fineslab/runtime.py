@@ -12,8 +12,10 @@ In CPU mode the child gets the CPU stand-ins on its path and SGLang's CPU flags
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,11 +33,47 @@ from fineslab.errors import EnvironmentSetupError
 logger = logging.getLogger(__name__)
 
 
+#: fineslab hands out ports from this band: below SGLang's own band (22000-29999, where it picks
+#: its torch-distributed port) and below the kernel's ephemeral range (32768+ by default, where
+#: bind(0) and every outgoing connection take theirs). A port picked here and bound only later,
+#: after a server's start-up, cannot be taken meanwhile by an outgoing connection or by another
+#: runtime's internal port, which is what happened with bind(0) ports.
+PORT_BAND = (10000, 21999)
+
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the caller binds it soon after)."""
+    """A TCP port that was free a moment ago (the caller binds it soon after).
+
+    Drawn at random from `PORT_BAND` (capped below the ephemeral range), never twice from one
+    process; bind(0) only when the band is exhausted.
+    """
+    low, high = PORT_BAND[0], min(PORT_BAND[1], _ephemeral_low() - 1)
+    candidates = [p for p in range(low, high + 1) if p not in _handed_out]
+    for port in random.sample(candidates, min(64, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+class PortInUse(EnvironmentSetupError):
+    """The server exited at start-up because its port was taken (pick another and retry)."""
 
 
 @dataclass(frozen=True)
@@ -87,9 +125,16 @@ class ServerProcess:
         self.stop()
 
     def wait_healthy(self, timeout_s: float = 180.0) -> None:
-        """Block until `/health` answers 200; raise with the log's tail if the server dies."""
+        """Block until `/health` answers 200; raise with the log's tail if the server dies.
+
+        Raises `PortInUse` as soon as the log shows that the server could not bind its port:
+        SGLang 0.5.23 does not exit then (its HTTP server stops, its scheduler keeps running).
+        """
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if self.port_taken():
+                raise PortInUse(f"port {self.spec.port} was taken before the SGLang server "
+                                "could bind it.\n" + self.log_tail())
             if self.proc.poll() is not None:
                 raise EnvironmentSetupError(
                     f"SGLang server exited with code {self.proc.returncode} during start-up.\n"
@@ -105,6 +150,19 @@ class ServerProcess:
         raise EnvironmentSetupError(
             f"SGLang server not healthy after {timeout_s:.0f} s.\n" + self.log_tail()
         )
+
+    def port_taken(self) -> bool:
+        """Whether the log's end says the server could not bind its port (asyncio's Errno 98
+        message, which uvicorn logs)."""
+        if self.log_path is None:
+            return False
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+                tail = f.read().decode(errors="replace").lower()
+        except OSError:
+            return False
+        return f"{self.spec.port}): address already in use" in tail
 
     def log_tail(self, num_lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -160,15 +218,27 @@ def _pids_in_group(pgid: int) -> list[int]:
 
 
 def start_server(spec: ServerSpec, log_path: Path | None = None,
-                 timeout_s: float = 180.0) -> ServerProcess:
-    """Start a server and wait until it is healthy; stop it again if it never gets there."""
-    server = ServerProcess(spec, log_path)
-    try:
-        server.wait_healthy(timeout_s)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+                 timeout_s: float = 180.0, port_retries: int = 3) -> ServerProcess:
+    """Start a server and wait until it is healthy; stop it again if it never gets there.
+
+    A port taken during start-up is replaced by a fresh one (up to `port_retries` times), so
+    read the URL from the returned server's `spec`, not from `spec`.
+    """
+    for attempt in range(port_retries + 1):
+        server = ServerProcess(spec, log_path)
+        try:
+            server.wait_healthy(timeout_s)
+            return server
+        except PortInUse:
+            server.stop()
+            if attempt == port_retries:
+                raise
+            logger.warning("port %d was taken during start-up; retrying", spec.port)
+            spec = dataclasses.replace(spec, port=free_port(spec.host))
+        except BaseException:
+            server.stop()
+            raise
+    raise AssertionError("unreachable")
 
 
 def wait_until_up(proc: subprocess.Popen[bytes], health_url: str, what: str,
@@ -198,6 +268,6 @@ def cpu_engine_kwargs(extra: Mapping[str, object] | None = None) -> dict[str, ob
 
 
 __all__: Sequence[str] = [
-    "ServerProcess", "ServerSpec", "cpu_engine_kwargs", "free_port", "start_server",
+    "PortInUse", "ServerProcess", "ServerSpec", "cpu_engine_kwargs", "free_port", "start_server",
     "wait_until_up",
 ]

@@ -127,11 +127,12 @@ def measure_sglang(rate_per_s: float, duration_s: float) -> dict[str, PathLatenc
     model_dir = ensure_model("llama-tiny", FineslabEnv.from_environ().model_cache_dir)
     spec = ServerSpec(str(model_dir), free_port(), extra_args=(
         "--served-model-name", "tiny", "--max-total-tokens", "4096"))
-    with start_server(spec, Path("/tmp") / f"fineslab-bench-router-{spec.port}.log", 600):
+    with start_server(spec, Path("/tmp") / f"fineslab-bench-router-{spec.port}.log",
+                      600) as backend:
         router_port = free_port()
-        router = start_router(router_port, [f"tiny={spec.base_url}"])
+        router = start_router(router_port, [f"tiny={backend.spec.base_url}"])
         try:
-            urls = {"router": f"http://127.0.0.1:{router_port}", "direct": spec.base_url}
+            urls = {"router": f"http://127.0.0.1:{router_port}", "direct": backend.spec.base_url}
             asyncio.run(run_load(urls, "tiny", rate_per_s, 2.0, 8))  # warm-up
             return asyncio.run(run_load(urls, "tiny", rate_per_s, duration_s, 8))
         finally:

@@ -46,6 +46,7 @@ class Fleet:
         self.arenas: dict[str, SlabArena] = {}
         self.prepared: dict[str, PrecisionRuntime] = {}  # by model name
         self.supervisor: Supervisor | None = None
+        self.router: Router | None = None
         self.server: RouterServer | None = None
         self._snapshots: tuple[float, dict[str, TableSnapshot]] = (0.0, {})
         self._snapshot_lock = threading.Lock()
@@ -79,10 +80,13 @@ class Fleet:
             r, self.prepared[r.model.name], config.fleet_id, config.kv_pool == "arena",
             max_running_requests=config.router.max_running_requests),
             self.log_dir / f"{r.runtime_id}.log") for r in self.plan.runtimes]
-        router = Router(self._routes(runtimes), self._settings(), slabs=self.slab_snapshots)
-        self.supervisor = Supervisor(runtimes, on_down=router.mark_down, on_up=router.mark_up,
-                                     reclaim=self._reclaim, progress=self.progress)
+        self.supervisor = Supervisor(runtimes, on_down=self._runtime_down,
+                                     on_up=self._runtime_up, reclaim=self._reclaim,
+                                     progress=self.progress)
         self.supervisor.start_all()
+        # Routes only now: a runtime whose port was taken at start-up runs on a fresh one.
+        router = self.router = Router(self._routes(runtimes), self._settings(),
+                                      slabs=self.slab_snapshots)
         for r in runtimes:
             router.mark_up(r.plan.runtime_id, self.supervisor.pid_of(r.plan.runtime_id),
                            restarted=False)
@@ -162,6 +166,14 @@ class Fleet:
         free_blocks = ((snap.free_slabs + owner.num_slabs) * blocks_per_slab
                        - owner.used_blocks)
         return free_blocks * runtime.page_size
+
+    def _runtime_down(self, runtime_id: str) -> None:
+        if self.router is not None:
+            self.router.mark_down(runtime_id)
+
+    def _runtime_up(self, runtime_id: str, pid: int, base_url: str) -> None:
+        if self.router is not None:
+            self.router.mark_up(runtime_id, pid, base_url=base_url)
 
     def _reclaim(self, device: str) -> list[str]:
         arena = self.arenas.get(device)

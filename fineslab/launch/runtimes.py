@@ -12,9 +12,14 @@ fineslab starts a runtime of any precision.
 `Supervisor` owns the processes. Its watcher thread polls them every `poll_s`; when one has
 exited it (1) tells the router (`on_down`: in-flight requests of that runtime fail at once),
 (2) stops what is left of the process group, (3) reclaims the dead runtime's slabs in the slab
-table, (4) starts it again on the same port and, once healthy, tells the router (`on_up`).
-A runtime that keeps dying is given up after `max_restarts`. Lock order: `_lock` only (held
-while the process table changes, never while waiting for health).
+table, (4) starts it again on the same port and, once healthy, tells the router (`on_up`, with
+the runtime's URL). A runtime that keeps dying is given up after `max_restarts`.
+
+A runtime that exits at start-up because its port was taken (`PortInUse`: another process bound
+it between `free_port` and the server's bind, which comes only after model loading) is started
+again at once on a fresh port, up to `PORT_RETRIES` times; this does not count as a restart.
+
+Lock order: `_lock` only (held while the process table changes, never while waiting for health).
 """
 
 from __future__ import annotations
@@ -23,16 +28,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fineslab.errors import EnvironmentSetupError
 from fineslab.launch.plan import RuntimePlan
 from fineslab.quant.fleet import PrecisionRuntime
-from fineslab.runtime import ServerProcess, ServerSpec, free_port
+from fineslab.runtime import PortInUse, ServerProcess, ServerSpec, free_port
 from fineslab.sglang_plugin import ArenaJoin
 
 logger = logging.getLogger(__name__)
+
+#: Fresh ports tried for a runtime whose port was taken during its start-up.
+PORT_RETRIES = 3
 
 #: KV tokens for a runtime on SGLang's own pool (no arena to size it): enough for the demo.
 OWN_POOL_MAX_TOTAL_TOKENS = 16384
@@ -80,7 +88,7 @@ class Supervisor:
     """Starts, watches, restarts and stops the runtimes of a fleet."""
 
     def __init__(self, runtimes: list[SupervisedRuntime], *,
-                 on_down: Callable[[str], None], on_up: Callable[[str, int], None],
+                 on_down: Callable[[str], None], on_up: Callable[[str, int, str], None],
                  reclaim: Callable[[str], list[str]], progress: Callable[[str], None],
                  health_timeout_s: float = 600.0, poll_s: float = 0.5,
                  max_restarts: int = 5) -> None:
@@ -102,15 +110,33 @@ class Supervisor:
                 r.process = ServerProcess(r.spec, r.log_path)
         start_s = time.monotonic()
         for i, r in enumerate(self.runtimes.values(), start=1):
-            assert r.process is not None
             try:
-                r.process.wait_healthy(self.health_timeout_s)
+                self._wait_healthy(r)
             except EnvironmentSetupError as exc:
                 raise EnvironmentSetupError(
                     f"runtime {r.plan.runtime_id} did not start (log: {r.log_path}): {exc}"
                 ) from exc
             self.progress(f"[{i}/{len(self.runtimes)}] runtime {r.plan.runtime_id} healthy on "
                           f"{r.spec.base_url} after {time.monotonic() - start_s:.0f} s")
+
+    def _wait_healthy(self, r: SupervisedRuntime) -> None:
+        """Wait for `r`'s process; start it again on a fresh port while its port was taken."""
+        for attempt in range(PORT_RETRIES + 1):
+            assert r.process is not None
+            try:
+                r.process.wait_healthy(self.health_timeout_s)
+                return
+            except PortInUse:
+                if attempt == PORT_RETRIES or self._stopping.is_set():
+                    raise
+            r.process.stop(grace_s=5)
+            log_path = r.process.log_path or r.log_path
+            old_port = r.spec.port
+            with self._lock:
+                r.spec = replace(r.spec, port=free_port(r.spec.host))
+                r.process = ServerProcess(r.spec, log_path.with_suffix(f".port{attempt + 1}.log"))
+            self.progress(f"runtime {r.plan.runtime_id}: port {old_port} was taken during "
+                          f"start-up; started it again on port {r.spec.port}")
 
     def pid_of(self, runtime_id: str) -> int | None:
         process = self.runtimes[runtime_id].process
@@ -161,13 +187,13 @@ class Supervisor:
             self.progress(f"restarting runtime {r.plan.runtime_id} (restart {r.restarts})")
             r.process = ServerProcess(r.spec, r.log_path.with_suffix(f".{r.restarts}.log"))
         try:
-            r.process.wait_healthy(self.health_timeout_s)
+            self._wait_healthy(r)
         except EnvironmentSetupError as exc:
             logger.error("restart of %s failed: %s", r.plan.runtime_id, exc)
             r.restarting = False  # the watcher sees the exit and tries again
             return
         r.restarting = False
-        self.on_up(r.plan.runtime_id, r.process.proc.pid)
+        self.on_up(r.plan.runtime_id, r.process.proc.pid, r.spec.base_url)
         self.progress(f"runtime {r.plan.runtime_id} is back on {r.spec.base_url}")
 
     # -- stop -----------------------------------------------------------------------------------

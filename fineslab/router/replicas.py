@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import aiohttp
@@ -48,6 +49,12 @@ class Replica:
         self.up = False
         if not self.down.done():
             self.down.set_result(None)
+
+    def move(self, base_url: str, client: aiohttp.ClientSession) -> aiohttp.ClientSession:
+        """Serve from `base_url` with `client` from now on; return the old client to close."""
+        old, self.client = self.client, client
+        self.route = replace(self.route, base_url=base_url)
+        return old
 
     def mark_up(self, restarted: bool) -> None:
         if self.down.done():

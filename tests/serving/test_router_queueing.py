@@ -237,3 +237,20 @@ def test_a_request_for_a_model_with_no_runtime_up_gets_503_by_its_deadline(
         assert httpx.post(url, json=body, timeout=30).status_code == 200, "served once back"
     finally:
         server.stop()
+
+
+def test_a_runtime_back_on_another_port_is_served_there(backend_url: str) -> None:
+    dead_url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    server = _serve([_route("fast", dead_url)])
+    try:
+        url = server.base_url + "/v1/completions"
+        body = {"model": "fast", "prompt": "hi", "max_tokens": 1}
+        assert httpx.post(url, json=body, timeout=30).status_code == 502, "unreachable at first"
+        server.router.mark_down("fast-r0")
+        server.router.mark_up("fast-r0", pid=123, base_url=backend_url)
+        reply = httpx.post(url, json=body, timeout=30)
+        assert reply.status_code == 200, reply.text
+        health = httpx.get(server.base_url + "/health", timeout=30).json()
+        assert backend_url in json.dumps(health), health
+    finally:
+        server.stop()

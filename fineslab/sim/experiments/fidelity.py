@@ -81,7 +81,7 @@ def live_endpoint(cfg: FidelityConfig, profile: ModelProfile,
     logger.info("SGLang server log: %s", log_path)
     server = start_server(spec, log_path=log_path)
     try:
-        yield spec.base_url, str(model_dir), model_dir
+        yield server.spec.base_url, str(model_dir), model_dir
     finally:
         server.stop()
 

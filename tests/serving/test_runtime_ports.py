@@ -1,0 +1,122 @@
+"""Ports of runtimes: where `free_port` draws them, and a runtime whose port was taken during its
+start-up (a real SGLang server on CPU) being started again on a fresh port by the supervisor."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fineslab.launch.config import DeviceConfig, ModelConfig
+from fineslab.launch.plan import RuntimePlan
+from fineslab.launch.runtimes import SupervisedRuntime, Supervisor
+from fineslab.runtime import PORT_BAND, ServerSpec, free_port, start_server
+
+
+def _ephemeral_low() -> int:
+    return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+
+
+def test_free_ports_come_from_the_band_below_the_ephemeral_range_and_never_twice() -> None:
+    ports = [free_port() for _ in range(200)]
+    high = min(PORT_BAND[1], _ephemeral_low() - 1)
+    assert all(PORT_BAND[0] <= p <= high for p in ports), ports
+    assert len(set(ports)) == len(ports), "one process is never handed the same port twice"
+
+
+def test_free_port_skips_a_port_someone_holds() -> None:
+    held = []
+    try:
+        for _ in range(20):  # hold 20 ports of the band, then ask for more
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", free_port()))
+            sock.listen()
+            held.append(sock)
+        taken = {s.getsockname()[1] for s in held}
+        fresh = [free_port() for _ in range(20)]
+        assert not taken & set(fresh)
+        for port in fresh:  # each really is bindable
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.bind(("127.0.0.1", port))
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def _plan(runtime_id: str) -> RuntimePlan:
+    model = ModelConfig(name="llama-tiny", model_path=None, preset="llama-tiny",
+                        precision="bf16", kv_dtype="auto", tp=1, ttft_slo_s=5.0,
+                        request_rate_per_s=1.0, replicas=1, profile=None,
+                        max_running_requests=None, extra_args=())
+    return RuntimePlan(runtime_id, model, "", 0, DeviceConfig("cpu", "cpu", 0, None), None)
+
+
+def test_a_runtime_whose_port_is_taken_at_start_up_comes_up_on_a_fresh_port(
+        model_cache: Path, tmp_path: Path) -> None:
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", free_port()))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    spec = ServerSpec(str(model_cache / "llama-tiny"), taken,
+                      extra_args=("--max-total-tokens", "2048"))
+    runtime = SupervisedRuntime(_plan("llama-r0"), spec, tmp_path / "llama-r0.log")
+    messages: list[str] = []
+    supervisor = Supervisor([runtime], on_down=lambda _id: None,
+                            on_up=lambda _id, _pid, _url: None, reclaim=lambda _d: [],
+                            progress=messages.append, health_timeout_s=300)
+    try:
+        supervisor.start_all()
+        assert runtime.spec.port != taken
+        assert f"port {taken} was taken during start-up" in "\n".join(messages), messages
+        assert "address already in use" in (tmp_path / "llama-r0.log").read_text().lower(), \
+            "the first start must have failed on the taken port (else this tests nothing)"
+        reply = httpx.post(runtime.spec.base_url + "/generate", timeout=60, json={
+            "text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+        assert reply.status_code == 200, reply.text
+        assert runtime.restarts == 0, "a port retry is not a restart"
+    finally:
+        supervisor.stop_all()
+        squatter.close()
+    assert runtime.process is not None and not runtime.process.tree_pids()
+
+
+def test_a_port_still_taken_after_the_last_retry_fails_the_start_with_the_log_named(
+        model_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("fineslab.launch.runtimes.PORT_RETRIES", 0)  # no retry left
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", free_port()))
+    squatter.listen()
+    spec = ServerSpec(str(model_cache / "llama-tiny"), squatter.getsockname()[1],
+                      extra_args=("--max-total-tokens", "2048"))
+    runtime = SupervisedRuntime(_plan("llama-r0"), spec, tmp_path / "llama-r0.log")
+    supervisor = Supervisor([runtime], on_down=lambda _id: None,
+                            on_up=lambda _id, _pid, _url: None, reclaim=lambda _d: [],
+                            progress=lambda _m: None, health_timeout_s=300)
+    try:
+        with pytest.raises(Exception, match="runtime llama-r0 did not start") as info:
+            supervisor.start_all()
+        assert str(tmp_path / "llama-r0.log") in str(info.value)
+        assert "address already in use" in str(info.value).lower()
+    finally:
+        supervisor.stop_all()
+        squatter.close()
+
+
+def test_start_server_moves_to_a_fresh_port_when_its_port_is_taken(
+        model_cache: Path, tmp_path: Path) -> None:
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    squatter.bind(("127.0.0.1", free_port()))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    spec = ServerSpec(str(model_cache / "llama-tiny"), taken,
+                      extra_args=("--max-total-tokens", "2048"))
+    try:
+        with start_server(spec, tmp_path / "sglang.log", timeout_s=300) as server:
+            assert server.spec.port != taken
+            health = httpx.get(server.spec.base_url + "/health", timeout=30)
+            assert health.status_code == 200
+    finally:
+        squatter.close()
+    assert not server.tree_pids()
