@@ -29,6 +29,7 @@ from typing import Protocol
 from fineslab.errors import ConfigError, EnvironmentSetupError
 from fineslab.slabs.client import RuntimeSlabs
 from fineslab.slabs.formats import BlockFormat
+from fineslab.slabs.pooled import PooledSlabs
 from fineslab.slabs.shm import ArenaPaths, ProcessIdentity, create_file, map_fd, open_file
 from fineslab.slabs.table import SlabTable, TableDims, creator_of_header, read_header
 
@@ -165,8 +166,12 @@ class SlabArena:
         """The arena as a 1-D uint8 torch tensor (pass it to `layer_views`)."""
         return self._backing.tensor()
 
-    def client(self, runtime_id: str, fmt: BlockFormat) -> RuntimeSlabs:
-        """A block allocator for `runtime_id` on this arena's table."""
+    def client(self, runtime_id: str, fmt: BlockFormat, pooled: bool = False
+               ) -> RuntimeSlabs | PooledSlabs:
+        """A block allocator for `runtime_id` on this arena's table: slabs of its own, or
+        (`pooled`) its key's pool shared with the other pooled runtimes of its block stride."""
+        if pooled:
+            return PooledSlabs(self.table, runtime_id, fmt)
         return RuntimeSlabs(self.table, runtime_id, fmt)
 
     def close(self) -> None:

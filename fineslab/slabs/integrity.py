@@ -1,9 +1,10 @@
 """check_integrity and snapshot: the slab table's invariants verified, and its contents summed.
 
-The invariants T1-T5 are written at the top of `table.py`. `check_integrity` takes the table lock,
+The invariants T1-T6 are written at the top of `table.py`. `check_integrity` takes the table lock,
 so FREE slabs, owners and keys are exact; the block counts of a runtime's slabs (T3, T4) are only
 exact while that runtime is not mid-operation, so the caller names the owners it knows to be
-quiescent (`exact_owners`; None = all, for a stopped fleet or a single-process test).
+quiescent (`exact_owners`; None = all, for a stopped fleet or a single-process test). POOLED
+slabs change only under the lock, so their counts and block owners (T3, T4, T6) are always exact.
 Cost: a few vectorized passes over the table, about 1 ms for 1,000 slabs x 4,096 blocks.
 """
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fineslab.errors import IntegrityError
-from fineslab.slabs.table import NO_OWNER, SlabState, SlabTable
+from fineslab.slabs.table import NO_OWNER, POOLED, SlabState, SlabTable
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,10 @@ class OwnerUsage:
     pid: int
     alive: bool
     key: int
-    num_slabs: int
+    num_slabs: int  # slabs holding its blocks (a POOLED slab counts for each of its runtimes)
     used_blocks: int
+    free_blocks: int  # free blocks it can take without carving: its slabs', or its key pool's
+    pooled: bool = False
 
     @property
     def used_bytes(self) -> int:
@@ -62,19 +65,44 @@ def _check_free_slabs(table: SlabTable) -> None:
     _fail("T1: FREE <=> no owner", free != (table.owner == NO_OWNER))
     _fail("T1: FREE slab with key/used/free blocks",
           free & ((table.key != 0) | (table.used != 0) | table.free_map.any(axis=1)))
+    _fail("T6: block owners outside a POOLED slab",
+          (table.owner != POOLED) & table.block_owner.any(axis=1))
 
 
 def _check_owned_slabs(table: SlabTable) -> np.ndarray:
     owned = table.state != SlabState.FREE
+    pooled = table.owner == POOLED
+    key = np.where(owned, table.key, table.dims.slab_bytes)
+    _fail("T2: key does not divide the slab", owned & ((key <= 0) | (table.dims.slab_bytes %
+                                                                     np.maximum(key, 1) != 0)))
+    _check_pooled_owners(table, owned & pooled)
+    owned = owned & ~pooled
     max_slot = table.dims.max_runtimes - 1
     slots = np.clip(table.owner, 0, max_slot)
     _fail("T2: owner out of range", owned & (slots != table.owner))
     _fail("T2: owner not an active runtime", owned & (table.rt_status[slots] != 1))
     _fail("T2: key differs from the owner's", owned & (table.rt_key[slots] != table.key))
-    key = np.where(owned, table.key, table.dims.slab_bytes)
-    _fail("T2: key does not divide the slab", owned & ((key <= 0) | (table.dims.slab_bytes %
-                                                                     np.maximum(key, 1) != 0)))
     return owned
+
+
+def _check_pooled_owners(table: SlabTable, pooled: np.ndarray) -> None:
+    """T6: each block of a POOLED slab is free or held by an active pooled runtime of its key."""
+    rows = np.flatnonzero(pooled)
+    if rows.size == 0:
+        return
+    marks = table.block_owner[rows].astype(np.int64)
+    bps = table.dims.slab_bytes // table.key[rows]
+    inside = np.arange(table.dims.max_blocks_per_slab)[None, :] < bps[:, None]
+    mask = np.zeros(pooled.shape, dtype=bool)
+    mask[rows] = ((marks != 0) & ~inside).any(axis=1)
+    _fail("T6: a block owner beyond bps", mask)
+    mask[rows] = (((marks == 0) != (table.free_map[rows] == 1)) & inside).any(axis=1)
+    _fail("T6: free map and block owners disagree", mask)
+    slots = np.clip(marks - 1, 0, table.dims.max_runtimes - 1)
+    good = (marks - 1 == slots) & (table.rt_status[slots] == 1) & (table.rt_pooled[slots] == 1) \
+        & (table.rt_key[slots] == table.key[rows][:, None])
+    mask[rows] = ((marks != 0) & ~good).any(axis=1)
+    _fail("T6: a block held by no active pooled runtime of the slab's key", mask)
 
 
 def _check_counts(table: SlabTable, exact: np.ndarray) -> None:
@@ -115,6 +143,7 @@ def check_integrity(table: SlabTable, exact_owners: Collection[int] | None = Non
         exact = owned.copy()
         if exact_owners is not None:
             exact &= np.isin(table.owner, np.asarray(list(exact_owners), dtype=np.int32))
+        exact |= (table.owner == POOLED) & (table.state != SlabState.FREE)
         _check_counts(table, exact)
         _check_registry(table)
 
@@ -128,9 +157,20 @@ def snapshot(table: SlabTable) -> TableSnapshot:
         label = (slab_key, SlabState(slab_state).name)
         counts[label] = counts.get(label, 0) + 1
     owners = []
+    partial = state == SlabState.PARTIAL
+    bps = np.where(key > 0, table.dims.slab_bytes // np.maximum(key, 1), 0)
     for slot, name in sorted(table.active_runtimes().items()):
-        mine = owner == slot
         identity = table.identity_of(slot)
-        owners.append(OwnerUsage(name, identity.pid, identity.is_alive(),
-                                 int(table.rt_key[slot]), int(mine.sum()), int(used[mine].sum())))
+        slot_key = int(table.rt_key[slot])
+        if table.rt_pooled[slot]:
+            held = table.block_owner == slot + 1
+            num_slabs, used_blocks = int(held.any(axis=1).sum()), int(held.sum())
+            pool = partial & (owner == POOLED) & (key == slot_key)
+            free_blocks = int((bps[pool] - used[pool]).sum())
+        else:
+            mine = owner == slot
+            num_slabs, used_blocks = int(mine.sum()), int(used[mine].sum())
+            free_blocks = int((bps[mine] - used[mine]).sum())
+        owners.append(OwnerUsage(name, identity.pid, identity.is_alive(), slot_key, num_slabs,
+                                 used_blocks, free_blocks, bool(table.rt_pooled[slot])))
     return TableSnapshot(table.dims.slab_bytes, table.dims.num_slabs, counts, tuple(owners))

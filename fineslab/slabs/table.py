@@ -7,12 +7,21 @@ Glossary
     slab        slab_bytes of the arena at offset slab_id * slab_bytes, holding blocks of one
                 size only. Slab states: FREE (in the free space), PARTIAL, FULL.
     key         the block stride in bytes a slab is formatted to (0 while FREE).
-    owner       the registry slot of the runtime that holds the slab (NO_OWNER while FREE).
+    owner       the registry slot of the runtime that holds the slab (NO_OWNER while FREE), or
+                POOLED for a slab of a key pool (below).
+    key pool    the paper's "compatible models share a slab pool": runtimes registered `pooled`
+                share the slabs of their key; any of them takes free blocks of any POOLED slab
+                of its key. Each block of a POOLED slab records its runtime in `block_owner`
+                (slot + 1; 0 = free), so a free of another runtime's block is refused and a dead
+                runtime's blocks are reclaimed one by one. Operations live in `pooled.py`.
     bps         blocks per slab = slab_bytes // key.
     free map    one byte per block slot of a slab: 1 = free, 0 = in use or beyond bps (a byte, not a
                 bit, so numpy scans and sets it without bit twiddling; 8x a bitmap's size, 5 MB
                 for an 80 GB arena of 64 MiB slabs at 4,096 blocks per slab).
-    registry    max_runtimes slots: runtime id, (pid, start ticks), key, status FREE/ACTIVE.
+    block_owner one byte per block slot of a slab: slot + 1 of the runtime holding the block in a
+                POOLED slab, 0 otherwise (free, beyond bps, or a private slab's block).
+    registry    max_runtimes slots: runtime id, (pid, start ticks), key, pooled, status
+                FREE/ACTIVE.
 
 Invariants (check_integrity verifies each; T3 and T4 only for owners that are quiescent)
     T1  state[s] == FREE  <=>  owner[s] == NO_OWNER
@@ -23,14 +32,19 @@ Invariants (check_integrity verifies each; T3 and T4 only for owners that are qu
     T4  state[s] != FREE  =>  0 < used[s] <= bps,  state[s] == FULL <=> used[s] == bps
         (an empty slab goes back to the free space at once)
     T5  active runtime ids are unique; header.lock_holder == 0 whenever the lock is free
+    T6  owner[s] == POOLED  =>  for j < bps: free_map[s, j] == 1  <=>  block_owner[s, j] == 0,
+                                block_owner[s, j] - 1 is an ACTIVE pooled runtime of key[s],
+                                block_owner[s, bps:] == 0
+        owner[s] != POOLED  =>  block_owner[s] == 0
     free_bytes + slab_bytes * #{s: state[s] != FREE} == num_slabs * slab_bytes
 
 Ownership and locking
     One lock: an exclusive flock on the table file (released by the kernel if its holder dies).
     No other lock exists, so there is no lock order to respect; never hold it while calling out.
     Under the lock only: carve (FREE -> owned), release (owned -> FREE), register/unregister,
-    reclaim of dead owners. Without the lock: the owner of a slab, and only it, changes that
-    slab's used count, free map and PARTIAL/FULL state (RuntimeSlabs' fast path). So under the
+    reclaim of dead owners, and every change to a POOLED slab. Without the lock: the owner of a
+    private slab, and only it, changes that slab's used count, free map and PARTIAL/FULL state
+    (RuntimeSlabs' fast path). So under the
     lock every FREE slab and every owner/key field is stable; the block counts of another
     runtime's slabs are a best-effort view (exact once that runtime is quiescent).
     Crash safety: the lock holder writes its pid into the header; a process that takes the lock
@@ -57,8 +71,9 @@ from fineslab.slabs.shm import ProcessIdentity, create_file, map_fd, open_file
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x3142_5441_4C53_4946  # "FISLATB1" little-endian
-VERSION = 1
+VERSION = 2  # 2: key pools (block_owner, rt_pooled)
 NO_OWNER = -1
+POOLED = -2
 RUNTIME_ID_BYTES = 64
 HANDLE_CAPACITY_BYTES = 4096
 _READY_TIMEOUT_S = 5.0
@@ -103,6 +118,8 @@ class TableDims:
         for name in ("num_slabs", "slab_bytes", "max_blocks_per_slab", "max_runtimes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"slab table: {name} must be positive")
+        if self.max_runtimes > 255:
+            raise ConfigError("slab table: at most 255 runtimes (block_owner is one byte)")
 
     def fields(self) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
         n, m, r = self.num_slabs, self.max_blocks_per_slab, self.max_runtimes
@@ -114,10 +131,12 @@ class TableDims:
             ("owner", np.dtype(np.int32), (n,)),
             ("used", np.dtype(np.int32), (n,)),
             ("free_map", np.dtype(np.uint8), (n, m)),
+            ("block_owner", np.dtype(np.uint8), (n, m)),
             ("rt_status", np.dtype(np.uint8), (r,)),
             ("rt_pid", np.dtype(np.int64), (r,)),
             ("rt_start", np.dtype(np.int64), (r,)),
             ("rt_key", np.dtype(np.int64), (r,)),
+            ("rt_pooled", np.dtype(np.uint8), (r,)),
             ("rt_name", np.dtype(np.uint8), (r, RUNTIME_ID_BYTES)),
         ]
 
@@ -143,6 +162,7 @@ class SlabTable:
         self.header, self.handle = views["header"], views["handle"]
         self.state, self.key, self.owner = views["state"], views["key"], views["owner"]
         self.used, self.free_map = views["used"], views["free_map"]
+        self.block_owner, self.rt_pooled = views["block_owner"], views["rt_pooled"]
         self.rt_status, self.rt_pid = views["rt_status"], views["rt_pid"]
         self.rt_start, self.rt_key, self.rt_name = (
             views["rt_start"], views["rt_key"], views["rt_name"])
@@ -185,7 +205,8 @@ class SlabTable:
 
     def close(self) -> None:
         for name in ("header", "handle", "state", "key", "owner", "used", "free_map",
-                     "rt_status", "rt_pid", "rt_start", "rt_key", "rt_name"):
+                     "block_owner", "rt_status", "rt_pid", "rt_start", "rt_key", "rt_pooled",
+                     "rt_name"):
             setattr(self, name, None)
         try:
             self._mm.close()
@@ -234,8 +255,11 @@ class SlabTable:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     # -- registry (under the lock) --------------------------------------------------------------
-    def register(self, runtime_id: str, key: int) -> int:
+    def register(self, runtime_id: str, key: int, pooled: bool = False) -> int:
         """Give `runtime_id` a registry slot for blocks of stride `key`; returns the slot.
+
+        `pooled`: the runtime allocates from its key's pool (POOLED slabs, see pooled.py)
+        instead of slabs of its own.
 
         A dead runtime of the same id is reclaimed first; a live one is refused (ConfigError).
         """
@@ -258,7 +282,7 @@ class SlabTable:
             self.rt_name[slot] = 0
             self.rt_name[slot, : len(name)] = np.frombuffer(name, np.uint8)
             self.rt_pid[slot], self.rt_start[slot] = self.me.pid, self.me.start_ticks
-            self.rt_key[slot] = key
+            self.rt_key[slot], self.rt_pooled[slot] = key, int(pooled)
             self.rt_status[slot] = 1
         return slot
 
@@ -282,18 +306,22 @@ class SlabTable:
         Reclaims dead owners before giving up; raises ArenaExhausted (nothing changed) if short.
         """
         with self.lock():
+            return self.carve_locked(slot, num_slabs, slot)
+
+    def carve_locked(self, slot: int, num_slabs: int, owner: int) -> np.ndarray:
+        """`carve` for a caller holding the lock; `owner` is `slot` or POOLED."""
+        free = np.flatnonzero(self.state == SlabState.FREE)
+        if free.size < num_slabs and self._reclaim_dead_locked():
             free = np.flatnonzero(self.state == SlabState.FREE)
-            if free.size < num_slabs and self._reclaim_dead_locked():
-                free = np.flatnonzero(self.state == SlabState.FREE)
-            if free.size < num_slabs:
-                raise ArenaExhausted(
-                    f"{num_slabs} slab(s) wanted, {free.size} free of {self.dims.num_slabs}")
-            chosen = free[:num_slabs]
-            key = int(self.rt_key[slot])
-            self.key[chosen], self.used[chosen] = key, 0
-            self.free_map[chosen, : self.dims.slab_bytes // key] = 1
-            self.owner[chosen] = slot
-            self.state[chosen] = SlabState.PARTIAL
+        if free.size < num_slabs:
+            raise ArenaExhausted(
+                f"{num_slabs} slab(s) wanted, {free.size} free of {self.dims.num_slabs}")
+        chosen = free[:num_slabs]
+        key = int(self.rt_key[slot])
+        self.key[chosen], self.used[chosen] = key, 0
+        self.free_map[chosen, : self.dims.slab_bytes // key] = 1
+        self.owner[chosen] = owner
+        self.state[chosen] = SlabState.PARTIAL
         return chosen
 
     def release(self, slot: int, slab_ids: Collection[int]) -> None:
@@ -306,6 +334,10 @@ class SlabTable:
                                          f"{self.used[slab]})")
                 self._free_slab_locked(int(slab))
 
+    def release_locked(self, slab: int) -> None:
+        """Return an empty slab to the free space (the caller holds the lock)."""
+        self._free_slab_locked(slab)
+
     def reclaim_dead_owners(self) -> list[str]:
         """Free the slots and slabs of runtimes whose process is gone; returns their ids."""
         with self.lock():
@@ -317,13 +349,28 @@ class SlabTable:
         self.state[slab] = SlabState.FREE
         self.owner[slab], self.key[slab], self.used[slab] = NO_OWNER, 0, 0
         self.free_map[slab] = 0
+        self.block_owner[slab] = 0
 
     def _drop_runtime_locked(self, slot: int) -> None:
         for slab in np.flatnonzero(self.owner == slot):
             self._free_slab_locked(int(slab))
-        self.rt_status[slot] = 0
+        self._drop_pooled_blocks_locked(self.block_owner == slot + 1)
+        self.rt_status[slot] = self.rt_pooled[slot] = 0
         self.rt_pid[slot] = self.rt_start[slot] = self.rt_key[slot] = 0
         self.rt_name[slot] = 0
+
+    def _drop_pooled_blocks_locked(self, dropped: np.ndarray) -> None:
+        """Free the blocks of POOLED slabs marked in `dropped` (a block_owner-shaped mask)."""
+        dropped = dropped & (self.owner == POOLED)[:, None]
+        for slab in np.flatnonzero(dropped.any(axis=1)).tolist():
+            row = dropped[slab]
+            self.block_owner[slab, row] = 0
+            self.free_map[slab, row] = 1
+            self.used[slab] -= int(row.sum())
+            if self.used[slab] == 0:
+                self._free_slab_locked(slab)
+            else:
+                self.state[slab] = SlabState.PARTIAL
 
     def _reclaim_dead_locked(self) -> list[str]:
         dead = [(slot, name) for slot, name in self.active_runtimes().items()
@@ -336,18 +383,40 @@ class SlabTable:
         return [name for _, name in dead]
 
     def _repair_locked(self) -> list[str]:
-        """After a holder died mid-update: drop dead runtimes, make FREE slabs canonical."""
+        """After a holder died mid-update: drop dead runtimes, make FREE slabs canonical, and
+        rebuild every POOLED slab's counts from its block owners (all its changes happen under
+        the lock, so the dead holder may have left one half-done)."""
         reclaimed = self._reclaim_dead_locked()
         for slab in np.flatnonzero(self.state == SlabState.FREE):
             self._free_slab_locked(int(slab))
+        self._repair_pooled_locked()
         slots = np.clip(self.owner, 0, self.dims.max_runtimes - 1)
-        orphaned = (self.state != SlabState.FREE) & (
+        orphaned = (self.state != SlabState.FREE) & (self.owner != POOLED) & (
             (self.owner != slots) | (self.rt_status[slots] != 1))
         for slab in np.flatnonzero(orphaned):
             self._free_slab_locked(int(slab))
         for slot in np.flatnonzero(self.rt_status == 0):
             self._drop_runtime_locked(int(slot))
         return reclaimed
+
+
+    def _repair_pooled_locked(self) -> None:
+        self.block_owner[(self.owner != POOLED)] = 0
+        active = np.zeros(256, dtype=bool)  # by block_owner value: slot + 1 of a pooled runtime
+        active[1: self.dims.max_runtimes + 1] = (self.rt_status == 1) & (self.rt_pooled == 1)
+        for slab in np.flatnonzero(self.owner == POOLED).tolist():
+            bps = self.dims.slab_bytes // int(self.key[slab])
+            row = self.block_owner[slab]
+            row[bps:] = 0
+            row[~active[row]] = 0  # blocks of runtimes no longer registered
+            held = row[:bps] != 0
+            self.free_map[slab, :bps] = ~held
+            self.free_map[slab, bps:] = 0
+            self.used[slab] = int(held.sum())
+            if self.used[slab] == 0:
+                self._free_slab_locked(slab)
+            else:
+                self.state[slab] = SlabState.FULL if self.used[slab] == bps else SlabState.PARTIAL
 
 
 def read_header(fd: int, wait_s: float = _READY_TIMEOUT_S) -> np.ndarray:

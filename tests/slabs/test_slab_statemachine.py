@@ -1,4 +1,5 @@
-"""Hypothesis state machine: alloc/free/carve/return against a model of live blocks per runtime.
+"""Hypothesis state machines: alloc/free/carve/return against a model of live blocks per runtime
+(private slabs; and key pools beside a private runtime).
 
 The model knows only which block ids each runtime holds. From it follow every slab's owner and
 count (an empty slab is FREE at once), so the machine checks the table slab by slab, plus
@@ -103,3 +104,94 @@ class SlabMachine(RuleBasedStateMachine):
 SlabMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                          derandomize=True)
 TestSlabMachine = SlabMachine.TestCase
+
+
+class PooledSlabMachine(RuleBasedStateMachine):
+    """Two runtimes in FMT_A's key pool and one private FMT_B runtime, against the model of
+    live blocks: a pooled slab may hold both pooled runtimes' blocks, never the private one's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        spec = ArenaSpec("hyp-pool", "cpu0", NUM_SLABS * SLAB_BYTES, SLAB_BYTES, 8)
+        self.arena = SlabArena.create(spec, shm_dir=Path(mkdtemp()))
+        self.clients = [self.arena.client("pa", FMT_A, pooled=True),
+                        self.arena.client("pb", FMT_A, pooled=True),
+                        self.arena.client("rb", FMT_B)]
+        self.live: list[set[int]] = [set(), set(), set()]
+
+    def _slabs(self, rts: list[int]) -> set[int]:
+        return {b // self.clients[rt].blocks_per_slab for rt in rts for b in self.live[rt]}
+
+    def _room(self, rt: int) -> int:
+        bps = self.clients[rt].blocks_per_slab
+        mates = [0, 1] if rt < 2 else [2]
+        held = len(self._slabs(mates)) * bps - sum(len(self.live[m]) for m in mates)
+        taken = len(self._slabs([0, 1]) | self._slabs([2]))
+        return held + (NUM_SLABS - taken) * bps
+
+    @rule(rt=st.sampled_from([0, 1, 2]), num_blocks=st.integers(0, 20),
+          near=st.none() | st.integers(-2, NUM_SLABS * 8 + 2))
+    def alloc(self, rt: int, num_blocks: int, near: int | None) -> None:
+        room = self._room(rt)
+        before = self.arena.table.raw()
+        try:
+            ids = self.clients[rt].alloc(num_blocks, near_block=near)
+        except ArenaExhausted:
+            assert num_blocks > room, "alloc fails only when the model says it must"
+            assert self.arena.table.raw() == before, "a failed alloc changes nothing"
+            return
+        assert num_blocks <= room
+        assert len(ids) == num_blocks == len(set(ids)), "distinct ids, as many as asked"
+        assert not set(ids) & (self.live[0] | self.live[1] if rt < 2 else self.live[2]), \
+            "never a live block twice"
+        self.live[rt] |= set(ids)
+        assert not self._slabs([0, 1]) & self._slabs([2]), "pools and private slabs stay apart"
+
+    @precondition(lambda self: any(self.live))
+    @rule(rt=st.sampled_from([0, 1, 2]), data=st.data())
+    def free(self, rt: int, data: st.DataObject) -> None:
+        if not self.live[rt]:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(sorted(self.live[rt])), min_size=1,
+                                    unique=True))
+        self.clients[rt].free(chosen)
+        self.live[rt] -= set(chosen)
+
+    @rule(rt=st.sampled_from([0, 1]), block=st.integers(-2, NUM_SLABS * 8 + 2))
+    def bad_free(self, rt: int, block: int) -> None:
+        if block in self.live[rt]:
+            return
+        before = self.arena.table.raw()
+        try:
+            self.clients[rt].free([block])
+        except InvalidBlockError:
+            assert self.arena.table.raw() == before, "a refused free changes nothing"
+        else:
+            raise AssertionError(f"freeing block {block} not held by runtime {rt} succeeded")
+
+    @invariant()
+    def table_matches_model(self) -> None:
+        check_integrity(self.arena.table)
+        self.clients[2].check_integrity()
+        table = self.arena.table
+        expected_used = np.zeros(NUM_SLABS, dtype=np.int64)
+        for rt, client in enumerate(self.clients):
+            for block in self.live[rt]:
+                slab, local = divmod(block, client.blocks_per_slab)
+                expected_used[slab] += 1
+                if rt < 2:
+                    assert table.block_owner[slab, local] == self.clients[rt].slot + 1, \
+                        "a pooled block records its runtime"
+        assert table.used.tolist() == expected_used.tolist(), "used counts match the model"
+        assert ((table.state == SlabState.FREE) == (expected_used == 0)).all(), (
+            "a slab is FREE exactly when it holds no live block")
+        for rt in (0, 1):
+            assert self.clients[rt].num_used_blocks() == len(self.live[rt])
+
+    def teardown(self) -> None:
+        self.arena.close()
+
+
+PooledSlabMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
+                                               deadline=None, derandomize=True)
+TestPooledSlabMachine = PooledSlabMachine.TestCase

@@ -1,0 +1,208 @@
+"""Key pools: runtimes whose blocks have the same stride share the slabs of that key.
+
+FineServe section 5.2: "each slab is keyed by its KV block size ... compatible models share a
+slab pool". With a slab pool per runtime (`RuntimeSlabs`), free blocks left in one runtime's
+partly used slabs are stranded for every other runtime; replicas of one model, or models whose
+page sizes make their blocks equal, lose that memory for nothing. A `PooledSlabs` runtime
+instead takes free blocks from any POOLED slab of its key and carves new slabs as POOLED.
+
+Glossary (see table.py for the table's)
+    pool of key k   the slabs with owner == POOLED and key == k
+    block id        slab_id * bps + local index (as in client.py: the global page of the view)
+
+Invariants (T6 in table.py; `check_integrity` verifies them, exactly, since all changes to a
+POOLED slab happen under the table lock)
+    used[s] == #{j < bps: block_owner[s, j] != 0}
+    free_map[s, j] == 1  <=>  block_owner[s, j] == 0          for j < bps
+    a POOLED slab with used[s] == 0 is FREE at once (returned in the call that emptied it)
+
+Cost: every alloc and free takes the table lock (an flock: about 2 us here) and scans the pool's
+partial slabs (vectorized). That is the price of sharing; a runtime alone on its key keeps the
+lock-free `RuntimeSlabs`. Measured in docs/slabs.md (`python -m fineslab.bench.alloc --pooled`).
+
+Placement follows RuntimeSlabs: a prefill of a slab or more takes whole fresh slabs for its
+whole-slab part; a hinted batch (decode) fills the hint's slab first; the rest comes from the
+lowest partial slabs of the pool, so high slabs drain and go back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from fineslab.errors import ArenaExhausted, IntegrityError, InvalidBlockError
+from fineslab.slabs.client import RuntimeStats
+from fineslab.slabs.formats import BlockFormat
+from fineslab.slabs.integrity import check_integrity, snapshot
+from fineslab.slabs.shm import ArenaPaths
+from fineslab.slabs.table import POOLED, SlabState, SlabTable
+
+logger = logging.getLogger(__name__)
+
+
+class PooledSlabs:
+    """The block allocator of one runtime that shares its key's slabs with other runtimes."""
+
+    def __init__(self, table: SlabTable, runtime_id: str, fmt: BlockFormat,
+                 owns_table: bool = False) -> None:
+        self.table, self.runtime_id, self.fmt = table, runtime_id, fmt
+        self._owns_table = owns_table
+        self.key = fmt.block_stride_bytes
+        self.blocks_per_slab = fmt.blocks_per_slab(table.dims.slab_bytes)
+        self.slot = table.register(runtime_id, self.key, pooled=True)
+        self.mark = self.slot + 1  # this runtime's value in block_owner
+        self.num_blocks_total = table.dims.num_slabs * self.blocks_per_slab
+        self._closed = False
+
+    @classmethod
+    def attach(cls, fleet_id: str, device: str, runtime_id: str, fmt: BlockFormat,
+               shm_dir: Path | None = None) -> PooledSlabs:
+        table = SlabTable.open(ArenaPaths.of(fleet_id, device, shm_dir).table)
+        return cls(table, runtime_id, fmt, owns_table=True)
+
+    # -- allocation -----------------------------------------------------------------------------
+    def alloc(self, num_blocks: int, near_block: int | None = None) -> list[int]:
+        return list(self.alloc_array(num_blocks, near_block).tolist())
+
+    def alloc_array(self, num_blocks: int, near_block: int | None = None) -> np.ndarray:
+        """`num_blocks` block ids, all or none; ArenaExhausted (nothing changed) when short."""
+        if num_blocks < 0:
+            raise InvalidBlockError(f"cannot allocate {num_blocks} blocks")
+        if num_blocks == 0:
+            return np.empty(0, dtype=np.int64)
+        bps = self.blocks_per_slab
+        with self.table.lock():
+            partial = self._pool_partial()
+            pool_free = int((bps - self.table.used[partial]).sum())
+            whole = 0 if near_block is not None else num_blocks // bps
+            whole_slabs, fresh = self._carve(num_blocks, whole, pool_free)
+            order = whole_slabs.tolist()
+            near = near_block // bps if near_block is not None else None
+            if near is not None and np.isin(near, partial):
+                order.append(near)
+            order += [s for s in np.union1d(partial, fresh).tolist() if s != near]
+            return self._take(order, num_blocks)
+
+    def _pool_partial(self) -> np.ndarray:
+        t = self.table
+        return np.flatnonzero((t.owner == POOLED) & (t.key == self.key) &
+                              (t.state == SlabState.PARTIAL))
+
+    def _carve(self, num_blocks: int, whole: int, pool_free: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """Fresh POOLED slabs: (`whole` slabs for the batch's whole-slab part, the slabs the
+        pool lacks beyond them); without whole slabs when the free space is short of them."""
+        bps = self.blocks_per_slab
+        if whole:
+            extra = -(-max(0, num_blocks - whole * bps - pool_free) // bps)
+            try:
+                carved = self.table.carve_locked(self.slot, whole + extra, POOLED)
+            except ArenaExhausted:
+                pass
+            else:
+                return carved[:whole], carved[whole:]
+        none = np.empty(0, dtype=np.int64)
+        short = num_blocks - pool_free
+        if short <= 0:
+            return none, none
+        return none, self.table.carve_locked(self.slot, -(-short // bps), POOLED)
+
+    def _take(self, slabs: list[int], num_blocks: int) -> np.ndarray:
+        """Take `num_blocks` free blocks from `slabs` in order (they hold enough)."""
+        t, bps, out, remaining = self.table, self.blocks_per_slab, [], num_blocks
+        for slab in slabs:
+            row = t.free_map[slab, :bps]
+            local = row.nonzero()[0][:remaining]
+            row[local] = 0
+            t.block_owner[slab, local] = self.mark
+            t.used[slab] += local.size
+            if t.used[slab] == bps:
+                t.state[slab] = SlabState.FULL
+            out.append(local + slab * bps)
+            remaining -= local.size
+            if not remaining:
+                break
+        if remaining:
+            raise IntegrityError(f"{self.runtime_id}: pool of key {self.key} is short of "
+                                 f"{remaining} blocks it counted as free")
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    # -- free -----------------------------------------------------------------------------------
+    def free(self, block_ids: Iterable[int] | np.ndarray) -> None:
+        """Give blocks back; InvalidBlockError (nothing changed) on a foreign, free or repeat id."""
+        ids = np.sort(np.fromiter(block_ids, dtype=np.int64) if not isinstance(
+            block_ids, np.ndarray) else block_ids.astype(np.int64).ravel())
+        if ids.size == 0:
+            return
+        t = self.table
+        with t.lock():
+            slabs, local = self._validate_free(ids)
+            t.block_owner[slabs, local] = 0
+            t.free_map[slabs, local] = 1
+            touched, counts = np.unique(slabs, return_counts=True)
+            for slab, count in zip(touched.tolist(), counts.tolist(), strict=True):
+                t.used[slab] -= count
+                if t.used[slab] == 0:
+                    t.release_locked(slab)
+                else:
+                    t.state[slab] = SlabState.PARTIAL
+
+    def _validate_free(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if ids[0] < 0 or ids[-1] >= self.num_blocks_total:
+            raise InvalidBlockError(f"{self.runtime_id}: block id out of range "
+                                    f"[0, {self.num_blocks_total}) in free")
+        if ids.size > 1 and not np.all(np.diff(ids)):
+            raise InvalidBlockError(f"{self.runtime_id}: a block id repeats in one free")
+        slabs, local = np.divmod(ids, self.blocks_per_slab)
+        t = self.table
+        in_pool = (t.owner[slabs] == POOLED) & (t.key[slabs] == self.key)
+        holder = np.where(in_pool, t.block_owner[slabs, local], 0)
+        if (holder == 0).any():
+            bad = ids[holder == 0][:8].tolist()
+            raise InvalidBlockError(f"{self.runtime_id}: blocks {bad} are already free")
+        if (holder != self.mark).any():
+            bad = ids[holder != self.mark][:8].tolist()
+            raise InvalidBlockError(f"{self.runtime_id}: blocks {bad} are another runtime's")
+        return slabs, local
+
+    # -- accounting (lock-free reads: exact when the pool's runtimes are quiescent) -------------
+    def num_free_blocks(self) -> int:
+        """Free blocks in the pool's partly used slabs (shared with the pool's runtimes)."""
+        return int((self.blocks_per_slab - self.table.used[self._pool_partial()]).sum())
+
+    def available_blocks(self) -> int:
+        """Free blocks of the pool plus what the free slabs would give this runtime now."""
+        free_slabs = int(np.count_nonzero(self.table.state == SlabState.FREE))
+        return self.num_free_blocks() + free_slabs * self.blocks_per_slab
+
+    def num_used_blocks(self) -> int:
+        return int(np.count_nonzero(self.table.block_owner == self.mark))
+
+    def stats(self) -> RuntimeStats:
+        snap = snapshot(self.table)
+        num_slabs = int(np.count_nonzero((self.table.block_owner == self.mark).any(axis=1)))
+        return RuntimeStats(self.runtime_id, self.num_used_blocks(), self.num_free_blocks(),
+                            num_slabs, self.key, snap.free_slabs, snap.owners)
+
+    def check_integrity(self) -> None:
+        """The table's invariants (exact for POOLED slabs: they change only under the lock)."""
+        check_integrity(self.table, exact_owners=[self.slot])
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Unregister; this runtime's blocks go back to the pool (emptied slabs to free space)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.table.unregister(self.slot)
+        if self._owns_table:
+            self.table.close()
+
+    def __enter__(self) -> PooledSlabs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
