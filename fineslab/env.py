@@ -25,6 +25,9 @@ SGLANG_CPU_ENGINE_VAR = "SGLANG_USE_CPU_ENGINE"
 ARENA_VAR = "FINESLAB_ARENA"
 #: This runtime's id in the arena's slab table (required when FINESLAB_ARENA is set).
 RUNTIME_ID_VAR = "FINESLAB_RUNTIME_ID"
+#: "1": this runtime shares its key's slabs with the other runtimes of the same block stride
+#: on its device (a key pool, fineslab.slabs.pooled). Set by the launcher when such exist.
+KEY_POOL_VAR = "FINESLAB_KEY_POOL"
 #: A fineslab-quantized KV storage format for a runtime that joins an arena: "int4" (KV4) or
 #: "fp8_e4m3" (FP8 with per-layer scales, the CPU path). Unset: SGLang's own KV dtype.
 KV_FORMAT_VAR = "FINESLAB_KV_FORMAT"
@@ -50,6 +53,7 @@ class FineslabEnv:
     model_cache_dir: str
     arena_name: str | None = None
     runtime_id: str | None = None
+    key_pool: bool = False
     kv_format: str | None = None
     kv_scales_path: str | None = None
 
@@ -62,6 +66,7 @@ class FineslabEnv:
             model_cache_dir=env.get(MODEL_CACHE_VAR) or default_cache,
             arena_name=env.get(ARENA_VAR) or None,
             runtime_id=env.get(RUNTIME_ID_VAR) or None,
+            key_pool=bool(_parse_tristate(KEY_POOL_VAR, env.get(KEY_POOL_VAR))),
             kv_format=env.get(KV_FORMAT_VAR) or None,
             kv_scales_path=env.get(KV_SCALES_VAR) or None,
         )

@@ -1,7 +1,7 @@
 """Benchmark: how much of a fixed arena holds live KV when four mixed-precision models share it.
 
     python -m fineslab.bench.fragmentation [--workload azure|sharegpt] [TRACE] [--json]
-                                           [--arena-gib 8] [--tpot-s 0.05]
+                                           [--arena-gib 8] [--tpot-s 0.05] [--page-sizes 16-64]
 
 Workloads (both dealt round-robin to the four models of MODELS: Llama-3-8B BF16 KV, Llama-3-8B
 FP8 KV, Qwen2.5-7B INT4 KV (QoQ KV4), a TP=2 shard of Llama-3-70B BF16 KV):
@@ -17,7 +17,9 @@ refused allocation drops its request (its blocks freed); the run goes on. Every 
 the same requests at the same times into the same arena bytes.
 
 Schemes (`fineslab.bench.fragmentation_schemes`, where each one and the rules it must honor
-under SGLang are described): slab (fineslab itself), static (a private pool per model, sized
+under SGLang are described): slab (fineslab itself: key pools over the plan of
+`plan_shared_slabs`), slab_private (slabs of its own per model, the plan of `plan_slabs`),
+static (a private pool per model, sized
 here from this run's exact mean KV demand: an oracle), fixed_block (one shared pool of uniform
 blocks; two block sizes, `fixed_block_largest` and `fixed_block_lowpad`, the better is the key),
 first_fit (variable-size aligned blocks in one byte range; `first_fit_unaligned` for scale).
@@ -54,8 +56,9 @@ from fineslab.bench.fragmentation_schemes import (
     fixed_block_plans,
 )
 from fineslab.bench.report import add_json_flag, emit
-from fineslab.slabs.formats import BlockFormat, KVDtype, KVShape
-from fineslab.slabs.sizing import plan_slabs
+from fineslab.slabs.formats import KVDtype, KVShape
+from fineslab.slabs.key_sharing import WasteModel, plan_shared_slabs
+from fineslab.slabs.sizing import SlabPlan, plan_slabs
 from fineslab.workload import (
     AZURE_CONV,
     SHAREGPT_STATS,
@@ -222,10 +225,13 @@ def replay(work: Workload, events: tuple[np.ndarray, ...], scheme: Scheme,
 
 
 def build_schemes(work: Workload, arena_bytes: int, folder: Path, page_sizes: tuple[int, ...]
-                  ) -> tuple[dict[str, tuple[Scheme, np.ndarray]], list[BlockFormat], int,
+                  ) -> tuple[dict[str, tuple[Scheme, np.ndarray]], SlabPlan, SlabPlan,
                              dict[str, FixedBlockPlan]]:
-    """Each scheme with the tokens-per-block of each model it uses; the slab and fixed plans."""
-    plan = plan_slabs(MODELS, page_sizes=page_sizes)
+    """Each scheme with the tokens-per-block of each model it uses; the slab plans (key pools,
+    private) and the fixed-block plans."""
+    plan = plan_shared_slabs(MODELS, page_sizes=page_sizes,
+                             waste=WasteModel(model_kv_bytes=arena_bytes / len(MODELS)))
+    private = plan_slabs(MODELS, page_sizes=page_sizes)
     formats = list(plan.formats)
     tpb = np.array([f.tokens_per_block for f in formats], dtype=np.int64)
     block_bytes = [f.block_bytes for f in formats]  # unpadded: own pools, no slab to divide
@@ -234,6 +240,9 @@ def build_schemes(work: Workload, arena_bytes: int, folder: Path, page_sizes: tu
     static_caps = [int(arena_bytes * share[m] // block_bytes[m]) for m in range(len(MODELS))]
     schemes: dict[str, tuple[Scheme, np.ndarray]] = {
         "slab": (SlabScheme(arena_bytes, plan.slab_bytes, formats, folder), tpb),
+        "slab_private": (SlabScheme(arena_bytes, private.slab_bytes, list(private.formats),
+                                    folder, key_pools=False),
+                         np.array([f.tokens_per_block for f in private.formats], np.int64)),
         "static": (CountingScheme(static_caps, list(range(len(MODELS)))), tpb),
     }
     fixed = fixed_block_plans(MODELS, min(page_sizes), plan.max_padding_waste)
@@ -244,7 +253,15 @@ def build_schemes(work: Workload, arena_bytes: int, folder: Path, page_sizes: tu
     schemes["first_fit"] = (FirstFitScheme(arena_bytes, block_bytes, aligned=True), tpb)
     schemes["first_fit_unaligned"] = (FirstFitScheme(arena_bytes, block_bytes, aligned=False),
                                       tpb)
-    return schemes, formats, plan.slab_bytes, fixed
+    return schemes, plan, private, fixed
+
+
+def parse_page_sizes(text: str) -> tuple[int, ...]:
+    """"16,32,64" or a range "16-64" (both ends included)."""
+    if "-" in text:
+        low, high = (int(v) for v in text.split("-", 1))
+        return tuple(range(low, high + 1))
+    return tuple(int(p) for p in text.split(","))
 
 
 def _rounded(value: float | None) -> float | None:
@@ -282,8 +299,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workload", choices=("azure", "sharegpt"), default="azure")
     parser.add_argument("--arena-gib", type=float, default=8.0)
     parser.add_argument("--tpot-s", type=float, default=0.05, help="seconds per decode token")
-    parser.add_argument("--page-sizes", default="16,32,64",
-                        help="allowed tokens per block (smaller pages give smaller slabs)")
+    parser.add_argument("--page-sizes", default="16-64",
+                        help="allowed tokens per block, a list or a range (default 16-64)")
     parser.add_argument("--rate-per-s", type=float, default=None,
                         help="sharegpt: arrival rate (default: azure's mean KV demand)")
     parser.add_argument("--duration-s", type=float, default=3600.0, help="sharegpt: duration")
@@ -299,9 +316,10 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, object] = {}
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        page_sizes = tuple(int(p) for p in args.page_sizes.split(","))
-        schemes, formats, slab_bytes, fixed = build_schemes(work, arena_bytes, Path(folder),
-                                                            page_sizes)
+        page_sizes = parse_page_sizes(args.page_sizes)
+        schemes, plan, private, fixed = build_schemes(work, arena_bytes, Path(folder),
+                                                      page_sizes)
+        formats, slab_bytes = list(plan.formats), plan.slab_bytes
         for name, (scheme, tpb) in schemes.items():
             out = replay(work, block_events(work, tpb), scheme, arena_bytes)
             if isinstance(scheme, SlabScheme):
@@ -328,16 +346,22 @@ def main(argv: list[str] | None = None) -> None:
         tpot_s=args.tpot_s, requests=int(work.arrival_s.size), fixed_block_variant=best,
         fixed_block_bytes={n: p.block_bytes for n, p in fixed.items()},
         mean_demand_bytes=round(float(work.mean_demand_bytes().sum())),
-        padding_waste={f.name: round(f.padding_waste, 5) for f in formats})
+        padding_waste={f.name: round(f.padding_waste, 5) for f in formats},
+        slab_private_bytes=private.slab_bytes,
+        slab_tokens_per_block={f.name: f.tokens_per_block for f in formats},
+        slab_key_pools=[[f.name for f in formats if f.block_stride_bytes == key]
+                        for key in sorted({f.block_stride_bytes for f in formats})])
     plan_rows = [[f.name, f.token_bytes, f.token_stride_bytes, f.tokens_per_block,
-                  f.padding_waste, *(v for p in fixed.values()
+                  f.padding_waste, f"{f.block_stride_bytes / (1 << 20):.3g}",
+                  private.formats[i].tokens_per_block, *(v for p in fixed.values()
                                      for v in (p.tokens_per_block[i], p.remainder_waste[i]))]
                  for i, f in enumerate(formats)]
     fixed_headers = [h for n, p in fixed.items() for h in (
         f"{n} {p.block_bytes / (1 << 20):.3g} MiB tok/blk", "remainder")]
-    emit(f"Slab plan: slab {slab_bytes / (1 << 20):.2f} MiB, arena {args.arena_gib} GiB; "
-         f"fixed-block plans", ["model", "token B", "stride B", "tokens/block", "padding",
-                                *fixed_headers], plan_rows, {}, False)
+    emit(f"Slab plan (key pools): slab {slab_bytes / (1 << 20):.3g} MiB; slab_private "
+         f"{private.slab_bytes / (1 << 20):.3g} MiB; arena {args.arena_gib} GiB; fixed-block "
+         f"plans", ["model", "token B", "stride B", "tokens/block", "padding", "block MiB",
+                    "private tok/blk", *fixed_headers], plan_rows, {}, False)
     emit(f"Live KV / arena, {work.arrival_s.size} requests ({label}), tpot {args.tpot_s}s, "
          f"mean demand {work.mean_demand_bytes().sum() / GIB:.2f} GiB; fixed_block = {best}",
          ["scheme", "1st frag. refusal", "mean at frag.", "time avg", "frag. refusals",

@@ -4,12 +4,16 @@ Each scheme is an arena allocator behind `Scheme` (a handle per successful alloc
 fails); `fineslab.bench.fragmentation` sizes them for a run, replays a workload into them and
 reports. What each must honor (a real implementation under SGLang; never worse than that):
 
-  slab         fineslab itself: SlabTable + RuntimeSlabs per model, slab plan of plan_slabs
-               (padded strides, whole slabs only: the arena's tail beyond the last slab is lost),
-               decode blocks placed near the request's last block (the plugin's last_loc)
+  slab         fineslab itself: SlabTable + one allocator per model, slab plan of
+               plan_shared_slabs (padded strides, whole slabs only: the arena's tail beyond the
+               last slab is lost); models of equal block stride share a key pool (PooledSlabs),
+               a model alone on its key keeps its own slabs (RuntimeSlabs); decode blocks placed
+               near the request's last block (the plugin's last_loc)
+  slab_private the same mechanism without key pools, over the plan of plan_slabs (least
+               padding per model): what fineslab measured before key pools
   static       one private pool per model, sized in proportion to that model's exact mean KV
                demand in this very run (an oracle; an operator without the trace does no better);
-               no padding, the slab plan's page sizes
+               no padding, the slab plan's page sizes (slab's: key pools)
   fixed_block  one shared pool of uniform B-byte blocks. SGLang indexes a model's layer buffer
                by flat slot (k_buffer[layer][slot], one stride), so block b must be page b of
                every model's view: B = page x stride, stride >= token bytes, 16-byte aligned. A
@@ -39,6 +43,7 @@ import numpy as np
 from fineslab.errors import ArenaExhausted, ConfigError
 from fineslab.slabs.client import RuntimeSlabs
 from fineslab.slabs.formats import DEFAULT_ALIGNMENT_BYTES, BlockFormat, KVShape
+from fineslab.slabs.pooled import PooledSlabs
 from fineslab.slabs.sizing import smooth_numbers
 from fineslab.slabs.table import SlabTable, TableDims
 
@@ -53,14 +58,24 @@ class Scheme(Protocol):
 
 
 class SlabScheme:
-    """fineslab's mechanism itself: a SlabTable (table file only) and one RuntimeSlabs a model."""
+    """fineslab's mechanism itself: a SlabTable (table file only) and one allocator a model.
+
+    key_pools: models whose block strides are equal share their key's slabs (`PooledSlabs`,
+    what the launcher does); a model alone on its key, or every model when key_pools is off,
+    keeps slabs of its own (`RuntimeSlabs`).
+    """
 
     def __init__(self, arena_bytes: int, slab_bytes: int, formats: list[BlockFormat],
-                 folder: Path) -> None:
+                 folder: Path, key_pools: bool = True) -> None:
         max_bps = max(f.blocks_per_slab(slab_bytes) for f in formats)
         dims = TableDims(arena_bytes // slab_bytes, slab_bytes, max_bps, max_runtimes=8)
-        self.table = SlabTable.create(folder / "fragmentation.table", dims, backing=0)
-        self.clients = [RuntimeSlabs(self.table, f.name, f) for f in formats]
+        self.table = SlabTable.create(folder / f"fragmentation-{id(self)}.table", dims,
+                                      backing=0)
+        strides = [f.block_stride_bytes for f in formats]
+        self.clients: list[RuntimeSlabs | PooledSlabs] = [
+            PooledSlabs(self.table, f.name, f) if key_pools and strides.count(stride) > 1
+            else RuntimeSlabs(self.table, f.name, f)
+            for f, stride in zip(formats, strides, strict=True)]
 
     def alloc(self, model: int, num_blocks: int, previous: object | None) -> object | None:
         near = int(previous[-1]) if isinstance(previous, np.ndarray) and previous.size else None

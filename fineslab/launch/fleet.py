@@ -155,7 +155,8 @@ class Fleet:
             return snaps
 
     def kv_free_tokens(self, runtime_id: str) -> int | None:
-        """Tokens the runtime can still get: its free blocks plus the free slabs' worth."""
+        """Tokens the runtime can still get: the free blocks it can take (its slabs', or its key
+        pool's) plus the free slabs' worth."""
         runtime = next(r for r in self.plan.runtimes if r.runtime_id == runtime_id)
         snap = self.slab_snapshots().get(runtime.device.name)
         owner = next((o for o in snap.owners if o.runtime_id == runtime_id), None) \
@@ -163,8 +164,7 @@ class Fleet:
         if snap is None or owner is None or owner.key <= 0 or runtime.page_size is None:
             return None
         blocks_per_slab = snap.slab_bytes // owner.key
-        free_blocks = ((snap.free_slabs + owner.num_slabs) * blocks_per_slab
-                       - owner.used_blocks)
+        free_blocks = snap.free_slabs * blocks_per_slab + owner.free_blocks
         return free_blocks * runtime.page_size
 
     def _runtime_down(self, runtime_id: str) -> None:

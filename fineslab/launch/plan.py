@@ -54,6 +54,7 @@ class RuntimePlan:
     replica: int
     device: DeviceConfig
     page_size: int | None  # the arena block's tokens; None on SGLang's own pool
+    key_pool: bool = False  # shares its block stride's slabs with other runtimes on the device
 
     @property
     def prepare_device(self) -> str:
@@ -198,6 +199,13 @@ def _arena_for(device: DeviceConfig, runtimes: list[RuntimePlan], fixed_bytes: i
     return ArenaPlan(device, slab_plan, arena_bytes), pages
 
 
+def key_pooled(slab_plan: SlabPlan) -> set[str]:
+    """The runtimes of a device whose block stride another runtime there shares: they join
+    their key's pool (fineslab.slabs.pooled) instead of keeping slabs of their own."""
+    strides = [f.block_stride_bytes for f in slab_plan.formats]
+    return {f.name for f in slab_plan.formats if strides.count(f.block_stride_bytes) > 1}
+
+
 def make_plan(config: FleetConfig, cache_dir: str | None = None, *,
               prepared_dir: str | Path | None = None,
               page_sizes: tuple[int, ...] = DEFAULT_PAGE_SIZES) -> FleetPlan:
@@ -243,7 +251,7 @@ def make_plan(config: FleetConfig, cache_dir: str | None = None, *,
 def _with_arenas(plan: FleetPlan, page_sizes: tuple[int, ...]) -> FleetPlan:
     if plan.config.kv_pool == "sglang":
         return plan
-    arenas, pages = [], {}
+    arenas, pages, pooled = [], {}, set()
     for gpu_id, device in enumerate(plan.devices):
         on_device = [r for r in plan.runtimes if r.device.name == device.name]
         if on_device:
@@ -251,5 +259,7 @@ def _with_arenas(plan: FleetPlan, page_sizes: tuple[int, ...]) -> FleetPlan:
                                              plan.placement.fixed_bytes_on(gpu_id), page_sizes)
             arenas.append(arena)
             pages.update(device_pages)
-    paged = tuple(dataclasses.replace(r, page_size=pages[r.runtime_id]) for r in plan.runtimes)
+            pooled |= key_pooled(arena.slab_plan)
+    paged = tuple(dataclasses.replace(r, page_size=pages[r.runtime_id],
+                                      key_pool=r.runtime_id in pooled) for r in plan.runtimes)
     return dataclasses.replace(plan, arenas=tuple(arenas), runtimes=paged)

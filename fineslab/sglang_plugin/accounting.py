@@ -6,7 +6,9 @@ any rate it likes. The counts of a runtime that is allocating at that moment may
 they are exact for an idle runtime.
 
     used_bytes     = used_blocks * block_stride_bytes      (blocks SGLang holds, incl. page 0)
-    held_bytes     = num_slabs * slab_bytes                (slabs carved for the model)
+    held_bytes     = num_slabs * slab_bytes                (slabs carved for the model; in a
+                                                            key pool, the slabs holding its
+                                                            blocks, shared with the pool)
     tokens_cached  = used_blocks * tokens_per_block        (when the caller knows the page size)
     free_bytes     = free slabs * slab_bytes               (what any model could still get)
 """

@@ -83,11 +83,12 @@ def join_arena(join: ArenaJoin, shape: KVShape, page_size: int, device: str) -> 
     try:
         fmt = fit_to_arena(shape, arena.spec.slab_bytes, arena.spec.arena_bytes, page_size)
         views = layer_views(arena.tensor(), fmt)  # type: ignore[arg-type]
-        source = arena.client(join.runtime_id, fmt)
+        source = arena.client(join.runtime_id, fmt, pooled=join.key_pool)
     except BaseException:
         arena.close()
         raise
-    logger.info("fineslab: %r format: %d B token (stride %d B), %d blocks a slab",
+    logger.info("fineslab: %r format: %d B token (stride %d B), %d blocks a slab%s",
                 join.runtime_id, fmt.token_bytes, fmt.token_stride_bytes,
-                fmt.blocks_per_slab(arena.spec.slab_bytes))
+                fmt.blocks_per_slab(arena.spec.slab_bytes),
+                ", key pool shared with same-size runtimes" if join.key_pool else "")
     return ArenaLink(arena, fmt, views, source)

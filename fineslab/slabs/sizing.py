@@ -91,18 +91,25 @@ def fit_format(shape: KVShape, slab_bytes: int, page_sizes: Sequence[int],
                alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> BlockFormat | None:
     """The least-padded format of `shape` whose block stride divides `slab_bytes`, if any."""
     best: BlockFormat | None = None
+    for fmt in page_formats(shape, slab_bytes, page_sizes, alignment_bytes):
+        if best is None or fmt.token_stride_bytes < best.token_stride_bytes:
+            best = fmt
+    return best
+
+
+def page_formats(shape: KVShape, slab_bytes: int, page_sizes: Sequence[int],
+                 alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> list[BlockFormat]:
+    """For each page size that fits `slab_bytes`, the least-padded format of `shape`."""
+    formats = []
     min_units = math.ceil(shape.token_bytes / alignment_bytes)
     for page in page_sizes:
         unit = page * alignment_bytes
         if slab_bytes % unit:
             continue
         fitting = [u for u in _divisors(slab_bytes // unit) if u >= min_units]
-        if not fitting:
-            continue
-        fmt = BlockFormat(shape, page, fitting[0] * alignment_bytes)
-        if best is None or fmt.token_stride_bytes < best.token_stride_bytes:
-            best = fmt
-    return best
+        if fitting:
+            formats.append(BlockFormat(shape, page, fitting[0] * alignment_bytes))
+    return formats
 
 
 def plan_slabs(shapes: Sequence[KVShape], *, page_sizes: Sequence[int] = DEFAULT_PAGE_SIZES,

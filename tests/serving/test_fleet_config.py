@@ -14,6 +14,9 @@ from fineslab.errors import ConfigError
 from fineslab.launch.config import fleet_from_dict, load_fleet_config
 from fineslab.launch.plan import make_plan
 from fineslab.launch.profiles import find_profile
+from fineslab.launch.runtimes import server_spec
+from fineslab.quant.fleet import PrecisionRuntime
+from fineslab.slabs import KVDtype
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "cpu-demo.yaml"
@@ -136,3 +139,19 @@ def test_dry_run_with_a_bad_config_exits_2_with_the_error(tmp_path: Path) -> Non
         capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 2
     assert "models[0].ttft_slo_s" in result.stderr, result.stderr
+
+
+def test_replicas_on_one_device_share_their_key_pool_and_others_do_not() -> None:
+    data = _demo()
+    data["models"][0]["replicas"] = 2  # two llama-bf16 runtimes: the same block stride
+    plan = make_plan(fleet_from_dict(data, "test.yaml"))
+    by_id = {r.runtime_id: r for r in plan.runtimes}
+    assert by_id["llama-bf16-r0"].key_pool and by_id["llama-bf16-r1"].key_pool
+    strides = {f.name: f.block_stride_bytes for f in plan.arenas[0].slab_plan.formats}
+    for r in plan.runtimes:
+        same = [o for o in plan.runtimes if strides[o.runtime_id] == strides[r.runtime_id]]
+        assert r.key_pool == (len(same) > 1), f"{r.runtime_id}: pooled iff it shares its key"
+    prepared = PrecisionRuntime("llama-bf16", "bf16", Path(by_id["llama-bf16-r0"].model_dir),
+                                KVDtype.BF16, ())
+    spec = server_spec(by_id["llama-bf16-r0"], prepared, "f", use_arena=True)
+    assert spec.env["FINESLAB_KEY_POOL"] == "1", "the runtime is told to join its key pool"

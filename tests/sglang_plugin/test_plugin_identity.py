@@ -9,6 +9,7 @@ read paths, and end to end on a GPU (test_plugin_gpu.py, marked gpu).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +19,7 @@ from plugin_test_support import Reference, arena_for, engine_outputs, kv_shape, 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from fineslab.sglang_plugin.pool import SlabKVPool
-from fineslab.slabs import KVDtype, KVShape
+from fineslab.slabs import KVDtype, KVShape, check_integrity
 from fineslab.slabs.sizing import fit_format
 from fineslab.slabs.views import layer_views
 
@@ -43,6 +44,44 @@ def test_greedy_output_equals_stock_pool(model_cache: Path, stock_outputs: Refer
         arena.close()
     stock = stock_outputs(model, page_size, "bfloat16", PROMPTS, NEW_TOKENS)
     assert plugin == stock, f"{model} page {page_size}: slab pool output differs from stock"
+
+
+@pytest.mark.slow
+def test_greedy_output_equals_stock_pool_in_a_key_pool(model_cache: Path,
+                                                       stock_outputs: Reference) -> None:
+    """The runtime shares its key's slabs with a neighbour of the same block stride (here the
+    test process, stamping its blocks): it fills the holes the neighbour left in a shared
+    slab, its output equals stock, and the neighbour's bytes are untouched."""
+    model, page_size = "llama-tiny", 16
+    shape = kv_shape(model, "bfloat16", "m")
+    arena = arena_for([shape], page_size, 1 << 20, num_slabs=4)
+    fmt = fit_format(shape, 1 << 20, [page_size])
+    assert fmt is not None
+    neighbour = arena.arena.client("neighbour", fmt, pooled=True)
+    try:
+        held = neighbour.alloc(fmt.blocks_per_slab(1 << 20))  # all of slab 0
+        neighbour.free(held[1::2])  # holes at every odd block; block 0 stays held (padding)
+        kept = held[2::2]
+        data = arena.arena.tensor().view(-1, fmt.block_stride_bytes)  # type: ignore[attr-defined]
+        for block in kept:
+            data[block].fill_(block % 251 + 1)
+        join = dataclasses.replace(arena.join("m"), key_pool=True)
+        plugin = engine_outputs(model_cache / model, [list(p) for p in PROMPTS],
+                                page_size=page_size, join=join, max_new_tokens=NEW_TOKENS)
+        for block in kept:
+            assert bool((data[block] == block % 251 + 1).all()), f"block {block} overwritten"
+        holes = [b for b in held[1::2]]
+        assert any(bool(data[b].any()) for b in holes), \
+            "the runtime wrote KV into the holes of the neighbour's slab (it used the pool)"
+        assert arena.arena.table.reclaim_dead_owners() in ([], ["m"])
+        check_integrity(arena.arena.table)
+        assert arena.used_bytes() == {"neighbour": len(kept) * fmt.block_stride_bytes + (
+            fmt.block_stride_bytes)}, "the stopped runtime's blocks went back to the pool"
+    finally:
+        neighbour.close()
+        arena.close()
+    stock = stock_outputs(model, page_size, "bfloat16", PROMPTS, NEW_TOKENS)
+    assert plugin == stock, "key-pool output differs from stock"
 
 
 def _pool_pair(dtype: torch.dtype, kv: KVDtype, page_size: int

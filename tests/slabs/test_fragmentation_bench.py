@@ -14,10 +14,11 @@ from fineslab.bench.fragmentation_schemes import (
     CountingScheme,
     FirstFitScheme,
     FixedBlockPlan,
+    SlabScheme,
     fixed_block_plans,
     fixed_block_tokens,
 )
-from fineslab.slabs.formats import KVDtype, KVShape
+from fineslab.slabs.formats import BlockFormat, KVDtype, KVShape
 
 # token bytes = layers x 2 x heads x head_dim x 2 (BF16)
 BIG = KVShape("big", 1, 1, 40, KVDtype.BF16)  # 160 B a token
@@ -135,8 +136,28 @@ def test_benchmark_runs_end_to_end_on_a_small_trace(tmp_path: Path,
                "num_decode_tokens", comments="", fmt=["%.3f", "%d", "%d"])
     frag.main([str(trace), "--arena-gib", "1", "--json"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for key in ("slab", "static", "fixed_block", "first_fit"):
+    for key in ("slab", "slab_private", "static", "fixed_block", "first_fit"):
         assert key in result and f"{key}_time_avg" in result, f"the issue's key {key}"
         first = result[key]
         assert first is None or 0 < first <= 1, "utilization is a fraction of the arena"
     assert result["fixed_block_variant"] in ("fixed_block_largest", "fixed_block_lowpad")
+
+
+def test_key_pools_serve_a_request_private_slabs_would_strand(tmp_path: Path) -> None:
+    # Two models with the same 512 B block, one 4-block slab: model 0 takes 3 blocks; model 1's
+    # block fits in the pool's last free block, while with private slabs it needs a second slab.
+    fmt = BlockFormat.unpadded(KVShape("x", 1, 1, 16, KVDtype.BF16), 8)  # 64 B x 8 = 512 B
+    other = BlockFormat.unpadded(KVShape("y", 1, 1, 16, KVDtype.BF16), 8)
+    pooled = SlabScheme(2048, 2048, [fmt, other], tmp_path, key_pools=True)
+    private = SlabScheme(2048, 2048, [fmt, other], tmp_path, key_pools=False)
+    for scheme in (pooled, private):
+        assert scheme.alloc(0, 3, None) is not None
+    assert pooled.alloc(1, 1, None) is not None, "the pool's free block serves model 1"
+    assert private.alloc(1, 1, None) is None, "model 0's free block is stranded for model 1"
+    pooled.close()
+    private.close()
+
+
+def test_page_sizes_take_a_list_or_a_range() -> None:
+    assert frag.parse_page_sizes("16,32,64") == (16, 32, 64)
+    assert frag.parse_page_sizes("16-20") == (16, 17, 18, 19, 20)
