@@ -1,6 +1,6 @@
 """Benchmark: per-page cost of the slab allocator against SGLang's own paged allocator.
 
-    python -m fineslab.bench.alloc [--json] [--steps N] [--page-size 16]
+    python -m fineslab.bench.alloc [--json] [--steps N] [--page-size 16] [--repeats 3]
 
 Both replay the same operation list, the pattern SGLang's scheduler produces: a new request
 allocates its prompt's pages in one batch (prefill), a running request allocates one page each
@@ -10,7 +10,9 @@ tokens, page size, need_sort=False outside PD disaggregation), private to one pr
 via `alloc(num_pages * page_size)` (token indices), free via `free_segment` (its cheapest free of
 whole pages: no torch.unique).
 Slab: each process a `RuntimeSlabs` on one table shared by both, behind `SlabTokenAdapter`, the
-same token-index interface (`slab_raw_ns_per_page`: block ids only).
+same token-index interface (`slab_raw_ns_per_page`: block ids only); and each process a
+`PooledSlabs` in one key pool shared by both (`slab_pooled_ns_per_page`, `pooled_ratio`: the
+price of key pools, every operation under the table lock).
 Two processes run at once, each replaying its own op list through its private SGLang allocator,
 then through its RuntimeSlabs, alternately (best of --repeats), so both allocators see the same
 CPU contention (this 2-core machine is shared) and only the slab one shares a table.
@@ -107,8 +109,9 @@ class SlabTokenAdapter:
 
     def __init__(self, runtime: object, page_size: int) -> None:
         from fineslab.slabs.client import RuntimeSlabs
+        from fineslab.slabs.pooled import PooledSlabs
 
-        assert isinstance(runtime, RuntimeSlabs)
+        assert isinstance(runtime, RuntimeSlabs | PooledSlabs)
         self.runtime, self.page_size = runtime, page_size
         self._offsets = np.arange(page_size, dtype=np.int64)
 
@@ -126,12 +129,14 @@ class SlabTokenAdapter:
 
 
 def replay_slab(ops: OpList, runtime: object, page_size: int, to_torch: bool) -> float:
-    """Seconds to replay `ops` through a RuntimeSlabs, with the plugin's token adapter or not."""
+    """Seconds to replay `ops` through a RuntimeSlabs or PooledSlabs, with the plugin's token
+    adapter or not."""
     import torch
 
     from fineslab.slabs.client import RuntimeSlabs
+    from fineslab.slabs.pooled import PooledSlabs
 
-    assert isinstance(runtime, RuntimeSlabs)
+    assert isinstance(runtime, RuntimeSlabs | PooledSlabs)
     adapter = SlabTokenAdapter(runtime, page_size)
     held: dict[int, list] = {}
     start = time.process_time()
@@ -162,25 +167,31 @@ def _worker(shm_dir: str, index: int, args: tuple[int, int, int, int],
     """Replay the op list alternately through a private SGLang allocator and the shared table."""
     from fineslab.slabs.client import RuntimeSlabs
     from fineslab.slabs.formats import BlockFormat
+    from fineslab.slabs.pooled import PooledSlabs
 
     num_steps, page_size, pool_pages, repeats = args
     ops = make_ops(num_steps, page_size, seed=index)
     fmt = _bench_format(page_size)
     assert isinstance(fmt, BlockFormat)
     runtime = RuntimeSlabs.attach("bench-alloc", "cpu0", f"rt{index}", fmt, Path(shm_dir))
+    pooled = PooledSlabs.attach("bench-alloc", "cpu0", f"pool{index}", fmt, Path(shm_dir))
     replay_sglang(ops, page_size, pool_pages)  # warm-up: imports and first-call costs
     replay_slab(ops, runtime, page_size, to_torch=True)
-    best = {"sglang": np.inf, "slab": np.inf, "slab_raw": np.inf}
+    replay_slab(ops, pooled, page_size, to_torch=True)
+    best = {"sglang": np.inf, "slab": np.inf, "slab_raw": np.inf, "slab_pooled": np.inf}
     for _ in range(repeats):
         for kind in best:
             barrier.wait()  # both processes run the same allocator at the same time
             if kind == "sglang":
                 seconds = replay_sglang(ops, page_size, pool_pages)
             else:
-                seconds = replay_slab(ops, runtime, page_size, to_torch=kind == "slab")
+                seconds = replay_slab(ops, pooled if kind == "slab_pooled" else runtime,
+                                      page_size, to_torch=kind != "slab_raw")
             best[kind] = min(best[kind], seconds / ops.total_pages)
     runtime.check_integrity()
+    pooled.check_integrity()
     runtime.close()
+    pooled.close()
     queue.put((best, ops.total_pages, len(ops.kinds)))
 
 
@@ -221,10 +232,13 @@ def main(argv: list[str] | None = None) -> None:
     add_json_flag(parser)
     args = parser.parse_args(argv)
     seconds, num_pages, num_ops = run(args.steps, args.page_size, 16_384, args.repeats)
-    sglang_ns, slab_ns, slab_raw_ns = (seconds[k] * 1e9 for k in ("sglang", "slab", "slab_raw"))
+    sglang_ns, slab_ns, slab_raw_ns, pooled_ns = (
+        seconds[k] * 1e9 for k in ("sglang", "slab", "slab_raw", "slab_pooled"))
     result = {
         "slab_ns_per_page": round(slab_ns, 1), "slab_raw_ns_per_page": round(slab_raw_ns, 1),
         "sglang_ns_per_page": round(sglang_ns, 1), "ratio": round(slab_ns / sglang_ns, 3),
+        "slab_pooled_ns_per_page": round(pooled_ns, 1),
+        "pooled_ratio": round(pooled_ns / sglang_ns, 3),
         "pages_per_replay": num_pages, "ops_per_replay": num_ops,
         "page_size": args.page_size, "processes": NUM_PROCESSES,
     }
@@ -233,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
         ["slab RuntimeSlabs + token adapter (shared table)", slab_ns, slab_ns / sglang_ns],
         ["slab RuntimeSlabs, block ids only (shared table)", slab_raw_ns,
          slab_raw_ns / sglang_ns],
+        ["slab PooledSlabs + token adapter (one key pool)", pooled_ns, pooled_ns / sglang_ns],
     ]
     emit(f"Allocator cost per page, {NUM_PROCESSES} processes at once ({num_pages} pages, "
          f"{num_ops} ops, page size "

@@ -42,6 +42,14 @@ from fineslab.slabs.table import POOLED, SlabState, SlabTable
 
 logger = logging.getLogger(__name__)
 
+# plain ints: comparing a numpy array with an IntEnum member costs an enum lookup per call
+_FREE, _PARTIAL, _FULL = int(SlabState.FREE), int(SlabState.PARTIAL), int(SlabState.FULL)
+
+
+def _contains(sorted_ids: np.ndarray, value: int) -> bool:
+    at = int(np.searchsorted(sorted_ids, value))
+    return at < sorted_ids.size and int(sorted_ids[at]) == value
+
 
 class PooledSlabs:
     """The block allocator of one runtime that shares its key's slabs with other runtimes."""
@@ -76,20 +84,21 @@ class PooledSlabs:
         bps = self.blocks_per_slab
         with self.table.lock():
             partial = self._pool_partial()
-            pool_free = int((bps - self.table.used[partial]).sum())
+            pool_free = int(bps * partial.size - self.table.used[partial].sum())
             whole = 0 if near_block is not None else num_blocks // bps
             whole_slabs, fresh = self._carve(num_blocks, whole, pool_free)
-            order = whole_slabs.tolist()
+            if fresh.size:
+                partial = np.union1d(partial, fresh)
+            first = whole_slabs.tolist()
             near = near_block // bps if near_block is not None else None
-            if near is not None and np.isin(near, partial):
-                order.append(near)
-            order += [s for s in np.union1d(partial, fresh).tolist() if s != near]
-            return self._take(order, num_blocks)
+            if near is not None and _contains(partial, near):
+                first.append(near)
+            return self._take(first, partial, num_blocks)
 
     def _pool_partial(self) -> np.ndarray:
+        """The pool's slabs with a free block, ascending."""
         t = self.table
-        return np.flatnonzero((t.owner == POOLED) & (t.key == self.key) &
-                              (t.state == SlabState.PARTIAL))
+        return np.flatnonzero((t.state == _PARTIAL) & (t.key == self.key) & (t.owner == POOLED))
 
     def _carve(self, num_blocks: int, whole: int, pool_free: int
                ) -> tuple[np.ndarray, np.ndarray]:
@@ -110,25 +119,39 @@ class PooledSlabs:
             return none, none
         return none, self.table.carve_locked(self.slot, -(-short // bps), POOLED)
 
-    def _take(self, slabs: list[int], num_blocks: int) -> np.ndarray:
-        """Take `num_blocks` free blocks from `slabs` in order (they hold enough)."""
-        t, bps, out, remaining = self.table, self.blocks_per_slab, [], num_blocks
-        for slab in slabs:
-            row = t.free_map[slab, :bps]
-            local = row.nonzero()[0][:remaining]
-            row[local] = 0
-            t.block_owner[slab, local] = self.mark
-            t.used[slab] += local.size
-            if t.used[slab] == bps:
-                t.state[slab] = SlabState.FULL
-            out.append(local + slab * bps)
-            remaining -= local.size
+    def _take(self, first: list[int], partial: np.ndarray, num_blocks: int) -> np.ndarray:
+        """Take `num_blocks` free blocks from the slabs `first`, then the `partial` ones in
+        order (together they hold enough)."""
+        out, remaining = [], num_blocks
+        for slab in first:
+            out.append(self._take_from(slab, remaining))
+            remaining -= out[-1].size
+        for slab in partial.tolist():
             if not remaining:
                 break
+            if slab not in first:
+                out.append(self._take_from(slab, remaining))
+                remaining -= out[-1].size
         if remaining:
             raise IntegrityError(f"{self.runtime_id}: pool of key {self.key} is short of "
                                  f"{remaining} blocks it counted as free")
         return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def _take_from(self, slab: int, num_blocks: int) -> np.ndarray:
+        """Up to `num_blocks` free blocks of pool slab `slab`, lowest first."""
+        t, bps = self.table, self.blocks_per_slab
+        row = t.free_map[slab, :bps]
+        if num_blocks == 1:  # the decode case: scalar operations only
+            local = np.array([int(row.argmax())], dtype=np.int64)
+        else:
+            local = row.nonzero()[0][:num_blocks]
+        row[local] = 0
+        t.block_owner[slab, local] = self.mark
+        now_used = int(t.used[slab]) + local.size
+        t.used[slab] = now_used
+        if now_used == bps:
+            t.state[slab] = _FULL
+        return local + slab * bps
 
     # -- free -----------------------------------------------------------------------------------
     def free(self, block_ids: Iterable[int] | np.ndarray) -> None:
@@ -148,7 +171,7 @@ class PooledSlabs:
                 if t.used[slab] == 0:
                     t.release_locked(slab)
                 else:
-                    t.state[slab] = SlabState.PARTIAL
+                    t.state[slab] = _PARTIAL
 
     def _validate_free(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if ids[0] < 0 or ids[-1] >= self.num_blocks_total:
@@ -171,11 +194,12 @@ class PooledSlabs:
     # -- accounting (lock-free reads: exact when the pool's runtimes are quiescent) -------------
     def num_free_blocks(self) -> int:
         """Free blocks in the pool's partly used slabs (shared with the pool's runtimes)."""
-        return int((self.blocks_per_slab - self.table.used[self._pool_partial()]).sum())
+        partial = self._pool_partial()
+        return int(self.blocks_per_slab * partial.size - self.table.used[partial].sum())
 
     def available_blocks(self) -> int:
         """Free blocks of the pool plus what the free slabs would give this runtime now."""
-        free_slabs = int(np.count_nonzero(self.table.state == SlabState.FREE))
+        free_slabs = int(np.count_nonzero(self.table.state == _FREE))
         return self.num_free_blocks() + free_slabs * self.blocks_per_slab
 
     def num_used_blocks(self) -> int:
