@@ -41,10 +41,12 @@ def render(path: Path, snap: TableSnapshot) -> str:
     rows = [[key, state, count, human_bytes(count * snap.slab_bytes)]
             for (key, state), count in sorted(snap.slabs_by_key_state.items())]
     lines += [format_table(["key (block B)", "state", "slabs", "bytes"], rows), ""]
-    owner_rows = [[o.runtime_id, o.pid, "yes" if o.alive else "DEAD", o.key, o.num_slabs,
-                   o.used_blocks, human_bytes(o.used_bytes)] for o in snap.owners]
-    lines.append(format_table(["runtime", "pid", "alive", "block B", "slabs", "used blocks",
-                               "used"], owner_rows) if owner_rows else "no runtimes attached")
+    owner_rows = [[o.runtime_id, o.pid, "yes" if o.alive else "DEAD", o.key,
+                   "key pool" if o.pooled else "own", o.num_slabs, o.used_blocks,
+                   o.free_blocks, human_bytes(o.used_bytes)] for o in snap.owners]
+    lines.append(format_table(["runtime", "pid", "alive", "block B", "slabs of", "slabs",
+                               "used blocks", "free blocks", "used"], owner_rows)
+                 if owner_rows else "no runtimes attached")
     return "\n".join(lines)
 
 
@@ -55,8 +57,9 @@ def as_dict(snap: TableSnapshot) -> dict[str, object]:
         "slabs_by_key_state": [{"key": k, "state": s, "slabs": c}
                                for (k, s), c in sorted(snap.slabs_by_key_state.items())],
         "owners": [{"runtime_id": o.runtime_id, "pid": o.pid, "alive": o.alive, "key": o.key,
-                    "slabs": o.num_slabs, "used_blocks": o.used_blocks,
-                    "used_bytes": o.used_bytes} for o in snap.owners],
+                    "pooled": o.pooled, "slabs": o.num_slabs, "used_blocks": o.used_blocks,
+                    "free_blocks": o.free_blocks, "used_bytes": o.used_bytes}
+                   for o in snap.owners],
     }
 
 

@@ -29,6 +29,20 @@ def test_json_report_counts_slabs_and_owners(arena: SlabArena, tmp_path: Path) -
                       (1024, "PARTIAL"): 1}
 
 
+def test_report_shows_key_pool_members_and_the_pools_free_blocks(arena: SlabArena) -> None:
+    arena.client("r0", FMT_A, pooled=True).alloc(3)
+    arena.client("r1", FMT_A, pooled=True).alloc(2)
+    out = io.StringIO()
+    assert main(["--table", str(arena.paths.table), "--json"], out) == 0
+    owners = {o["runtime_id"]: o for o in json.loads(out.getvalue())["owners"]}
+    assert owners["r0"]["pooled"] and owners["r1"]["pooled"]
+    assert owners["r0"]["slabs"] == owners["r1"]["slabs"] == 1, "both in the one pool slab"
+    assert owners["r0"]["free_blocks"] == owners["r1"]["free_blocks"] == 3
+    human = io.StringIO()
+    assert main(["--table", str(arena.paths.table)], human) == 0
+    assert "key pool" in human.getvalue()
+
+
 def test_check_flags_a_broken_table(arena: SlabArena) -> None:
     arena.client("llama", FMT_A).alloc(3)
     arena.table.used[0] = 5  # counts no longer match the free map
