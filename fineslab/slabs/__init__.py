@@ -20,13 +20,15 @@ API for a runtime (the SGLang plugin, in the scheduler process)
         # INT4:      k, v  [num_slots, kv_heads, head_dim // 2] uint8 (two values a byte)
         #            k_params, v_params [num_slots, kv_heads, 2] fp16 (scale, zero) per token
     slabs = arena.client(runtime_id, fmt)   # or RuntimeSlabs.attach(fleet_id, device, id, fmt)
+        # arena.client(runtime_id, fmt, pooled=True): a PooledSlabs in its key's pool, shared
+        # with the other pooled runtimes of the same block stride (same methods below)
     slabs.alloc(num_blocks, near_block=None) -> list[int]   # engine block ids == page indices;
         # all or nothing; raises ArenaExhausted (transient). alloc_array(...) -> np.ndarray int64
         # (torch.from_numpy-ready). near_block: a block the same request holds (last_loc //
         # page_size) for decode/extend; placement then keeps a request's blocks together so
         # slabs empty and return (measured: docs/slabs.md). Omit it for a new prompt.
     slabs.free(block_ids)                   # InvalidBlockError on double/foreign free, no change
-    slabs.num_free_blocks() -> int          # free blocks in its own slabs
+    slabs.num_free_blocks() -> int          # free blocks in its own slabs (pooled: the pool's)
     slabs.available_blocks() -> int         # + what the free slabs would give it now
     slabs.num_blocks_total                  # size of the page index space (num_slots // tpb)
     slabs.stats() -> RuntimeStats; slabs.check_integrity(); slabs.close()
@@ -41,7 +43,9 @@ API for observers (router, operator)
 
 Modules: formats (token and block sizes), sizing (slab size), views (per-layer tensors), shm
 (files, process identity), table (shared table, lock, carve/release/reclaim), integrity
-(invariants, snapshot), client (per-runtime fast path), arena (backings), cuda_backing (IPC).
+(invariants, snapshot), client (per-runtime fast path), pooled (key pools: runtimes of one
+block stride sharing slabs), key_sharing (plans whose models share block sizes), arena
+(backings), cuda_backing (IPC).
 """
 
 from __future__ import annotations
@@ -50,12 +54,13 @@ from fineslab.slabs.arena import ArenaSpec, SlabArena
 from fineslab.slabs.client import RuntimeSlabs, RuntimeStats
 from fineslab.slabs.formats import BlockFormat, KVDtype, KVShape
 from fineslab.slabs.integrity import TableSnapshot, check_integrity, snapshot
+from fineslab.slabs.pooled import PooledSlabs
 from fineslab.slabs.shm import ArenaPaths
 from fineslab.slabs.sizing import SlabPlan, plan_slabs
 from fineslab.slabs.table import SlabState, SlabTable
 
 __all__ = [
-    "ArenaPaths", "ArenaSpec", "BlockFormat", "KVDtype", "KVShape", "RuntimeSlabs",
+    "ArenaPaths", "ArenaSpec", "BlockFormat", "KVDtype", "KVShape", "PooledSlabs", "RuntimeSlabs",
     "RuntimeStats", "SlabArena", "SlabPlan", "SlabState", "SlabTable", "TableSnapshot",
     "check_integrity", "plan_slabs", "snapshot",
 ]
