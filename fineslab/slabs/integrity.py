@@ -159,11 +159,12 @@ def snapshot(table: SlabTable) -> TableSnapshot:
     owners = []
     partial = state == SlabState.PARTIAL
     bps = np.where(key > 0, table.dims.slab_bytes // np.maximum(key, 1), 0)
+    pool_marks = table.block_owner[owner == POOLED]  # only POOLED rows hold block owners
     for slot, name in sorted(table.active_runtimes().items()):
         identity = table.identity_of(slot)
         slot_key = int(table.rt_key[slot])
         if table.rt_pooled[slot]:
-            held = table.block_owner == slot + 1
+            held = pool_marks == slot + 1
             num_slabs, used_blocks = int(held.any(axis=1).sum()), int(held.sum())
             pool = partial & (owner == POOLED) & (key == slot_key)
             free_blocks = int((bps[pool] - used[pool]).sum())

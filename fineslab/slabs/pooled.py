@@ -206,12 +206,16 @@ class PooledSlabs:
         free_slabs = int(np.count_nonzero(self.table.state == _FREE))
         return self.num_free_blocks() + free_slabs * self.blocks_per_slab
 
+    def _held(self) -> np.ndarray:
+        """This runtime's blocks, row by POOLED slab (only those rows hold block owners)."""
+        return self.table.block_owner[self.table.owner == POOLED] == self.mark
+
     def num_used_blocks(self) -> int:
-        return int(np.count_nonzero(self.table.block_owner == self.mark))
+        return int(np.count_nonzero(self._held()))
 
     def stats(self) -> RuntimeStats:
         snap = snapshot(self.table)
-        num_slabs = int(np.count_nonzero((self.table.block_owner == self.mark).any(axis=1)))
+        num_slabs = int(np.count_nonzero(self._held().any(axis=1)))
         return RuntimeStats(self.runtime_id, self.num_used_blocks(), self.num_free_blocks(),
                             num_slabs, self.key, snap.free_slabs, snap.owners)
 
