@@ -76,7 +76,8 @@ def _slab_table(fleet_id: str) -> dict[str, object]:
 def test_each_model_holds_arena_slabs_in_its_own_block_format(fleet: LaunchedFleet,
                                                               model_cache: Path) -> None:
     """After the requests above, each runtime owns slabs keyed by its own block stride: the
-    FP8 block is half the BF16 one, the KV4 block smaller still; AWQ's fp16 KV matches BF16."""
+    FP8 block is half the BF16 one, the KV4 block smaller still; AWQ's fp16 KV matches BF16,
+    so those two share one key pool, and the other two keep slabs of their own."""
     plan = make_plan(load_fleet_config(REPO / "examples" / "cpu-mixed.yaml"),
                      str(model_cache))
     formats = {r.model.name: plan.arenas[0].slab_plan.format_of(r.runtime_id)
@@ -91,6 +92,9 @@ def test_each_model_holds_arena_slabs_in_its_own_block_format(fleet: LaunchedFle
     keys = {m: owners[f"{m}-r0"]["key"] for m in MODELS}
     assert keys["llama-fp8"] * 2 == keys["llama-bf16"] == keys["llama-awq"], keys
     assert keys["llama-kv4"] < keys["llama-fp8"], keys
+    pooled = {m: owners[f"{m}-r0"]["pooled"] for m in MODELS}
+    assert pooled == {"llama-bf16": True, "llama-awq": True, "llama-fp8": False,
+                      "llama-kv4": False}, pooled
     metrics = fleet.metrics()
     for model in MODELS:
         match = re.search(
