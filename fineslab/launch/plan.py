@@ -104,11 +104,12 @@ class FleetPlan:
                 ["device", "arena_MiB", "slab_MiB", "slabs", "worst_padding"], rows), ""]
         rows = [[r.runtime_id, r.model.name, r.device.name, r.model.precision,
                  r.model.resolved_kv_dtype, r.page_size or "-",
+                 "key pool" if r.key_pool else "own" if r.page_size else "-",
                  f"{self.profiles[r.model.name].source}", r.serving, r.model_dir]
                 for r in self.runtimes]
         text += ["runtimes", format_table(
-            ["runtime", "model", "device", "precision", "kv", "page", "profile", "serves",
-             "path"], rows)]
+            ["runtime", "model", "device", "precision", "kv", "page", "slabs", "profile",
+             "serves", "path"], rows)]
         if any(r.serving != "source ckpt" for r in self.runtimes):
             text.append(f"quantized checkpoints and KV scales: prepared at start in "
                         f"{self.prepared_dir} (reused while the source is unchanged)")

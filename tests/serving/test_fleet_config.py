@@ -155,3 +155,4 @@ def test_replicas_on_one_device_share_their_key_pool_and_others_do_not() -> None
                                 KVDtype.BF16, ())
     spec = server_spec(by_id["llama-bf16-r0"], prepared, "f", use_arena=True)
     assert spec.env["FINESLAB_KEY_POOL"] == "1", "the runtime is told to join its key pool"
+    assert "key pool" in plan.describe(), "--dry-run shows which runtimes share a key pool"
