@@ -26,6 +26,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 
@@ -55,31 +56,29 @@ class RuntimeStats:
         return self.used_blocks * self.block_stride_bytes
 
 
-class RuntimeSlabs:
-    """The block allocator of one runtime (one model replica on one device)."""
+class SlabClient:
+    """What every runtime's block allocator shares: registration, attach, the list form of
+    alloc, block-id checks, and unregistering on close. `RuntimeSlabs` (slabs of its own) and
+    `pooled.PooledSlabs` (its key's pool) differ in where blocks come from."""
+
+    pooled = False
 
     def __init__(self, table: SlabTable, runtime_id: str, fmt: BlockFormat,
                  owns_table: bool = False) -> None:
         self.table, self.runtime_id, self.fmt = table, runtime_id, fmt
         self._owns_table = owns_table
         self.blocks_per_slab = fmt.blocks_per_slab(table.dims.slab_bytes)
-        self.slot = table.register(runtime_id, fmt.block_stride_bytes)
+        self.slot = table.register(runtime_id, fmt.block_stride_bytes, pooled=self.pooled)
         self.num_blocks_total = table.dims.num_slabs * self.blocks_per_slab
-        self._width = table.dims.max_blocks_per_slab
-        self._flat_free = table.free_map.reshape(-1)
-        self._mine = np.zeros(table.dims.num_slabs, dtype=bool)
-        self._partial: list[int] = []
-        self._num_free = 0
         self._closed = False
 
     @classmethod
     def attach(cls, fleet_id: str, device: str, runtime_id: str, fmt: BlockFormat,
-               shm_dir: Path | None = None) -> RuntimeSlabs:
+               shm_dir: Path | None = None) -> Self:
         """Open the device's table by fleet id and device, and register `runtime_id`."""
         table = SlabTable.open(ArenaPaths.of(fleet_id, device, shm_dir).table)
         return cls(table, runtime_id, fmt, owns_table=True)
 
-    # -- allocation -----------------------------------------------------------------------------
     def alloc(self, num_blocks: int, near_block: int | None = None) -> list[int]:
         """`num_blocks` block ids, all or none; raises ArenaExhausted when the arena is short.
 
@@ -87,6 +86,59 @@ class RuntimeSlabs:
         the new blocks then come from its slab first. A hint only: a stale one is ignored.
         """
         return list(self.alloc_array(num_blocks, near_block).tolist())
+
+    def alloc_array(self, num_blocks: int, near_block: int | None = None) -> np.ndarray:
+        raise NotImplementedError
+
+    @staticmethod
+    def _sorted_ids(block_ids: Iterable[int] | np.ndarray) -> np.ndarray:
+        return np.sort(np.fromiter(block_ids, dtype=np.int64) if not isinstance(
+            block_ids, np.ndarray) else block_ids.astype(np.int64).ravel())
+
+    def _check_range(self, ids: np.ndarray) -> None:
+        """`ids` sorted and not empty."""
+        if ids[0] < 0 or ids[-1] >= self.num_blocks_total:
+            raise InvalidBlockError(f"{self.runtime_id}: block id out of range "
+                                    f"[0, {self.num_blocks_total}) in free")
+
+    def _check_no_repeat(self, ids: np.ndarray) -> None:
+        """`ids` sorted."""
+        if ids.size > 1 and not np.all(np.diff(ids)):
+            raise InvalidBlockError(f"{self.runtime_id}: a block id repeats in one free")
+
+    def close(self) -> None:
+        """Unregister: the table frees every block this runtime still holds."""
+        if self._closed:
+            return
+        self._closed = True
+        self.table.unregister(self.slot)
+        self._forget()
+        if self._owns_table:
+            self.table.close()
+
+    def _forget(self) -> None:
+        """Drop local state after unregistering (none here)."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RuntimeSlabs(SlabClient):
+    """The block allocator of one runtime (one model replica on one device)."""
+
+    def __init__(self, table: SlabTable, runtime_id: str, fmt: BlockFormat,
+                 owns_table: bool = False) -> None:
+        super().__init__(table, runtime_id, fmt, owns_table)
+        self._width = table.dims.max_blocks_per_slab
+        self._flat_free = table.free_map.reshape(-1)
+        self._mine = np.zeros(table.dims.num_slabs, dtype=bool)
+        self._partial: list[int] = []
+        self._num_free = 0
+
+    # -- allocation -----------------------------------------------------------------------------
 
     def alloc_array(self, num_blocks: int, near_block: int | None = None) -> np.ndarray:
         """Like `alloc`, as an int64 array (no Python list: `torch.from_numpy` takes it as is).
@@ -184,8 +236,7 @@ class RuntimeSlabs:
     # -- free -----------------------------------------------------------------------------------
     def free(self, block_ids: Iterable[int] | np.ndarray) -> None:
         """Give blocks back; InvalidBlockError (nothing changed) on a foreign, free or repeat id."""
-        ids = np.sort(np.fromiter(block_ids, dtype=np.int64) if not isinstance(
-            block_ids, np.ndarray) else block_ids.astype(np.int64).ravel())
+        ids = self._sorted_ids(block_ids)
         if ids.size == 0:
             return
         slabs, local = np.divmod(ids, self.blocks_per_slab)
@@ -204,17 +255,14 @@ class RuntimeSlabs:
             self._return(emptied)
 
     def _validate_free(self, ids: np.ndarray, slabs: np.ndarray, local: np.ndarray) -> None:
-        if ids[0] < 0 or ids[-1] >= self.num_blocks_total:
-            raise InvalidBlockError(f"{self.runtime_id}: block id out of range "
-                                    f"[0, {self.num_blocks_total}) in free")
+        self._check_range(ids)
         if not self._mine[slabs].all():
             bad = ids[~self._mine[slabs]][:8].tolist()
             raise InvalidBlockError(f"{self.runtime_id}: blocks {bad} are not in its slabs")
         if self._flat_free[slabs * self._width + local].any():
             bad = ids[self._flat_free[slabs * self._width + local] == 1][:8].tolist()
             raise InvalidBlockError(f"{self.runtime_id}: blocks {bad} are already free")
-        if ids.size > 1 and not np.all(np.diff(ids)):
-            raise InvalidBlockError(f"{self.runtime_id}: a block id repeats in one free")
+        self._check_no_repeat(ids)
 
     def _give_back(self, slab: int, count: int) -> bool:
         """Account `count` freed blocks of `slab`; True when the slab became empty."""
@@ -266,19 +314,7 @@ class RuntimeSlabs:
             raise IntegrityError(f"{self.runtime_id}: partial list differs from the table")
 
     # -- lifetime -------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Unregister; every slab still held goes back to the free space (its blocks die)."""
-        if self._closed:
-            return
-        self._closed = True
-        self.table.unregister(self.slot)
+    def _forget(self) -> None:
+        """After close: every slab it held went back to the free space (its blocks died)."""
         self._partial, self._num_free = [], 0
         self._mine[:] = False
-        if self._owns_table:
-            self.table.close()
-
-    def __enter__(self) -> RuntimeSlabs:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

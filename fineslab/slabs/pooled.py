@@ -30,15 +30,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from pathlib import Path
 
 import numpy as np
 
 from fineslab.errors import ArenaExhausted, IntegrityError, InvalidBlockError
-from fineslab.slabs.client import RuntimeStats
+from fineslab.slabs.client import RuntimeStats, SlabClient
 from fineslab.slabs.formats import BlockFormat
 from fineslab.slabs.integrity import check_integrity, snapshot
-from fineslab.slabs.shm import ArenaPaths
 from fineslab.slabs.table import POOLED, SlabState, SlabTable
 
 logger = logging.getLogger(__name__)
@@ -52,30 +50,18 @@ def _contains(sorted_ids: np.ndarray, value: int) -> bool:
     return at < sorted_ids.size and int(sorted_ids[at]) == value
 
 
-class PooledSlabs:
+class PooledSlabs(SlabClient):
     """The block allocator of one runtime that shares its key's slabs with other runtimes."""
+
+    pooled = True
 
     def __init__(self, table: SlabTable, runtime_id: str, fmt: BlockFormat,
                  owns_table: bool = False) -> None:
-        self.table, self.runtime_id, self.fmt = table, runtime_id, fmt
-        self._owns_table = owns_table
+        super().__init__(table, runtime_id, fmt, owns_table)
         self.key = fmt.block_stride_bytes
-        self.blocks_per_slab = fmt.blocks_per_slab(table.dims.slab_bytes)
-        self.slot = table.register(runtime_id, self.key, pooled=True)
         self.mark = self.slot + 1  # this runtime's value in block_owner
-        self.num_blocks_total = table.dims.num_slabs * self.blocks_per_slab
-        self._closed = False
-
-    @classmethod
-    def attach(cls, fleet_id: str, device: str, runtime_id: str, fmt: BlockFormat,
-               shm_dir: Path | None = None) -> PooledSlabs:
-        table = SlabTable.open(ArenaPaths.of(fleet_id, device, shm_dir).table)
-        return cls(table, runtime_id, fmt, owns_table=True)
 
     # -- allocation -----------------------------------------------------------------------------
-    def alloc(self, num_blocks: int, near_block: int | None = None) -> list[int]:
-        return list(self.alloc_array(num_blocks, near_block).tolist())
-
     def alloc_array(self, num_blocks: int, near_block: int | None = None) -> np.ndarray:
         """`num_blocks` block ids, all or none; ArenaExhausted (nothing changed) when short."""
         if num_blocks < 0:
@@ -157,8 +143,7 @@ class PooledSlabs:
     # -- free -----------------------------------------------------------------------------------
     def free(self, block_ids: Iterable[int] | np.ndarray) -> None:
         """Give blocks back; InvalidBlockError (nothing changed) on a foreign, free or repeat id."""
-        ids = np.sort(np.fromiter(block_ids, dtype=np.int64) if not isinstance(
-            block_ids, np.ndarray) else block_ids.astype(np.int64).ravel())
+        ids = self._sorted_ids(block_ids)
         if ids.size == 0:
             return
         t = self.table
@@ -175,11 +160,8 @@ class PooledSlabs:
                     t.state[slab] = _PARTIAL
 
     def _validate_free(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        if ids[0] < 0 or ids[-1] >= self.num_blocks_total:
-            raise InvalidBlockError(f"{self.runtime_id}: block id out of range "
-                                    f"[0, {self.num_blocks_total}) in free")
-        if ids.size > 1 and not np.all(np.diff(ids)):
-            raise InvalidBlockError(f"{self.runtime_id}: a block id repeats in one free")
+        self._check_range(ids)
+        self._check_no_repeat(ids)
         slabs, local = np.divmod(ids, self.blocks_per_slab)
         t = self.table
         in_pool = (t.owner[slabs] == POOLED) & (t.key[slabs] == self.key)
@@ -222,19 +204,3 @@ class PooledSlabs:
     def check_integrity(self) -> None:
         """The table's invariants (exact for POOLED slabs: they change only under the lock)."""
         check_integrity(self.table, exact_owners=[self.slot])
-
-    # -- lifetime -------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Unregister; this runtime's blocks go back to the pool (emptied slabs to free space)."""
-        if self._closed:
-            return
-        self._closed = True
-        self.table.unregister(self.slot)
-        if self._owns_table:
-            self.table.close()
-
-    def __enter__(self) -> PooledSlabs:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
