@@ -4,6 +4,7 @@ start-up (a real SGLang server on CPU) being started again on a fresh port by th
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -53,19 +54,31 @@ def _plan(runtime_id: str) -> RuntimePlan:
     return RuntimePlan(runtime_id, model, "", 0, DeviceConfig("cpu", "cpu", 0, None), None)
 
 
-def test_a_runtime_whose_port_is_taken_at_start_up_comes_up_on_a_fresh_port(
-        model_cache: Path, tmp_path: Path) -> None:
+@pytest.fixture
+def squatted(model_cache: Path) -> Iterator[ServerSpec]:
+    """A llama-tiny server spec whose port another socket holds (listening) for the test."""
     squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     squatter.bind(("127.0.0.1", free_port()))
     squatter.listen()
-    taken = squatter.getsockname()[1]
-    spec = ServerSpec(str(model_cache / "llama-tiny"), taken,
-                      extra_args=("--max-total-tokens", "2048"))
-    runtime = SupervisedRuntime(_plan("llama-r0"), spec, tmp_path / "llama-r0.log")
+    yield ServerSpec(str(model_cache / "llama-tiny"), squatter.getsockname()[1],
+                     extra_args=("--max-total-tokens", "2048"))
+    squatter.close()
+
+
+def _supervised(spec: ServerSpec, log_path: Path, progress: Callable[[str], None]
+                ) -> tuple[SupervisedRuntime, Supervisor]:
+    """One runtime under a Supervisor with no router and no arena behind it."""
+    runtime = SupervisedRuntime(_plan("llama-r0"), spec, log_path)
+    return runtime, Supervisor([runtime], on_down=lambda _id: None,
+                               on_up=lambda _id, _pid, _url: None, reclaim=lambda _d: [],
+                               progress=progress, health_timeout_s=300)
+
+
+def test_a_runtime_whose_port_is_taken_at_start_up_comes_up_on_a_fresh_port(
+        squatted: ServerSpec, tmp_path: Path) -> None:
+    taken = squatted.port
     messages: list[str] = []
-    supervisor = Supervisor([runtime], on_down=lambda _id: None,
-                            on_up=lambda _id, _pid, _url: None, reclaim=lambda _d: [],
-                            progress=messages.append, health_timeout_s=300)
+    runtime, supervisor = _supervised(squatted, tmp_path / "llama-r0.log", messages.append)
     try:
         supervisor.start_all()
         assert runtime.spec.port != taken
@@ -78,22 +91,13 @@ def test_a_runtime_whose_port_is_taken_at_start_up_comes_up_on_a_fresh_port(
         assert runtime.restarts == 0, "a port retry is not a restart"
     finally:
         supervisor.stop_all()
-        squatter.close()
     assert runtime.process is not None and not runtime.process.tree_pids()
 
 
 def test_a_port_still_taken_after_the_last_retry_fails_the_start_with_the_log_named(
-        model_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        squatted: ServerSpec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("fineslab.launch.runtimes.PORT_RETRIES", 0)  # no retry left
-    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    squatter.bind(("127.0.0.1", free_port()))
-    squatter.listen()
-    spec = ServerSpec(str(model_cache / "llama-tiny"), squatter.getsockname()[1],
-                      extra_args=("--max-total-tokens", "2048"))
-    runtime = SupervisedRuntime(_plan("llama-r0"), spec, tmp_path / "llama-r0.log")
-    supervisor = Supervisor([runtime], on_down=lambda _id: None,
-                            on_up=lambda _id, _pid, _url: None, reclaim=lambda _d: [],
-                            progress=lambda _m: None, health_timeout_s=300)
+    _, supervisor = _supervised(squatted, tmp_path / "llama-r0.log", lambda _m: None)
     try:
         with pytest.raises(Exception, match="runtime llama-r0 did not start") as info:
             supervisor.start_all()
@@ -101,22 +105,12 @@ def test_a_port_still_taken_after_the_last_retry_fails_the_start_with_the_log_na
         assert "address already in use" in str(info.value).lower()
     finally:
         supervisor.stop_all()
-        squatter.close()
 
 
 def test_start_server_moves_to_a_fresh_port_when_its_port_is_taken(
-        model_cache: Path, tmp_path: Path) -> None:
-    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    squatter.bind(("127.0.0.1", free_port()))
-    squatter.listen()
-    taken = squatter.getsockname()[1]
-    spec = ServerSpec(str(model_cache / "llama-tiny"), taken,
-                      extra_args=("--max-total-tokens", "2048"))
-    try:
-        with start_server(spec, tmp_path / "sglang.log", timeout_s=300) as server:
-            assert server.spec.port != taken
-            health = httpx.get(server.spec.base_url + "/health", timeout=30)
-            assert health.status_code == 200
-    finally:
-        squatter.close()
+        squatted: ServerSpec, tmp_path: Path) -> None:
+    with start_server(squatted, tmp_path / "sglang.log", timeout_s=300) as server:
+        assert server.spec.port != squatted.port
+        health = httpx.get(server.spec.base_url + "/health", timeout=30)
+        assert health.status_code == 200
     assert not server.tree_pids()

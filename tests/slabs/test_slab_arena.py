@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from slab_constants import FMT_A, NUM_SLABS, SLAB_BYTES
+from slab_constants import FMT_A, NUM_SLABS, SLAB_BYTES, dead_pid
 
 from fineslab.errors import ConfigError, EnvironmentSetupError
 from fineslab.slabs.arena import ArenaSpec, SlabArena
@@ -19,10 +17,6 @@ from fineslab.slabs.shm import ArenaPaths
 SPEC = ArenaSpec("life", "cpu0", NUM_SLABS * SLAB_BYTES, SLAB_BYTES, 8)
 
 
-def _dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
 
 
 def test_files_are_private_and_unlinked_on_close(tmp_path: Path) -> None:
@@ -56,7 +50,7 @@ def test_live_arena_of_the_same_name_is_refused(tmp_path: Path) -> None:
 
 def test_stale_arena_is_reclaimed_or_refused(tmp_path: Path) -> None:
     crashed = SlabArena.create(SPEC, shm_dir=tmp_path)
-    crashed.table.header[6] = _dead_pid()  # its creator is gone, files left behind
+    crashed.table.header[6] = dead_pid()  # its creator is gone, files left behind
     with pytest.raises(EnvironmentSetupError, match="stale"):
         SlabArena.create(SPEC, shm_dir=tmp_path, reclaim_stale=False)
     with SlabArena.create(SPEC, shm_dir=tmp_path) as fresh:

@@ -10,12 +10,9 @@ Every test checks the table's invariants (T1-T6) after each mutation.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
-from slab_constants import FMT_A, FMT_B, NUM_SLABS
+from slab_constants import FMT_A, FMT_B, NUM_SLABS, dead_pid
 
 from fineslab.errors import ArenaExhausted, IntegrityError, InvalidBlockError
 from fineslab.slabs.arena import SlabArena
@@ -142,7 +139,7 @@ def test_a_dead_pooled_runtime_is_reclaimed_block_by_block(arena: SlabArena) -> 
     a, b = _pair(arena)
     a.alloc(5)
     kept = b.alloc(2)
-    arena.table.rt_pid[a.slot] = _dead_pid()
+    arena.table.rt_pid[a.slot] = dead_pid()
     assert arena.table.reclaim_dead_owners() == ["a"]
     check_integrity(arena.table)
     assert arena.table.used[0] == 2 and arena.table.block_owner[0, 5:7].tolist() == [b.mark] * 2
@@ -156,7 +153,7 @@ def test_lock_holder_death_mid_pool_update_is_repaired(arena: SlabArena) -> None
     b.alloc(2)
     t = arena.table
     t.block_owner[0, 5] = a.mark  # an alloc cut short: owner written, free map and count not
-    t.header[8] = _dead_pid()  # the holder died inside the lock
+    t.header[8] = dead_pid()  # the holder died inside the lock
     check_integrity(t)  # takes the lock, which repairs first
     assert t.used[0] == 6 and t.free_map[0, 5] == 0
 
@@ -196,10 +193,6 @@ def test_snapshot_reports_pool_usage_per_runtime(arena: SlabArena) -> None:
     assert stats.used_blocks == 2 and stats.free_blocks == 4 and stats.free_slabs == 4
 
 
-def _dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
 
 
 def test_alloc_array_is_int64_and_empty_for_zero(arena: SlabArena) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from tempfile import mkdtemp
+from typing import Protocol
 
 import numpy as np
 from hypothesis import settings
@@ -23,6 +24,35 @@ from fineslab.slabs.integrity import check_integrity
 from fineslab.slabs.table import SlabState
 
 RUNTIMES = st.sampled_from([0, 1])
+
+
+class _Machine(Protocol):
+    arena: SlabArena
+    clients: list
+    live: list[set[int]]
+
+
+def _free_some(machine: _Machine, rt: int, data: st.DataObject) -> None:
+    """Free a drawn, non-empty subset of runtime `rt`'s live blocks, and update the model."""
+    if not machine.live[rt]:
+        return
+    chosen = data.draw(st.lists(st.sampled_from(sorted(machine.live[rt])), min_size=1,
+                                unique=True))
+    machine.clients[rt].free(chosen)
+    machine.live[rt] -= set(chosen)
+
+
+def _refused_free(machine: _Machine, rt: int, block: int) -> None:
+    """A free of a block `rt` does not hold is refused and leaves the table byte for byte."""
+    if block in machine.live[rt]:
+        return
+    before = machine.arena.table.raw()
+    try:
+        machine.clients[rt].free([block])
+    except InvalidBlockError:
+        assert machine.arena.table.raw() == before, "a refused free changes nothing"
+    else:
+        raise AssertionError(f"freeing block {block} not held by runtime {rt} succeeded")
 
 
 class SlabMachine(RuleBasedStateMachine):
@@ -62,24 +92,11 @@ class SlabMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live[0] or self.live[1])
     @rule(rt=RUNTIMES, data=st.data())
     def free(self, rt: int, data: st.DataObject) -> None:
-        if not self.live[rt]:
-            return
-        chosen = data.draw(st.lists(st.sampled_from(sorted(self.live[rt])), min_size=1,
-                                    unique=True))
-        self.clients[rt].free(chosen)
-        self.live[rt] -= set(chosen)
+        _free_some(self, rt, data)
 
     @rule(rt=RUNTIMES, block=st.integers(-2, NUM_SLABS * 8 + 2))
     def bad_free(self, rt: int, block: int) -> None:
-        if block in self.live[rt]:
-            return
-        before = self.arena.table.raw()
-        try:
-            self.clients[rt].free([block])
-        except InvalidBlockError:
-            assert self.arena.table.raw() == before, "a refused free changes nothing"
-        else:
-            raise AssertionError(f"freeing block {block} not held by runtime {rt} succeeded")
+        _refused_free(self, rt, block)
 
     @invariant()
     def table_matches_model(self) -> None:
@@ -150,24 +167,11 @@ class PooledSlabMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(self.live))
     @rule(rt=st.sampled_from([0, 1, 2]), data=st.data())
     def free(self, rt: int, data: st.DataObject) -> None:
-        if not self.live[rt]:
-            return
-        chosen = data.draw(st.lists(st.sampled_from(sorted(self.live[rt])), min_size=1,
-                                    unique=True))
-        self.clients[rt].free(chosen)
-        self.live[rt] -= set(chosen)
+        _free_some(self, rt, data)
 
     @rule(rt=st.sampled_from([0, 1]), block=st.integers(-2, NUM_SLABS * 8 + 2))
     def bad_free(self, rt: int, block: int) -> None:
-        if block in self.live[rt]:
-            return
-        before = self.arena.table.raw()
-        try:
-            self.clients[rt].free([block])
-        except InvalidBlockError:
-            assert self.arena.table.raw() == before, "a refused free changes nothing"
-        else:
-            raise AssertionError(f"freeing block {block} not held by runtime {rt} succeeded")
+        _refused_free(self, rt, block)
 
     @invariant()
     def table_matches_model(self) -> None:

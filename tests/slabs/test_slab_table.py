@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
-from slab_constants import FMT_A, FMT_B, NUM_SLABS, SLAB_BYTES
+from slab_constants import FMT_A, FMT_B, NUM_SLABS, SLAB_BYTES, dead_pid
 
 from fineslab.errors import ArenaExhausted, ConfigError, IntegrityError, InvalidBlockError
 from fineslab.slabs.arena import SlabArena
 from fineslab.slabs.formats import BlockFormat, KVDtype, KVShape
 from fineslab.slabs.integrity import check_integrity, snapshot
 from fineslab.slabs.table import SlabState
-
-
-def _dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
 
 
 def test_alloc_returns_engine_block_ids_slab_by_slab(arena: SlabArena) -> None:
@@ -153,7 +144,7 @@ def test_reclaim_dead_owners_frees_their_slabs(arena: SlabArena) -> None:
     dead, alive = arena.client("dead", FMT_A), arena.client("alive", FMT_B)
     dead.alloc(12)
     alive.alloc(3)
-    arena.table.rt_pid[dead.slot] = _dead_pid()  # as if its process had been killed
+    arena.table.rt_pid[dead.slot] = dead_pid()  # as if its process had been killed
     assert arena.table.reclaim_dead_owners() == ["dead"]
     alive.check_integrity()
     assert int(np.count_nonzero(arena.table.owner == dead.slot)) == 0
@@ -163,7 +154,7 @@ def test_reclaim_dead_owners_frees_their_slabs(arena: SlabArena) -> None:
 def test_carve_reclaims_dead_owners_when_space_runs_out(arena: SlabArena) -> None:
     dead = arena.client("dead", FMT_A)
     dead.alloc(8 * NUM_SLABS)
-    arena.table.rt_pid[dead.slot] = _dead_pid()
+    arena.table.rt_pid[dead.slot] = dead_pid()
     rt = arena.client("new", FMT_A)
     assert len(rt.alloc(8 * NUM_SLABS)) == 8 * NUM_SLABS, "dead runtime's slabs came back"
     rt.check_integrity()
@@ -174,7 +165,7 @@ def test_lock_holder_death_is_repaired(arena: SlabArena) -> None:
     rt.alloc(3)
     arena.table.state[4] = SlabState.FREE
     arena.table.key[4] = 512  # a carve cut short: key written, owner and state not yet
-    arena.table.header[8] = _dead_pid()  # the holder died inside the lock
+    arena.table.header[8] = dead_pid()  # the holder died inside the lock
     rt.check_integrity()  # takes the lock, which repairs first
     assert arena.table.key[4] == 0
 
