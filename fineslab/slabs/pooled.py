@@ -19,7 +19,8 @@ POOLED slab happen under the table lock)
 Cost: every alloc and free takes the table lock (an flock: about 2 us here) and scans the pool's
 partial slabs (vectorized). That is the price of sharing; a runtime alone on its key keeps the
 lock-free `RuntimeSlabs`. Measured in docs/slabs.md (`python -m fineslab.bench.alloc`, key
-`pooled_ratio`: 1.9-2.4x SGLang's own allocator per page, against 1.0x for RuntimeSlabs).
+`pooled_ratio`: 3.7-3.8x SGLang's own allocator per page when two processes allocate back to
+back, against 1.0x for RuntimeSlabs).
 
 Placement follows RuntimeSlabs: a prefill of a slab or more takes whole fresh slabs for its
 whole-slab part; a hinted batch (decode) fills the hint's slab first; the rest comes from the
