@@ -62,6 +62,16 @@ class BlockSource(Protocol):
     def available_blocks(self) -> int: ...
 
 
+def triton_pages_ok(page_size: int) -> bool:
+    """Whether SGLang's Triton page-allocation kernels take `page_size`.
+
+    They build `tl.arange(0, page_size)`, which Triton allows for powers of two only; their
+    torch fallback (`alloc_extend_naive`, `alloc_decode_naive`) takes any page size, and slab
+    plans use pages like 20 or 48 so that different models' blocks come out the same size.
+    """
+    return page_size > 0 and page_size & (page_size - 1) == 0
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -101,6 +111,7 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         self._parked: list[int] = []
         self._full_at_tokens: int | None = None  # see admission_reopens
         super().__init__(size, page_size, dtype, device, kvcache, need_sort=False)
+        self.use_triton_kernels = self.use_triton_kernels and triton_pages_ok(page_size)
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
 
     # -- capacity ---------------------------------------------------------------------------

@@ -105,6 +105,9 @@ def engine_outputs(model_path: Path, input_ids: list[list[int]], *, page_size: i
                                      page_size=page_size, **cpu_engine_kwargs())
     if join is None:
         kwargs["max_total_tokens"] = 4096
+    if page_size & (page_size - 1):
+        # SGLang asks that the prefill chunk be whole pages (its default is a power of two)
+        kwargs["chunked_prefill_size"] = 200 * page_size
     kwargs.update(extra or {})
     with joined(join):
         engine = sglang.Engine(**kwargs)

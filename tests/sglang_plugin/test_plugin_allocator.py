@@ -18,7 +18,7 @@ import torch
 from plugin_test_support import ScratchArena
 
 from fineslab.sglang_plugin import allocator as allocator_module
-from fineslab.sglang_plugin.allocator import PADDING_PAGE, SlabAllocator
+from fineslab.sglang_plugin.allocator import PADDING_PAGE, SlabAllocator, triton_pages_ok
 from fineslab.sglang_plugin.pool import SlabKVPool
 from fineslab.slabs import KVDtype, KVShape, RuntimeSlabs
 from fineslab.slabs.sizing import fit_format
@@ -175,3 +175,10 @@ def test_admission_reopens_when_a_neighbour_frees_memory(setup: tuple) -> None:
     assert not allocator.admission_reopens(False)
     allocator.free(own)
     _check(allocator, source)
+
+
+def test_triton_page_kernels_only_for_power_of_two_pages() -> None:
+    # SGLang's alloc_extend/alloc_decode Triton kernels take tl.arange(0, page_size): a page
+    # of 20 or 48 tokens (key-sharing plans) must take the torch path instead.
+    assert [triton_pages_ok(p) for p in (1, 16, 64)] == [True] * 3
+    assert [triton_pages_ok(p) for p in (20, 40, 48)] == [False] * 3
