@@ -1,14 +1,17 @@
 """The allocation schemes the fragmentation benchmark replays, and the fixed-block plan.
 
 Each scheme is an arena allocator behind `Scheme` (a handle per successful alloc, None when it
-fails); `fineslab.bench.fragmentation` sizes them for a run, replays a workload into them and
-reports. What each must honor (a real implementation under SGLang; never worse than that):
+fails); `SchemeSet` holds what a run's schemes are planned from and builds any of them for an
+arena size; `fineslab.bench.fragmentation` replays a workload into them and reports. What each
+must honor (a real implementation under SGLang; never worse than that):
 
   slab         fineslab itself: SlabTable + one allocator per model, slab plan of
                plan_shared_slabs (padded strides, whole slabs only: the arena's tail beyond the
                last slab is lost); models of equal block stride share a key pool (PooledSlabs),
-               a model alone on its key keeps its own slabs (RuntimeSlabs); decode blocks placed
-               near the request's last block (the plugin's last_loc)
+               a model alone on its key keeps its own slabs (RuntimeSlabs). Called as the plugin
+               calls it: without the allocator's placement hint (`near_block`), which the plugin
+               does not pass (SGLang's reservation draws a step's pages before it says which
+               request gets which)
   slab_private the same mechanism without key pools, over the plan of plan_slabs (least
                padding per model): what fineslab measured before key pools
   static       one private pool per model, sized in proportion to that model's exact mean KV
@@ -25,8 +28,12 @@ reports. What each must honor (a real implementation under SGLang; never worse t
                remainder is within plan_slabs' padding bound
   first_fit    variable-size blocks (each model's unpadded block) placed first-fit in address
                order in one byte range, no slabs; each block at a multiple of its own size,
-               since page p of a model's flat view starts at p x page x token bytes (the key).
-               `first_fit_unaligned` drops that rule: not servable by SGLang, shown for scale
+               since page p of a model's flat view starts at p x page x token bytes. Two page
+               choices are tried and the better is the key: `first_fit` the slab plan's pages
+               (where three models' blocks coincide, which spares first fit most of its holes),
+               `first_fit_min_page` every model at the smallest page (least half-used last
+               blocks). `first_fit_unaligned` drops the alignment: not servable by SGLang, shown
+               for scale
 
 static and fixed_block are `CountingScheme`s (uniform blocks per pool: only a count to keep);
 first_fit is `FirstFitScheme`.
@@ -43,8 +50,9 @@ import numpy as np
 from fineslab.errors import ArenaExhausted, ConfigError
 from fineslab.slabs.client import RuntimeSlabs
 from fineslab.slabs.formats import DEFAULT_ALIGNMENT_BYTES, BlockFormat, KVShape
+from fineslab.slabs.key_sharing import WasteModel, plan_shared_slabs
 from fineslab.slabs.pooled import PooledSlabs
-from fineslab.slabs.sizing import smooth_numbers
+from fineslab.slabs.sizing import SlabPlan, plan_slabs, smooth_numbers
 from fineslab.slabs.table import SlabTable, TableDims
 
 
@@ -55,6 +63,9 @@ class Scheme(Protocol):
         """`previous`: the request's last handle (None for its prompt)."""
 
     def free(self, model: int, handles: list[object]) -> None: ...
+
+    def close(self) -> None:
+        """Release what the scheme holds (files, shared tables); it is not used again."""
 
 
 class SlabScheme:
@@ -78,9 +89,8 @@ class SlabScheme:
             for f, stride in zip(formats, strides, strict=True)]
 
     def alloc(self, model: int, num_blocks: int, previous: object | None) -> object | None:
-        near = int(previous[-1]) if isinstance(previous, np.ndarray) and previous.size else None
         try:
-            return self.clients[model].alloc_array(num_blocks, near_block=near)
+            return self.clients[model].alloc_array(num_blocks)
         except ArenaExhausted:
             return None
 
@@ -89,10 +99,12 @@ class SlabScheme:
             self.clients[model].free(np.concatenate(handles))  # type: ignore[arg-type]
 
     def close(self) -> None:
+        """Check every invariant, unregister the models and remove the table file."""
         for client in self.clients:
             client.check_integrity()
             client.close()
         self.table.close()
+        self.table.path.unlink(missing_ok=True)
 
 
 class CountingScheme:
@@ -111,6 +123,9 @@ class CountingScheme:
 
     def free(self, model: int, handles: list[object]) -> None:
         self.used[self.pool_of[model]] -= sum(handles)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 class FirstFitScheme:
@@ -166,6 +181,9 @@ class FirstFitScheme:
         run_id = np.cumsum(new_run) - 1
         self.starts = starts[new_run]
         self.sizes = np.bincount(run_id, weights=sizes).astype(np.int64)
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 def fixed_block_tokens(shape: KVShape, block_bytes: int, min_page: int,
@@ -228,3 +246,71 @@ def fixed_block_plans(shapes: tuple[KVShape, ...], min_page: int, max_waste: flo
             plans["lowpad"] = plan
             break
     return plans
+
+
+@dataclass(frozen=True)
+class SchemeSet:
+    """What a run's schemes are planned from, fixed once per run; `build` makes any of them
+    for an arena size (the critical-arena bisection builds each scheme many times, and the
+    plans must not move under it).
+
+    shared / private: the slab plans of `slab` (key pools) and `slab_private`; fixed: the
+    fixed-block plans by variant; demand_share: each model's share of the mean KV demand
+    (static's oracle split); min_page: the smallest allowed page.
+    """
+
+    shapes: tuple[KVShape, ...]
+    shared: SlabPlan
+    private: SlabPlan
+    fixed: dict[str, FixedBlockPlan]
+    demand_share: tuple[float, ...]
+    min_page: int
+
+    @classmethod
+    def plan(cls, shapes: tuple[KVShape, ...], page_sizes: tuple[int, ...],
+             demand_share: np.ndarray, model_kv_bytes: float) -> SchemeSet:
+        """`model_kv_bytes`: a model's expected KV bytes, the key-sharing planner's padding
+        weight (the benchmark passes the trace's peak live bytes over the number of models)."""
+        shared = plan_shared_slabs(shapes, page_sizes=page_sizes,
+                                   waste=WasteModel(model_kv_bytes=model_kv_bytes))
+        private = plan_slabs(shapes, page_sizes=page_sizes)
+        fixed = fixed_block_plans(shapes, min(page_sizes), shared.max_padding_waste)
+        share = tuple(float(v) for v in demand_share / demand_share.sum())
+        return cls(shapes, shared, private, fixed, share, min(page_sizes))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return ("slab", "slab_private", "static",
+                *(f"fixed_block_{name}" for name in self.fixed),
+                "first_fit", "first_fit_min_page", "first_fit_unaligned")
+
+    def tokens_per_block(self, name: str) -> np.ndarray:
+        if name == "slab_private":
+            pages = [f.tokens_per_block for f in self.private.formats]
+        elif name.startswith("fixed_block_"):
+            pages = list(self.fixed[name.removeprefix("fixed_block_")].tokens_per_block)
+        elif name == "first_fit_min_page":
+            pages = [self.min_page] * len(self.shapes)
+        else:  # slab, static, first_fit, first_fit_unaligned: the key-pool plan's pages
+            pages = [f.tokens_per_block for f in self.shared.formats]
+        return np.array(pages, dtype=np.int64)
+
+    def build(self, name: str, arena_bytes: int, folder: Path) -> Scheme:
+        """Scheme `name` over `arena_bytes` (a slab table file goes in `folder`)."""
+        num_models = len(self.shapes)
+        unpadded = [int(t) * s.token_bytes
+                    for t, s in zip(self.tokens_per_block(name), self.shapes, strict=True)]
+        if name in ("slab", "slab_private"):
+            plan = self.shared if name == "slab" else self.private
+            return SlabScheme(arena_bytes, plan.slab_bytes, list(plan.formats), folder,
+                              key_pools=name == "slab")
+        if name == "static":
+            caps = [int(arena_bytes * share // block)
+                    for share, block in zip(self.demand_share, unpadded, strict=True)]
+            return CountingScheme(caps, list(range(num_models)))
+        if name.startswith("fixed_block_"):
+            block_bytes = self.fixed[name.removeprefix("fixed_block_")].block_bytes
+            return CountingScheme([arena_bytes // block_bytes], [0] * num_models)
+        if name in ("first_fit", "first_fit_min_page", "first_fit_unaligned"):
+            return FirstFitScheme(arena_bytes, unpadded, aligned=name != "first_fit_unaligned")
+        raise ConfigError(f"unknown scheme {name!r}; known: {', '.join(self.names)}")

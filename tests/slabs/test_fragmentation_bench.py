@@ -9,15 +9,23 @@ import numpy as np
 import pytest
 
 from fineslab.bench import fragmentation as frag
-from fineslab.bench.fragmentation import Workload, block_events, replay
+from fineslab.bench.fragmentation_replay import (
+    Workload,
+    block_events,
+    critical_arena,
+    matched_rate_per_s,
+    replay,
+)
 from fineslab.bench.fragmentation_schemes import (
     CountingScheme,
     FirstFitScheme,
     FixedBlockPlan,
+    SchemeSet,
     SlabScheme,
     fixed_block_plans,
     fixed_block_tokens,
 )
+from fineslab.errors import ConfigError
 from fineslab.slabs.formats import BlockFormat, KVDtype, KVShape
 
 # token bytes = layers x 2 x heads x head_dim x 2 (BF16)
@@ -120,7 +128,7 @@ def test_mean_demand_is_the_exact_integral_of_live_bytes() -> None:
 
 def test_matched_rate_reproduces_the_target_demand() -> None:
     prompt, output = np.array([100, 300]), np.array([10, 30])
-    rate = frag.matched_rate_per_s(1e9, prompt, output, np.array([1000, 3000]), 0.05)
+    rate = matched_rate_per_s(1e9, prompt, output, np.array([1000, 3000]), 0.05)
     per_request = 0.05 * np.mean([10 * 100 + 45, 30 * 300 + 435]) * 2000
     assert rate * per_request == pytest.approx(1e9)
 
@@ -136,11 +144,82 @@ def test_benchmark_runs_end_to_end_on_a_small_trace(tmp_path: Path,
                "num_decode_tokens", comments="", fmt=["%.3f", "%d", "%d"])
     frag.main([str(trace), "--arena-gib", "1", "--json"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    peak = result["peak_live_bytes"]
     for key in ("slab", "slab_private", "static", "fixed_block", "first_fit"):
-        assert key in result and f"{key}_time_avg" in result, f"the issue's key {key}"
-        first = result[key]
-        assert first is None or 0 < first <= 1, "utilization is a fraction of the arena"
+        assert key in result, f"the issue's key {key}"
+        assert 0 < result[key] <= 1, "utilization at the first failure is a fraction"
+        arena, failing = result[f"{key}_arena_bytes"], result[f"{key}_failing_arena_bytes"]
+        assert failing < arena and arena - failing <= max(1, 2e-4 * peak) + 1, \
+            "the critical arena is bracketed to the tolerance"
+        assert failing >= peak - 1, "no scheme serves the trace in less than its peak"
+        assert result[f"{key}_peak_share"] == pytest.approx(peak / arena, abs=1e-4)
+        fixed = result["fixed_arena"]
+        assert f"{key}_time_avg" in fixed and f"{key}_dropped" in fixed, "the fixed protocol"
     assert result["fixed_block_variant"] in ("fixed_block_largest", "fixed_block_lowpad")
+    assert result["first_fit_variant"] in ("first_fit", "first_fit_min_page")
+    assert "first_fit_unaligned" not in result, "not servable: fixed protocol only"
+    assert "first_fit_unaligned" in result["fixed_arena"]
+
+
+def test_peak_live_is_the_highest_live_bytes_of_the_sweep() -> None:
+    # A: prompt 3, 6 decode tokens from 0 s (3 + floor(t) tokens); B: prompt 5, 2 tokens from
+    # 2 s to 4 s. In [3, 4): A 6 + B 6 = 12 tokens of 96 B, more than at any other time.
+    work = _tiny_workload([(0.0, 3, 6), (2.0, 5, 2)])
+    assert work.peak_live() == (12 * 96, 3.0)
+    grid = np.linspace(0, 6, 6001)
+    alive = np.ones(2, dtype=bool)
+    assert max(work.live_bytes(float(t), alive) for t in grid) == 12 * 96
+
+
+def test_replay_stops_at_its_first_refusal_when_asked() -> None:
+    # A pool of one block: A's 4-token prompt fills it; B (0.5 s) is refused, then A's first
+    # decode token needs a second block (1 s) and A is dropped; C (1.5 s) gets the freed block.
+    work = _tiny_workload([(0.0, 4, 4), (0.5, 1, 1), (1.5, 1, 1)])
+    events = block_events(work, np.array([4]))
+    full = replay(work, events, CountingScheme([1], [0]), 10_000)
+    stopped = replay(work, events, CountingScheme([1], [0]), 10_000, stop_at_first_refusal=True)
+    assert full.num_dropped == 2 and len(full.failure_utils) == 2, "B, then A's decode block"
+    assert stopped.num_dropped == 1 and stopped.time_avg_util is None
+    assert stopped.first_failure_s == full.first_failure_s
+
+
+def test_critical_arena_of_a_counting_pool_is_its_peak_blocks() -> None:
+    # 4-token blocks of 96 B = 384 B. A (prompt 5 -> 2 blocks, 3 decode tokens, no new block)
+    # from 0 s to 3 s; B (1 block) from 0.5 s to 1.5 s: at most 3 blocks at once, so the pool
+    # serves the trace from 3 x 384 = 1,152 B and refuses B in 1,151 B, when only A's 5 tokens
+    # (480 B) are live.
+    work = _tiny_workload([(0.0, 5, 3), (0.5, 1, 1)])
+    events = block_events(work, np.array([4]))
+    peak_bytes, _ = work.peak_live()
+    assert peak_bytes == 7 * 96, "A's 6 tokens and B's 1 in [1, 1.5)"
+    crit = critical_arena(work, events, lambda arena: CountingScheme([arena // 384], [0]),
+                          peak_bytes, tolerance=1e-3)
+    assert (crit.arena_bytes, crit.failing_arena_bytes) == (1152, 1151)
+    assert crit.first_failure.first_failure_s == 0.5
+    assert crit.first_failure.first_failure_util == pytest.approx(480 / 1151)
+
+
+def test_critical_arena_refuses_a_bad_tolerance() -> None:
+    work = _tiny_workload([(0.0, 5, 3)])
+    with pytest.raises(ConfigError, match="tolerance"):
+        critical_arena(work, block_events(work, np.array([4])),
+                       lambda arena: CountingScheme([arena // 384], [0]), 480, tolerance=0)
+
+
+def test_scheme_set_builds_every_scheme_with_its_plans_pages(tmp_path: Path) -> None:
+    schemes = SchemeSet.plan(frag.MODELS, tuple(range(16, 65)), np.ones(4), 2 * frag.GIB)
+    shared_pages = [f.tokens_per_block for f in schemes.shared.formats]
+    for name in schemes.names:
+        scheme = schemes.build(name, frag.GIB, tmp_path)
+        assert scheme.alloc(0, 1, None) is not None, f"{name} serves one block"
+        scheme.close()
+    assert schemes.tokens_per_block("slab").tolist() == shared_pages
+    assert schemes.tokens_per_block("first_fit").tolist() == shared_pages
+    assert schemes.tokens_per_block("first_fit_min_page").tolist() == [16] * 4
+    assert schemes.tokens_per_block("fixed_block_largest").tolist() == [20, 40, 160, 16]
+    assert not list(tmp_path.iterdir()), "a closed slab scheme leaves no table file"
+    with pytest.raises(ConfigError, match="unknown scheme"):
+        schemes.build("buddy", frag.GIB, tmp_path)
 
 
 def test_key_pools_serve_a_request_private_slabs_would_strand(tmp_path: Path) -> None:
