@@ -29,8 +29,8 @@ Protocols (both by default):
             utilization at its first fragmentation refusal (a capacity refusal, which no
             allocator could serve, is counted apart), `_at_failures` the mean over them,
             `_time_avg` the run average (2,000 instants), drops and refusal counts.
-fixed_block and first_fit are the better of their variants (the higher first failure; then the
-smaller critical arena, or the higher time average): `fixed_block_variant`, `first_fit_variant`.
+fixed_block and first_fit are the better of their variants (critical: the smaller arena; fixed:
+the higher first failure, then time average): `fixed_block_variant`, `first_fit_variant`.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ MODELS = (
 )
 ISSUE_KEYS = ("slab", "static", "fixed_block", "first_fit")
 NOT_IN_CRITICAL = ("first_fit_unaligned",)
-FIRST_FIT_VARIANTS = ("first_fit", "first_fit_min_page")
+FIRST_FIT_VARIANTS = ("first_fit_plan_pages", "first_fit_min_page")
 
 
 def _build_in(schemes: SchemeSet, name: str, folder: Path, arena_bytes: int) -> Scheme:
@@ -132,8 +132,10 @@ def critical_result(found: dict[str, CriticalArena], peak_bytes: float,
             f"{name}_probes": crit.num_probes})
 
     def score(name: str) -> tuple[float, ...]:
+        # the variant that needs less memory is the better allocator, whatever the utilization
+        # at its first failure (which can be higher for a variant needing a bigger arena)
         first = found[name].first_failure.first_failure_util
-        return (first if first is not None else 1.0, -found[name].arena_bytes)
+        return (-found[name].arena_bytes, first if first is not None else 1.0)
     _alias_best(result, "fixed_block", [n for n in found if n.startswith("fixed_block_")],
                 score, ("", "_arena_bytes", "_failing_arena_bytes", "_peak_share", "_time_avg",
                         "_first_failure_s", "_probes"))
@@ -299,9 +301,9 @@ def main(argv: list[str] | None = None) -> None:
             emit(f"Fixed {args.arena_gib:g} GiB arena, {title}",
                  ["scheme", "1st frag. refusal", "mean at frag.", "time avg", "frag. refusals",
                   "cap. refusals", "dropped", "1st frag. s"], _fixed_rows(outcomes), {}, False)
+    keys = [[k, result[k], result.get(f"{k}_variant", k)] for k in ISSUE_KEYS if k in result]
     emit("The issue's keys (utilization at the first failure, critical protocol)",
-         ["key", "value", "variant"], [[k, result.get(k, "-"), result.get(f"{k}_variant", k)]
-                                       for k in ISSUE_KEYS], result, args.json)
+         ["key", "value", "variant"], keys, result, args.json)
 
 
 if __name__ == "__main__":

@@ -29,14 +29,14 @@ must honor (a real implementation under SGLang; never worse than that):
   first_fit    variable-size blocks (each model's unpadded block) placed first-fit in address
                order in one byte range, no slabs; each block at a multiple of its own size,
                since page p of a model's flat view starts at p x page x token bytes. Two page
-               choices are tried and the better is the key: `first_fit` the slab plan's pages
-               (where three models' blocks coincide, which spares first fit most of its holes),
-               `first_fit_min_page` every model at the smallest page (least half-used last
-               blocks). `first_fit_unaligned` drops the alignment: not servable by SGLang, shown
-               for scale
+               choices are tried, the better is the key `first_fit`: `first_fit_plan_pages` the
+               slab plan's pages (where three models' blocks coincide, which spares first fit
+               most of its holes), `first_fit_min_page` every model at the smallest page (least
+               half-used last blocks). `first_fit_unaligned` (the plan's pages) drops the
+               alignment: not servable by SGLang, shown for scale
 
 static and fixed_block are `CountingScheme`s (uniform blocks per pool: only a count to keep);
-first_fit is `FirstFitScheme`.
+the first-fit variants are `FirstFitScheme`s.
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ class SchemeSet:
     def names(self) -> tuple[str, ...]:
         return ("slab", "slab_private", "static",
                 *(f"fixed_block_{name}" for name in self.fixed),
-                "first_fit", "first_fit_min_page", "first_fit_unaligned")
+                "first_fit_plan_pages", "first_fit_min_page", "first_fit_unaligned")
 
     def tokens_per_block(self, name: str) -> np.ndarray:
         if name == "slab_private":
@@ -291,7 +291,7 @@ class SchemeSet:
             pages = list(self.fixed[name.removeprefix("fixed_block_")].tokens_per_block)
         elif name == "first_fit_min_page":
             pages = [self.min_page] * len(self.shapes)
-        else:  # slab, static, first_fit, first_fit_unaligned: the key-pool plan's pages
+        else:  # slab, static, first_fit_plan_pages, first_fit_unaligned: the key-pool plan
             pages = [f.tokens_per_block for f in self.shared.formats]
         return np.array(pages, dtype=np.int64)
 
@@ -311,6 +311,6 @@ class SchemeSet:
         if name.startswith("fixed_block_"):
             block_bytes = self.fixed[name.removeprefix("fixed_block_")].block_bytes
             return CountingScheme([arena_bytes // block_bytes], [0] * num_models)
-        if name in ("first_fit", "first_fit_min_page", "first_fit_unaligned"):
+        if name in ("first_fit_plan_pages", "first_fit_min_page", "first_fit_unaligned"):
             return FirstFitScheme(arena_bytes, unpadded, aligned=name != "first_fit_unaligned")
         raise ConfigError(f"unknown scheme {name!r}; known: {', '.join(self.names)}")

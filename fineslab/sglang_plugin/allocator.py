@@ -111,7 +111,8 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         self._parked: list[int] = []
         self._full_at_tokens: int | None = None  # see admission_reopens
         super().__init__(size, page_size, dtype, device, kvcache, need_sort=False)
-        self.use_triton_kernels = self.use_triton_kernels and triton_pages_ok(page_size)
+        uses_triton: bool = self.use_triton_kernels  # type: ignore[has-type]
+        self.use_triton_kernels = uses_triton and triton_pages_ok(page_size)
         self._empty = torch.empty((0,), dtype=torch.int64, device=self.device)
 
     # -- capacity ---------------------------------------------------------------------------

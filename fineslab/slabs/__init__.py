@@ -26,7 +26,8 @@ API for a runtime (the SGLang plugin, in the scheduler process)
         # all or nothing; raises ArenaExhausted (transient). alloc_array(...) -> np.ndarray int64
         # (torch.from_numpy-ready). near_block: a block the same request holds (last_loc //
         # page_size) for decode/extend; placement then keeps a request's blocks together so
-        # slabs empty and return (measured: docs/slabs.md). Omit it for a new prompt.
+        # slabs empty and return (a small gain, docs/slabs.md; the SGLang plugin does not pass
+        # it: its reservation draws a step's pages before SGLang says which request gets which)
     slabs.free(block_ids)                   # InvalidBlockError on double/foreign free, no change
     slabs.num_free_blocks() -> int          # free blocks in its own slabs (pooled: the pool's)
     slabs.available_blocks() -> int         # + what the free slabs would give it now

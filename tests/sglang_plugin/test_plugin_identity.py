@@ -2,10 +2,10 @@
 
 Real in-process SGLang engines (scheduler in its own process) on CPU, torch_native attention:
 Llama and Qwen2, page sizes 1, 16 and 20 (a key-sharing plan's kind of page: not a power of
-two, so SGLang allocates its slots on the torch path), BF16 KV. FP8 KV cannot run end to end on CPU (SGLang
-0.5.23 serves CPU FP8 KV only through the intel_amx backend, which needs the CUDA-less
-sgl_kernel build), so FP8 is checked here at the pool level, through SGLang's own write and
-read paths, and end to end on a GPU (test_plugin_gpu.py, marked gpu).
+two, so SGLang allocates its slots on the torch path), BF16 KV. FP8 KV cannot run end to end
+on CPU (SGLang 0.5.23 serves CPU FP8 KV only through the intel_amx backend, which needs the
+CUDA-less sgl_kernel build), so FP8 is checked here at the pool level, through SGLang's own
+write and read paths, and end to end on a GPU (test_plugin_gpu.py, marked gpu).
 """
 
 from __future__ import annotations

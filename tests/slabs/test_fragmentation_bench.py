@@ -156,7 +156,7 @@ def test_benchmark_runs_end_to_end_on_a_small_trace(tmp_path: Path,
         fixed = result["fixed_arena"]
         assert f"{key}_time_avg" in fixed and f"{key}_dropped" in fixed, "the fixed protocol"
     assert result["fixed_block_variant"] in ("fixed_block_largest", "fixed_block_lowpad")
-    assert result["first_fit_variant"] in ("first_fit", "first_fit_min_page")
+    assert result["first_fit_variant"] in ("first_fit_plan_pages", "first_fit_min_page")
     assert "first_fit_unaligned" not in result, "not servable: fixed protocol only"
     assert "first_fit_unaligned" in result["fixed_arena"]
 
@@ -214,7 +214,7 @@ def test_scheme_set_builds_every_scheme_with_its_plans_pages(tmp_path: Path) -> 
         assert scheme.alloc(0, 1, None) is not None, f"{name} serves one block"
         scheme.close()
     assert schemes.tokens_per_block("slab").tolist() == shared_pages
-    assert schemes.tokens_per_block("first_fit").tolist() == shared_pages
+    assert schemes.tokens_per_block("first_fit_plan_pages").tolist() == shared_pages
     assert schemes.tokens_per_block("first_fit_min_page").tolist() == [16] * 4
     assert schemes.tokens_per_block("fixed_block_largest").tolist() == [20, 40, 160, 16]
     assert not list(tmp_path.iterdir()), "a closed slab scheme leaves no table file"
