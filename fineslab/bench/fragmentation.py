@@ -113,73 +113,65 @@ def _rounded(value: float | None, digits: int = 4) -> float | None:
     return round(value, digits) if value is not None else None
 
 
-def _best(names: list[str], score: Callable[[str], tuple[float, ...]]) -> str | None:
-    return max(names, key=score) if names else None
+def _variants_of(key: str, names: list[str]) -> list[str]:
+    """The schemes whose best stands for the issue's key `key` (fixed_block, first_fit)."""
+    if key == "fixed_block":
+        return [n for n in names if n.startswith("fixed_block_")]
+    return [n for n in names if n in FIRST_FIT_VARIANTS]
+
+
+def _flatten(per_scheme: dict[str, dict[str, object]],
+             score: Callable[[str], tuple[float, ...]]) -> dict[str, object]:
+    """`{scheme: {suffix: value}}` as `<scheme><suffix>` keys, and each baseline's best variant
+    (by `score`) again under the issue's key, with `<key>_variant` naming it."""
+    rows = dict(per_scheme)
+    result: dict[str, object] = {}
+    for key in ("fixed_block", "first_fit"):
+        variants = _variants_of(key, list(per_scheme))
+        if variants:
+            best = max(variants, key=score)
+            rows[key] = per_scheme[best]
+            result[f"{key}_variant"] = best
+    for name, values in rows.items():
+        result.update({f"{name}{suffix}": value for suffix, value in values.items()})
+    return result
 
 
 def critical_result(found: dict[str, CriticalArena], peak_bytes: float,
                     mean_bytes: float) -> dict[str, object]:
-    result: dict[str, object] = {}
-    for name, crit in found.items():
-        first = crit.first_failure
-        result.update({
-            name: _rounded(first.first_failure_util),
-            f"{name}_arena_bytes": crit.arena_bytes,
-            f"{name}_failing_arena_bytes": crit.failing_arena_bytes,
-            f"{name}_peak_share": round(peak_bytes / crit.arena_bytes, 4),
-            f"{name}_time_avg": round(mean_bytes / crit.arena_bytes, 4),
-            f"{name}_first_failure_s": _rounded(first.first_failure_s),
-            f"{name}_probes": crit.num_probes})
+    per_scheme: dict[str, dict[str, object]] = {name: {
+        "": _rounded(crit.first_failure.first_failure_util),
+        "_arena_bytes": crit.arena_bytes,
+        "_failing_arena_bytes": crit.failing_arena_bytes,
+        "_peak_share": round(peak_bytes / crit.arena_bytes, 4),
+        "_time_avg": round(mean_bytes / crit.arena_bytes, 4),
+        "_first_failure_s": _rounded(crit.first_failure.first_failure_s),
+        "_probes": crit.num_probes} for name, crit in found.items()}
 
     def score(name: str) -> tuple[float, ...]:
         # the variant that needs less memory is the better allocator, whatever the utilization
         # at its first failure (which can be higher for a variant needing a bigger arena)
         first = found[name].first_failure.first_failure_util
         return (-found[name].arena_bytes, first if first is not None else 1.0)
-    _alias_best(result, "fixed_block", [n for n in found if n.startswith("fixed_block_")],
-                score, ("", "_arena_bytes", "_failing_arena_bytes", "_peak_share", "_time_avg",
-                        "_first_failure_s", "_probes"))
-    _alias_best(result, "first_fit", [n for n in found if n in FIRST_FIT_VARIANTS], score,
-                ("", "_arena_bytes", "_failing_arena_bytes", "_peak_share", "_time_avg",
-                 "_first_failure_s", "_probes"))
-    return result
+    return _flatten(per_scheme, score)
 
 
 def fixed_result(found: dict[str, Outcome], arena_bytes: int) -> dict[str, object]:
-    result: dict[str, object] = {"arena_bytes": arena_bytes}
-    for name, out in found.items():
-        result.update({name: _rounded(out.first_failure_util),
-                       f"{name}_at_failures": _rounded(out.mean_failure_util),
-                       f"{name}_time_avg": _rounded(out.time_avg_util),
-                       f"{name}_first_refusal": _rounded(out.first_refusal_util),
-                       f"{name}_first_failure_s": _rounded(out.first_failure_s),
-                       f"{name}_first_failure_asked": _rounded(out.first_failure_asked),
-                       f"{name}_fragmentation_refusals": len(out.failure_utils),
-                       f"{name}_capacity_refusals": out.num_capacity_refusals,
-                       f"{name}_dropped": out.num_dropped})
+    per_scheme: dict[str, dict[str, object]] = {name: {
+        "": _rounded(out.first_failure_util),
+        "_at_failures": _rounded(out.mean_failure_util),
+        "_time_avg": _rounded(out.time_avg_util),
+        "_first_refusal": _rounded(out.first_refusal_util),
+        "_first_failure_s": _rounded(out.first_failure_s),
+        "_first_failure_asked": _rounded(out.first_failure_asked),
+        "_fragmentation_refusals": len(out.failure_utils),
+        "_capacity_refusals": out.num_capacity_refusals,
+        "_dropped": out.num_dropped} for name, out in found.items()}
 
     def score(name: str) -> tuple[float, ...]:
         first, avg = found[name].first_failure_util, found[name].time_avg_util
         return (1.0 if first is None else first, avg or 0.0)
-    suffixes = ("", "_at_failures", "_time_avg", "_first_refusal", "_first_failure_s",
-                "_first_failure_asked", "_fragmentation_refusals", "_capacity_refusals",
-                "_dropped")
-    _alias_best(result, "fixed_block", [n for n in found if n.startswith("fixed_block_")],
-                score, suffixes)
-    _alias_best(result, "first_fit", [n for n in found if n in FIRST_FIT_VARIANTS], score,
-                suffixes)
-    return result
-
-
-def _alias_best(result: dict[str, object], key: str, variants: list[str],
-                score: Callable[[str], tuple[float, ...]], suffixes: tuple[str, ...]) -> None:
-    """Copy the best variant's entries under `key` (the issue's key) and name the variant."""
-    best = _best(variants, score)
-    if best is None:
-        return
-    result[f"{key}_variant"] = best
-    for suffix in suffixes:
-        result[f"{key}{suffix}"] = result[f"{best}{suffix}"]
+    return {"arena_bytes": arena_bytes, **_flatten(per_scheme, score)}
 
 
 def parse_page_sizes(text: str) -> tuple[int, ...]:
