@@ -1,4 +1,6 @@
-"""On a GPU: the slab pool under SGLang's triton and flashinfer backends, BF16 and FP8 KV.
+"""On a GPU: the slab pool under SGLang's triton and flashinfer backends, BF16 and FP8 KV, at
+page 16 and at page 20 (not a power of two: the plugin's torch slot path, as key-sharing plans
+need).
 
 Greedy output with the plugin must equal output with SGLang's own pool (same engine arguments).
 Marked `gpu`: skipped by the default CPU suite; run by scripts/gpu_check.sh where CUDA exists.
@@ -30,6 +32,8 @@ def _outputs(model_path: Path, backend: str, kv_cache_dtype: str, page_size: int
         attention_backend=backend, kv_cache_dtype=kv_cache_dtype, mem_fraction_static=0.3)
     if join is None:
         kwargs["max_total_tokens"] = 8192
+    if page_size & (page_size - 1):
+        kwargs["chunked_prefill_size"] = 200 * page_size  # SGLang asks for whole pages
     with joined(join):
         engine = sglang.Engine(**kwargs)
     try:
@@ -40,24 +44,27 @@ def _outputs(model_path: Path, backend: str, kv_cache_dtype: str, page_size: int
     return [o["output_ids"] for o in out]
 
 
+@pytest.mark.parametrize("page_size", [16, 20])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
-def test_gpu_backends_match_stock_pool(model_cache: Path, backend: str,
-                                       kv_cache_dtype: str) -> None:
+def test_gpu_backends_match_stock_pool(model_cache: Path, backend: str, kv_cache_dtype: str,
+                                       page_size: int) -> None:
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     kv = KVDtype.FP8_E4M3 if kv_cache_dtype == "fp8_e4m3" else KVDtype.BF16
-    fmt = fit_format(KVShape("m", 4, 2, 64, kv), 1 << 20, [16])
+    slab_bytes = (1 << 20) if page_size == 16 else (5 << 18)  # a multiple of the block
+    fmt = fit_format(KVShape("m", 4, 2, 64, kv), slab_bytes, [page_size])
     assert fmt is not None
     fleet = f"g{uuid.uuid4().hex[:8]}"
-    arena = SlabArena.create(ArenaSpec(fleet, "cuda:0", 16 << 20, 1 << 20,
-                                       fmt.blocks_per_slab(1 << 20)))
+    arena = SlabArena.create(ArenaSpec(fleet, "cuda:0", 16 * slab_bytes, slab_bytes,
+                                       fmt.blocks_per_slab(slab_bytes)))
     try:
-        plugin = _outputs(model_cache / "llama-tiny", backend, kv_cache_dtype, 16,
+        plugin = _outputs(model_cache / "llama-tiny", backend, kv_cache_dtype, page_size,
                           ArenaJoin(fleet, "m"))
     finally:
         arena.close()
-    stock = _outputs(model_cache / "llama-tiny", backend, kv_cache_dtype, 16, None)
-    assert plugin == stock, f"{backend} {kv_cache_dtype}: slab pool output differs from stock"
+    stock = _outputs(model_cache / "llama-tiny", backend, kv_cache_dtype, page_size, None)
+    assert plugin == stock, (f"{backend} {kv_cache_dtype} page {page_size}: slab pool output "
+                             "differs from stock")
