@@ -260,6 +260,10 @@ def main(argv: list[str] | None = None) -> None:
     schemes = SchemeSet.plan(MODELS, page_sizes, work.mean_demand_bytes(),
                              model_kv_bytes=peak_bytes / len(MODELS))
     names = args.schemes.split(",") if args.schemes else list(schemes.names)
+    unknown = sorted(set(names) - set(schemes.names))
+    if unknown:
+        sys.exit(f"fragmentation: unknown scheme(s) {', '.join(unknown)}; known: "
+                 f"{', '.join(schemes.names)}")
     mean_bytes = float(work.mean_demand_bytes().sum())
     plan = schemes.shared
     result: dict[str, object] = dict(

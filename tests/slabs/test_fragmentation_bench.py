@@ -237,6 +237,13 @@ def test_key_pools_serve_a_request_private_slabs_would_strand(tmp_path: Path) ->
     private.close()
 
 
+def test_an_unknown_scheme_name_is_a_clear_error(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,100,10\n")
+    with pytest.raises(SystemExit, match=r"unknown scheme.*buddy"):
+        frag.main([str(trace), "--schemes", "slab,buddy"])
+
+
 def test_page_sizes_take_a_list_or_a_range() -> None:
     assert frag.parse_page_sizes("16,32,64") == (16, 32, 64)
     assert frag.parse_page_sizes("16-20") == (16, 17, 18, 19, 20)
