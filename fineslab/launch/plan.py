@@ -1,7 +1,8 @@
 """From a fleet config to a fleet plan: devices, profiles, the global placer, arenas, runtimes.
 
     config --resolve_devices--> devices --find_profile--> demands --placer--> PlacementPlan
-           --plan_arenas--> one SlabPlan + arena size per device
+           --plan_arenas--> one SlabPlan + arena size per device (pages chosen so that
+                            models' blocks coincide and share key pools)
            --> RuntimePlan per model replica: device, runtime id, SGLang page size and flags
 
 Nothing here starts a process, touches shared memory or writes a quantized checkpoint, so
@@ -36,12 +37,20 @@ from fineslab.quant.fleet import KV_DTYPES, describe_serving, served_dir_name
 from fineslab.scheduler.placement import GpuSpec, ModelDemand, PlacementPlan, get_placement_policy
 from fineslab.scheduler.profile_schema import ModelProfile
 from fineslab.slabs import KVShape, SlabPlan, plan_slabs
+from fineslab.slabs.key_sharing import WasteModel, plan_shared_slabs
 from fineslab.slabs.sizing import DEFAULT_PAGE_SIZES
 
 logger = logging.getLogger(__name__)
 
 MIB = float(1 << 20)
 ARENA_FRACTION_OF_FREE = 0.9
+#: SGLang picks its prefill chunk by device memory, 2048 to 16384 tokens, all multiples of 2048,
+#: and asserts that the chunk is a whole number of pages.
+SGLANG_SMALLEST_DEFAULT_CHUNK = 2048
+#: The chunk the launcher sets for a page that 2048 is not a multiple of: whole pages, at most
+#: SGLang's default where it cannot read the device memory.
+PAGED_CHUNK_TOKENS = 4096
+CHUNK_FLAG = "--chunked-prefill-size"
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,14 @@ class FleetPlan:
     def runtimes_of(self, model: str) -> list[RuntimePlan]:
         return [r for r in self.runtimes if r.model.name == model]
 
+    def _block_cells(self, runtime: RuntimePlan) -> list[object]:
+        """The runtime's arena block stride and padding waste, "-" on SGLang's own pool."""
+        for arena in self.arenas:
+            if arena.device.name == runtime.device.name:
+                fmt = arena.slab_plan.format_of(runtime.runtime_id)
+                return [fmt.block_stride_bytes, f"{fmt.padding_waste:.2%}"]
+        return ["-", "-"]
+
     def describe(self) -> str:
         """The placement table, the arenas and the runtimes, for people."""
         text = [self.placement.table(), ""]
@@ -103,13 +120,13 @@ class FleetPlan:
             text += ["arenas", format_table(
                 ["device", "arena_MiB", "slab_MiB", "slabs", "worst_padding"], rows), ""]
         rows = [[r.runtime_id, r.model.name, r.device.name, r.model.precision,
-                 r.model.resolved_kv_dtype, r.page_size or "-",
+                 r.model.resolved_kv_dtype, r.page_size or "-", *self._block_cells(r),
                  "key pool" if r.key_pool else "own" if r.page_size else "-",
                  f"{self.profiles[r.model.name].source}", r.serving, r.model_dir]
                 for r in self.runtimes]
         text += ["runtimes", format_table(
-            ["runtime", "model", "device", "precision", "kv", "page", "slabs", "profile",
-             "serves", "path"], rows)]
+            ["runtime", "model", "device", "precision", "kv", "page", "block_B", "padding",
+             "slabs", "profile", "serves", "path"], rows)]
         if any(r.serving != "source ckpt" for r in self.runtimes):
             text.append(f"quantized checkpoints and KV scales: prepared at start in "
                         f"{self.prepared_dir} (reused while the source is unchanged)")
@@ -186,18 +203,66 @@ def _kv_shape(name: str, model: ModelConfig, model_dir: Path) -> KVShape:
                    KV_DTYPES[model.resolved_kv_dtype], model.tp)
 
 
+def device_slab_plan(shapes: list[KVShape], budget_bytes: int,
+                     page_sizes: tuple[int, ...]) -> SlabPlan:
+    """The slab plan of one device: the key-sharing plan (`plan_shared_slabs`, the one the
+    fragmentation benchmark measures as `slab`), whose pages make blocks of different models
+    coincide so that they draw on one key pool, each model weighted by an equal share of the
+    arena. When no slab size within its range keeps every model within the padding bound (a
+    block above 64 MiB), `plan_slabs`, whose range reaches 256 MiB and which pools only the
+    blocks that coincide anyway."""
+    try:
+        return plan_shared_slabs(shapes, page_sizes=page_sizes,
+                                 waste=WasteModel(model_kv_bytes=budget_bytes / len(shapes)))
+    except ConfigError as exc:
+        logger.warning("key-sharing slab plan not possible (%s); planning slabs per model", exc)
+        return plan_slabs(shapes, page_sizes=page_sizes)
+
+
 def _arena_for(device: DeviceConfig, runtimes: list[RuntimePlan], fixed_bytes: int,
                page_sizes: tuple[int, ...]) -> tuple[ArenaPlan, dict[str, int]]:
     shapes = [_kv_shape(r.runtime_id, r.model, Path(r.model_dir)) for r in runtimes]
-    slab_plan = plan_slabs(shapes, page_sizes=page_sizes)
     budget = device.kv_arena_bytes or int((device.memory_bytes - fixed_bytes)
                                           * ARENA_FRACTION_OF_FREE)
+    slab_plan = device_slab_plan(shapes, budget, page_sizes)
     arena_bytes = budget // slab_plan.slab_bytes * slab_plan.slab_bytes
     if arena_bytes < slab_plan.slab_bytes * len(runtimes):
         raise ConfigError(f"device {device.name}: a {budget} B arena holds fewer than one "
                           f"{slab_plan.slab_bytes} B slab per runtime; raise kv_arena_mib")
     pages = {r.runtime_id: slab_plan.format_of(r.runtime_id).tokens_per_block for r in runtimes}
     return ArenaPlan(device, slab_plan, arena_bytes), pages
+
+
+def prefill_chunk_args(runtime_id: str, page_size: int, extra_args: tuple[str, ...]
+                       ) -> tuple[str, ...]:
+    """The `--chunked-prefill-size` a runtime at `page_size` needs, if any: none when
+    `extra_args` sets one (ConfigError unless whole pages, which SGLang asserts at start) or when
+    SGLang's own default is whole pages; else the largest whole-page chunk up to 4096 tokens."""
+    given = _flag_value(extra_args, CHUNK_FLAG)
+    if given is not None:
+        try:
+            tokens = int(given)
+        except ValueError:
+            raise ConfigError(f"runtime {runtime_id}: {CHUNK_FLAG} {given!r} is not an integer"
+                              ) from None
+        if tokens > 0 and tokens % page_size:
+            raise ConfigError(f"runtime {runtime_id}: {CHUNK_FLAG} {tokens} is not a multiple "
+                              f"of its arena page size {page_size} (SGLang requires whole pages)")
+        return ()
+    if SGLANG_SMALLEST_DEFAULT_CHUNK % page_size == 0:
+        return ()
+    return (CHUNK_FLAG, str(max(1, PAGED_CHUNK_TOKENS // page_size) * page_size))
+
+
+def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
+    """The value of `flag` in a command line (`--flag v` or `--flag=v`), the last one winning."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def key_pooled(slab_plan: SlabPlan) -> set[str]:
@@ -263,4 +328,6 @@ def _with_arenas(plan: FleetPlan, page_sizes: tuple[int, ...]) -> FleetPlan:
             pooled |= key_pooled(arena.slab_plan)
     paged = tuple(dataclasses.replace(r, page_size=pages[r.runtime_id],
                                       key_pool=r.runtime_id in pooled) for r in plan.runtimes)
+    for r in paged:  # a chunk SGLang would refuse at start is a config error now
+        prefill_chunk_args(r.runtime_id, pages[r.runtime_id], r.model.extra_args)
     return dataclasses.replace(plan, arenas=tuple(arenas), runtimes=paged)

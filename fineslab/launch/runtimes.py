@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fineslab.errors import EnvironmentSetupError
-from fineslab.launch.plan import RuntimePlan
+from fineslab.launch.plan import RuntimePlan, prefill_chunk_args
 from fineslab.quant.fleet import PrecisionRuntime
 from fineslab.runtime import PortInUse, ServerProcess, ServerSpec, free_port
 from fineslab.sglang_plugin import ArenaJoin
@@ -57,7 +57,8 @@ def server_spec(plan: RuntimePlan, prepared: PrecisionRuntime, fleet_id: str, us
     if use_arena:
         if plan.page_size is None:
             raise EnvironmentSetupError(f"runtime {plan.runtime_id}: no arena page size planned")
-        args += ["--page-size", str(plan.page_size)]
+        args += ["--page-size", str(plan.page_size),
+                 *prefill_chunk_args(plan.runtime_id, plan.page_size, model.extra_args)]
     else:
         args += ["--max-total-tokens", str(OWN_POOL_MAX_TOTAL_TOKENS)]
     running = model.max_running_requests or max_running_requests

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -12,11 +14,11 @@ import yaml
 
 from fineslab.errors import ConfigError
 from fineslab.launch.config import fleet_from_dict, load_fleet_config
-from fineslab.launch.plan import make_plan
+from fineslab.launch.plan import device_slab_plan, make_plan, prefill_chunk_args
 from fineslab.launch.profiles import find_profile
 from fineslab.launch.runtimes import server_spec
 from fineslab.quant.fleet import PrecisionRuntime
-from fineslab.slabs import KVDtype
+from fineslab.slabs import KVDtype, KVShape
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "cpu-demo.yaml"
@@ -129,6 +131,8 @@ def test_dry_run_prints_the_plan_and_starts_nothing() -> None:
     assert result.returncode == 0, result.stderr
     assert "placement by mme" in result.stdout and "arenas" in result.stdout
     assert "qwen2-bf16-r0" in result.stdout
+    header = next(line for line in result.stdout.splitlines() if line.startswith("runtime "))
+    assert "block_B" in header and "padding" in header, "each runtime's block and waste shown"
 
 
 def test_dry_run_with_a_bad_config_exits_2_with_the_error(tmp_path: Path) -> None:
@@ -156,3 +160,59 @@ def test_replicas_on_one_device_share_their_key_pool_and_others_do_not() -> None
     spec = server_spec(by_id["llama-bf16-r0"], prepared, "f", use_arena=True)
     assert spec.env["FINESLAB_KEY_POOL"] == "1", "the runtime is told to join its key pool"
     assert "key pool" in plan.describe(), "--dry-run shows which runtimes share a key pool"
+
+
+def test_the_launcher_chooses_pages_that_make_blocks_coincide() -> None:
+    """The mixed fleet's FP8 KV is half BF16's a token; the launcher's plan (the key-sharing
+    plan the fragmentation benchmark measures) gives FP8 twice BF16's page, so BF16, AWQ (fp16
+    KV) and FP8 blocks are one size and share one key pool; KV4 cannot, and keeps its own."""
+    plan = make_plan(load_fleet_config(REPO / "examples" / "cpu-mixed.yaml"))
+    by_model = {r.model.name: r for r in plan.runtimes}
+    fmt = {m: plan.arenas[0].slab_plan.format_of(r.runtime_id) for m, r in by_model.items()}
+    assert fmt["llama-fp8"].tokens_per_block == 2 * fmt["llama-bf16"].tokens_per_block
+    assert (fmt["llama-fp8"].block_stride_bytes == fmt["llama-bf16"].block_stride_bytes
+            == fmt["llama-awq"].block_stride_bytes), fmt
+    assert fmt["llama-kv4"].block_stride_bytes != fmt["llama-bf16"].block_stride_bytes, fmt
+    assert {m: r.key_pool for m, r in by_model.items()} == {
+        "llama-bf16": True, "llama-fp8": True, "llama-awq": True, "llama-kv4": False}
+    assert all(r.page_size == fmt[m].tokens_per_block for m, r in by_model.items())
+
+
+def test_a_block_beyond_the_key_sharing_range_falls_back_to_per_model_slabs(
+        caplog: pytest.LogCaptureFixture) -> None:
+    huge = KVShape("huge", 200, 64, 128, KVDtype.BF16)  # 6.5 MB a token: 105 MB blocks
+    small = KVShape("small", 4, 2, 64, KVDtype.BF16)
+    with caplog.at_level(logging.WARNING, logger="fineslab.launch.plan"):
+        plan = device_slab_plan([huge, small], 8 << 30, (16,))
+    assert plan.slab_bytes > 64 << 20 and plan.within_bound, plan.slab_bytes
+    assert "key-sharing slab plan not possible" in caplog.text
+
+
+@pytest.mark.parametrize(("page", "extra", "expected"), [
+    (16, (), ()),  # SGLang's own chunk (a multiple of 2048) is whole pages
+    (20, (), ("--chunked-prefill-size", "4080")),
+    (48, (), ("--chunked-prefill-size", "4080")),
+    (20, ("--chunked-prefill-size", "2000"), ()),
+    (20, ("--chunked-prefill-size=-1",), ()),  # chunking off
+])
+def test_prefill_chunk_is_whole_pages(page: int, extra: tuple[str, ...],
+                                      expected: tuple[str, ...]) -> None:
+    assert prefill_chunk_args("r", page, extra) == expected
+
+
+def test_a_chunk_of_partial_pages_is_a_config_error_at_plan_time() -> None:
+    data = _demo()
+    data["models"][0]["extra_args"] = ["--chunked-prefill-size", "1000"]
+    with pytest.raises(ConfigError, match="1000 is not a multiple of its arena page size"):
+        make_plan(fleet_from_dict(data, "test.yaml"))
+    with pytest.raises(ConfigError, match="not an integer"):
+        prefill_chunk_args("r", 16, ("--chunked-prefill-size=lots",))
+
+
+def test_server_spec_passes_a_whole_page_chunk_for_a_page_sglang_would_refuse() -> None:
+    runtime = make_plan(load_fleet_config(DEMO)).runtimes_of("llama-bf16")[0]
+    runtime = dataclasses.replace(runtime, page_size=20)
+    prepared = PrecisionRuntime("llama-bf16", "bf16", Path(runtime.model_dir), KVDtype.BF16, ())
+    args = list(server_spec(runtime, prepared, "f", use_arena=True).extra_args)
+    assert args[args.index("--page-size") + 1] == "20"
+    assert args[args.index("--chunked-prefill-size") + 1] == "4080"

@@ -75,9 +75,15 @@ def _slab_table(fleet_id: str) -> dict[str, object]:
 
 def test_each_model_holds_arena_slabs_in_its_own_block_format(fleet: LaunchedFleet,
                                                               model_cache: Path) -> None:
-    """After the requests above, each runtime owns slabs keyed by its own block stride: the
-    FP8 block is half the BF16 one, the KV4 block smaller still; AWQ's fp16 KV matches BF16,
-    so those two share one key pool, and the other two keep slabs of their own."""
+    """After a prompt of several pages to each model (its radix cache keeps the whole pages),
+    each runtime holds arena blocks keyed by its own block stride: the plan gives FP8 (half
+    BF16's bytes a token) twice BF16's page, so FP8, BF16 and AWQ (fp16 KV) blocks are one size
+    and those three share one key pool; KV4's block is smaller and keeps slabs of its own."""
+    client = openai.OpenAI(base_url=fleet.base_url + "/v1", api_key="unused", timeout=300)
+    for model in MODELS:
+        reply = client.completions.create(model=model, prompt="The slab arena " * 40,
+                                          max_tokens=1, temperature=0)
+        assert reply.usage is not None and reply.usage.prompt_tokens >= 64, reply.usage
     plan = make_plan(load_fleet_config(REPO / "examples" / "cpu-mixed.yaml"),
                      str(model_cache))
     formats = {r.model.name: plan.arenas[0].slab_plan.format_of(r.runtime_id)
@@ -85,15 +91,17 @@ def test_each_model_holds_arena_slabs_in_its_own_block_format(fleet: LaunchedFle
     owners = {o["runtime_id"]: o for o in _slab_table(fleet.fleet_id)["owners"]}  # type: ignore
     for model in MODELS:
         owner = owners[f"{model}-r0"]
-        assert owner["alive"] and owner["slabs"] >= 1, f"{model} holds no arena slab: {owner}"
+        assert owner["alive"] and owner["slabs"] >= 1 and owner["used_blocks"] >= 1, (
+            f"{model} holds no arena block: {owner}")
         assert owner["key"] == formats[model].block_stride_bytes, (
             f"{model}: slabs keyed {owner['key']} B, its format's block is "
             f"{formats[model].block_stride_bytes} B")
     keys = {m: owners[f"{m}-r0"]["key"] for m in MODELS}
-    assert keys["llama-fp8"] * 2 == keys["llama-bf16"] == keys["llama-awq"], keys
+    assert keys["llama-fp8"] == keys["llama-bf16"] == keys["llama-awq"], keys
+    assert formats["llama-fp8"].tokens_per_block == 2 * formats["llama-bf16"].tokens_per_block
     assert keys["llama-kv4"] < keys["llama-fp8"], keys
     pooled = {m: owners[f"{m}-r0"]["pooled"] for m in MODELS}
-    assert pooled == {"llama-bf16": True, "llama-awq": True, "llama-fp8": False,
+    assert pooled == {"llama-bf16": True, "llama-awq": True, "llama-fp8": True,
                       "llama-kv4": False}, pooled
     metrics = fleet.metrics()
     for model in MODELS:
