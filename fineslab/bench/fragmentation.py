@@ -55,7 +55,7 @@ from fineslab.bench.fragmentation_replay import (
     matched_rate_per_s,
     replay,
 )
-from fineslab.bench.fragmentation_schemes import Scheme, SchemeSet
+from fineslab.bench.fragmentation_schemes import SchemeSet
 from fineslab.bench.report import add_json_flag, emit
 from fineslab.slabs.formats import KVDtype, KVShape
 from fineslab.workload import AZURE_CONV, SHAREGPT_STATS, load_lengths
@@ -74,19 +74,14 @@ NOT_IN_CRITICAL = ("first_fit_unaligned",)
 FIRST_FIT_VARIANTS = ("first_fit_plan_pages", "first_fit_min_page")
 
 
-def _build_in(schemes: SchemeSet, name: str, folder: Path, arena_bytes: int) -> Scheme:
-    return schemes.build(name, arena_bytes, folder)
-
-
-def run_critical(work: Workload, schemes: SchemeSet, names: list[str], tolerance: float,
-                 folder: Path) -> dict[str, CriticalArena]:
-    peak_bytes, _ = work.peak_live()
+def run_critical(work: Workload, schemes: SchemeSet, names: list[str], peak_bytes: float,
+                 tolerance: float, folder: Path) -> dict[str, CriticalArena]:
     found = {}
     for name in names:
         start = time.monotonic()
         events = block_events(work, schemes.tokens_per_block(name))
         found[name] = critical_arena(work, events, functools.partial(
-            _build_in, schemes, name, folder), peak_bytes, tolerance)
+            schemes.build, name, folder=folder), peak_bytes, tolerance)
         logger.info("critical: %-20s %.4f GiB (%d probes, %.0f s)", name,
                     found[name].arena_bytes / GIB, found[name].num_probes,
                     time.monotonic() - start)
@@ -257,14 +252,14 @@ def main(argv: list[str] | None = None) -> None:
     arena_bytes = int(args.arena_gib * GIB)
     page_sizes = parse_page_sizes(args.page_sizes)
     peak_bytes, peak_s = work.peak_live()
-    schemes = SchemeSet.plan(MODELS, page_sizes, work.mean_demand_bytes(),
-                             model_kv_bytes=peak_bytes / len(MODELS))
+    demand = work.mean_demand_bytes()
+    schemes = SchemeSet.plan(MODELS, page_sizes, demand, model_kv_bytes=peak_bytes / len(MODELS))
     names = args.schemes.split(",") if args.schemes else list(schemes.names)
     unknown = sorted(set(names) - set(schemes.names))
     if unknown:
         sys.exit(f"fragmentation: unknown scheme(s) {', '.join(unknown)}; known: "
                  f"{', '.join(schemes.names)}")
-    mean_bytes = float(work.mean_demand_bytes().sum())
+    mean_bytes = float(demand.sum())
     plan = schemes.shared
     result: dict[str, object] = dict(
         workload=args.workload, trace=label, requests=int(work.arrival_s.size),
@@ -286,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as folder:
         if args.protocol in ("both", "critical"):
             found = run_critical(work, schemes, [n for n in names if n not in NOT_IN_CRITICAL],
-                                 args.tolerance, Path(folder))
+                                 peak_bytes, args.tolerance, Path(folder))
             result.update(critical_result(found, peak_bytes, mean_bytes))
             emit(f"Critical arena (the smallest that serves the whole trace), {title}",
                  ["scheme", "arena GiB", "peak live / arena", "1st failure util",

@@ -192,8 +192,7 @@ def replay(work: Workload, events: Events, scheme: Scheme, arena_bytes: int,
         if kind == 1:
             scheme.free(model, held.pop(request, []))
             continue
-        mine = held.get(request)
-        handle = scheme.alloc(model, num_blocks, mine[-1] if mine else None)
+        handle = scheme.alloc(model, num_blocks)
         if handle is None:
             # live_bytes(t) already counts the tokens asked for: the prompt, or the one decode
             # token that opened a new block

@@ -59,8 +59,7 @@ from fineslab.slabs.table import SlabTable, TableDims
 class Scheme(Protocol):
     """An arena allocator under test: a handle per successful alloc, None when it fails."""
 
-    def alloc(self, model: int, num_blocks: int, previous: object | None) -> object | None:
-        """`previous`: the request's last handle (None for its prompt)."""
+    def alloc(self, model: int, num_blocks: int) -> object | None: ...
 
     def free(self, model: int, handles: list[object]) -> None: ...
 
@@ -88,7 +87,7 @@ class SlabScheme:
             else RuntimeSlabs(self.table, f.name, f)
             for f, stride in zip(formats, strides, strict=True)]
 
-    def alloc(self, model: int, num_blocks: int, previous: object | None) -> object | None:
+    def alloc(self, model: int, num_blocks: int) -> object | None:
         try:
             return self.clients[model].alloc_array(num_blocks)
         except ArenaExhausted:
@@ -114,7 +113,7 @@ class CountingScheme:
         self.capacity, self.pool_of = capacity_blocks, pool_of_model
         self.used = [0] * len(capacity_blocks)
 
-    def alloc(self, model: int, num_blocks: int, previous: object | None) -> object | None:
+    def alloc(self, model: int, num_blocks: int) -> object | None:
         pool = self.pool_of[model]
         if self.used[pool] + num_blocks > self.capacity[pool]:
             return None
@@ -140,7 +139,7 @@ class FirstFitScheme:
         self.starts = np.array([0], dtype=np.int64)
         self.sizes = np.array([arena_bytes], dtype=np.int64)
 
-    def alloc(self, model: int, num_blocks: int, previous: object | None) -> object | None:
+    def alloc(self, model: int, num_blocks: int) -> object | None:
         size = self.block_bytes[model]
         starts, sizes = self.starts, self.sizes
         first = -(-starts // size) * size if self.aligned else starts

@@ -94,6 +94,12 @@ def joined(join: ArenaJoin | None) -> Iterator[None]:
                 os.environ[key] = value
 
 
+def whole_page_chunk(page_size: int) -> dict[str, object]:
+    """Engine kwargs for a page SGLang's default prefill chunk (a power of two) is not whole
+    pages of: SGLang asks that the chunk be whole pages."""
+    return {"chunked_prefill_size": 200 * page_size} if page_size & (page_size - 1) else {}
+
+
 def engine_outputs(model_path: Path, input_ids: list[list[int]], *, page_size: int,
                    dtype: str = "bfloat16", join: ArenaJoin | None = None,
                    max_new_tokens: int = 16, extra: dict[str, object] | None = None
@@ -105,10 +111,7 @@ def engine_outputs(model_path: Path, input_ids: list[list[int]], *, page_size: i
                                      page_size=page_size, **cpu_engine_kwargs())
     if join is None:
         kwargs["max_total_tokens"] = 4096
-    if page_size & (page_size - 1):
-        # SGLang asks that the prefill chunk be whole pages (its default is a power of two)
-        kwargs["chunked_prefill_size"] = 200 * page_size
-    kwargs.update(extra or {})
+    kwargs.update(whole_page_chunk(page_size), **(extra or {}))
     with joined(join):
         engine = sglang.Engine(**kwargs)
     try:

@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from plugin_test_support import joined, prompts
+from plugin_test_support import joined, prompts, whole_page_chunk
 
 from fineslab.sglang_plugin import ArenaJoin
 from fineslab.slabs import ArenaSpec, KVDtype, KVShape, SlabArena
@@ -32,8 +32,7 @@ def _outputs(model_path: Path, backend: str, kv_cache_dtype: str, page_size: int
         attention_backend=backend, kv_cache_dtype=kv_cache_dtype, mem_fraction_static=0.3)
     if join is None:
         kwargs["max_total_tokens"] = 8192
-    if page_size & (page_size - 1):
-        kwargs["chunked_prefill_size"] = 200 * page_size  # SGLang asks for whole pages
+    kwargs.update(whole_page_chunk(page_size))
     with joined(join):
         engine = sglang.Engine(**kwargs)
     try:

@@ -66,18 +66,18 @@ def test_first_fit_aligned_skips_to_a_multiple_of_the_block_size() -> None:
     # arena 12 B, block sizes 3 and 2: model 0 takes [0, 3); model 1's block must start at 4,
     # leaving the hole [3, 4); unaligned, it would start at 3.
     aligned = FirstFitScheme(12, [3, 2], aligned=True)
-    assert aligned.alloc(0, 1, None) == [(0, 3)]
-    assert aligned.alloc(1, 1, None) == [(4, 2)]
+    assert aligned.alloc(0, 1) == [(0, 3)]
+    assert aligned.alloc(1, 1) == [(4, 2)]
     assert aligned.starts.tolist() == [3, 6] and aligned.sizes.tolist() == [1, 6]
     unaligned = FirstFitScheme(12, [3, 2], aligned=False)
-    unaligned.alloc(0, 1, None)
-    assert unaligned.alloc(1, 1, None) == [(3, 2)]
+    unaligned.alloc(0, 1)
+    assert unaligned.alloc(1, 1) == [(3, 2)]
 
 
 def test_first_fit_free_coalesces_holes() -> None:
     scheme = FirstFitScheme(12, [3, 2], aligned=True)
-    a = scheme.alloc(0, 1, None)
-    b = scheme.alloc(1, 2, None)
+    a = scheme.alloc(0, 1)
+    b = scheme.alloc(1, 2)
     assert b == [(4, 4)], "two 2 B blocks, contiguous"
     scheme.free(0, [a])
     scheme.free(1, [b])
@@ -211,7 +211,7 @@ def test_scheme_set_builds_every_scheme_with_its_plans_pages(tmp_path: Path) -> 
     shared_pages = [f.tokens_per_block for f in schemes.shared.formats]
     for name in schemes.names:
         scheme = schemes.build(name, frag.GIB, tmp_path)
-        assert scheme.alloc(0, 1, None) is not None, f"{name} serves one block"
+        assert scheme.alloc(0, 1) is not None, f"{name} serves one block"
         scheme.close()
     assert schemes.tokens_per_block("slab").tolist() == shared_pages
     assert schemes.tokens_per_block("first_fit_plan_pages").tolist() == shared_pages
@@ -230,9 +230,9 @@ def test_key_pools_serve_a_request_private_slabs_would_strand(tmp_path: Path) ->
     pooled = SlabScheme(2048, 2048, [fmt, other], tmp_path, key_pools=True)
     private = SlabScheme(2048, 2048, [fmt, other], tmp_path, key_pools=False)
     for scheme in (pooled, private):
-        assert scheme.alloc(0, 3, None) is not None
-    assert pooled.alloc(1, 1, None) is not None, "the pool's free block serves model 1"
-    assert private.alloc(1, 1, None) is None, "model 0's free block is stranded for model 1"
+        assert scheme.alloc(0, 3) is not None
+    assert pooled.alloc(1, 1) is not None, "the pool's free block serves model 1"
+    assert private.alloc(1, 1) is None, "model 0's free block is stranded for model 1"
     pooled.close()
     private.close()
 
