@@ -41,6 +41,8 @@ class ModelRoute:
     context_tokens: int
     max_running_requests: int = 32
     max_batched_tokens: int = 16384
+    #: Token ids are checked against it at the router (None: only their type is checked).
+    vocab_size: int | None = None
     kv_free_tokens: Callable[[str], int | None] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -61,10 +63,16 @@ class RouterSettings:
     batch_policy: str = "adaptive"
     #: How often a queue re-decides when nothing happens (deadlines move with the clock).
     tick_s: float = 0.05
+    #: Longest wait for a runtime's next bytes (response head or stream chunk) before the
+    #: request fails with 504 and the runtime is suspected hung.
     upstream_timeout_s: float = 600.0
+    #: Larger request bodies are refused with 413 before they are read whole.
+    max_body_bytes: int = 4 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.on_drop not in ON_DROP:
             raise ConfigError(f"on_drop must be one of {ON_DROP}, got {self.on_drop!r}")
         if self.drop_status not in (429, 503):
             raise ConfigError(f"drop_status must be 429 or 503, got {self.drop_status}")
+        if self.upstream_timeout_s <= 0 or self.max_body_bytes < 1024:
+            raise ConfigError("upstream_timeout_s must be positive and max_body_bytes >= 1024")

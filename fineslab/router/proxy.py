@@ -1,19 +1,23 @@
 """Forwarding one admitted request to its runtime, streaming or not, with TTFT/TPOT timing.
 
-Non-streaming: one POST, the runtime's status and JSON body are passed back unchanged.
+Non-streaming: one POST; a 200 is passed back unchanged, any other answer of the runtime is
+rewritten into the router's error shape (`runtime_error`), its message kept but stripped of
+file paths and cut to `MAX_UPSTREAM_MESSAGE` characters, a runtime's 5xx becoming a 502.
 Streaming: the runtime's SSE bytes are passed through as they arrive; TTFT is the time from the
 request's arrival at the router to the first event, TPOT the mean gap between later events
 (one event is one output token at SGLang's default `stream_interval` of 1).
 
 Every read from the runtime races the replica's `down` future (`Replica.guard`): if the runtime
 dies mid-request, a non-streaming client gets a 502 JSON error at once and a streaming client an
-SSE `error` event (the `openai` client raises it as an APIError), never a hang.
+SSE `error` event (the `openai` client raises it as an APIError), never a hang. A runtime that
+sends nothing for `upstream_timeout_s` (hung, e.g. SIGSTOPped) fails the request with a 504.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,19 +31,61 @@ from fineslab.router.replicas import Replica, RuntimeDown
 logger = logging.getLogger(__name__)
 
 UPSTREAM_ERRORS = (RuntimeDown, aiohttp.ClientError, TimeoutError)
+MAX_UPSTREAM_MESSAGE = 400
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.@+-]+){2,}/?")
 
 
-def error_body(message: str, kind: str, code: str | int | None = None) -> dict[str, Any]:
-    """The OpenAI error shape: {"error": {"message", "type", "code"}}."""
-    return {"error": {"message": message, "type": kind, "code": code}}
+def error_body(message: str, kind: str, code: str | int | None = None,
+               param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error shape: {"error": {"message", "type", "code", "param"}}."""
+    return {"error": {"message": message, "type": kind, "code": code, "param": param}}
 
 
-def _failure(queue: ModelQueue, lease: Lease, exc: BaseException) -> tuple[str, str]:
-    reason = "runtime_down" if isinstance(exc, RuntimeDown) else "runtime_unreachable"
+_PYDANTIC_MSG = re.compile(r"""'msg': (['"])(.*?)\1""")
+
+
+def scrub(message: str) -> str:
+    """A runtime's message fit for a client: a pydantic dump cut to its messages, no file
+    paths, one line, bounded length."""
+    found = [m.group(2) for m in _PYDANTIC_MSG.finditer(message)]
+    if found:
+        message = "; ".join(found)
+    text = " ".join(_PATH.sub("<path>", message).split())
+    return text if len(text) <= MAX_UPSTREAM_MESSAGE else text[:MAX_UPSTREAM_MESSAGE] + "..."
+
+
+def _failure(queue: ModelQueue, lease: Lease, exc: BaseException) -> tuple[int, str, str]:
+    """(status, code, message) for a request whose runtime failed it."""
+    runtime_id = lease.replica.runtime_id
+    if isinstance(exc, RuntimeDown):
+        status, reason, message = 502, "runtime_down", str(exc)
+    elif isinstance(exc, TimeoutError):
+        status, reason = 504, "runtime_timeout"
+        message = (f"runtime {runtime_id} sent nothing for "
+                   f"{queue.settings.upstream_timeout_s:g} s (upstream_timeout_s)")
+    else:
+        status, reason = 502, "runtime_unreachable"
+        message = f"runtime {runtime_id} could not be reached ({type(exc).__name__})"
     queue.metrics.failed(queue.route.name, reason)
-    message = (str(exc) if isinstance(exc, RuntimeDown)
-               else f"runtime {lease.replica.runtime_id} failed: {type(exc).__name__}: {exc}")
-    return reason, message
+    return status, reason, message
+
+
+def upstream_error(status: int, content: bytes) -> JSONResponse:
+    """A runtime's non-200 answer in the router's shape (its 4xx kept, its 5xx -> 502)."""
+    message = ""
+    try:
+        parsed = json.loads(content)
+        inner = parsed.get("error", parsed) if isinstance(parsed, dict) else {}
+        message = str(inner.get("message") or inner.get("detail") or "") \
+            if isinstance(inner, dict) else ""
+    except ValueError:
+        message = content[:MAX_UPSTREAM_MESSAGE].decode(errors="replace")
+    message = scrub(message) or f"the runtime answered {status}"
+    if status >= 500:
+        return JSONResponse(error_body(f"the runtime failed the request: {message}",
+                                       "runtime_error", "runtime_failed"), 502)
+    return JSONResponse(error_body(message, "invalid_request_error", "runtime_rejected"),
+                        status)
 
 
 async def _post_whole(replica: Replica, path: str, body: dict[str, Any],
@@ -58,23 +104,28 @@ async def forward(queue: ModelQueue, lease: Lease, path: str, body: dict[str, An
         try:
             status, content, media_type = await replica.guard(_post_whole(replica, path, body))
         except UPSTREAM_ERRORS as exc:
-            reason, message = _failure(queue, lease, exc)
-            return JSONResponse(error_body(message, "runtime_error", reason), status_code=502)
+            code, reason, message = _failure(queue, lease, exc)
+            return JSONResponse(error_body(message, "runtime_error", reason), status_code=code)
         finally:
             queue.release(lease)
+        if status != 200:
+            return upstream_error(status, content)
         return Response(content, status_code=status, media_type=media_type)
     try:
         upstream = await replica.guard(replica.client.post(path, json=body))
     except UPSTREAM_ERRORS as exc:
         queue.release(lease)
-        reason, message = _failure(queue, lease, exc)
-        return JSONResponse(error_body(message, "runtime_error", reason), status_code=502)
+        code, reason, message = _failure(queue, lease, exc)
+        return JSONResponse(error_body(message, "runtime_error", reason), status_code=code)
     if upstream.status != 200:
-        content = await upstream.read()
-        upstream.release()
-        queue.release(lease)
-        return Response(content, status_code=upstream.status,
-                        media_type=upstream.headers.get("content-type", "application/json"))
+        try:
+            content = await replica.guard(upstream.read())
+        except UPSTREAM_ERRORS:
+            content = b""
+        finally:
+            upstream.release()
+            queue.release(lease)
+        return upstream_error(upstream.status, content)
     return StreamingResponse(_relay(queue, lease, upstream), media_type="text/event-stream")
 
 
@@ -103,8 +154,8 @@ async def _relay(queue: ModelQueue, lease: Lease, upstream: aiohttp.ClientRespon
                 num_events += events
             yield chunk
     except UPSTREAM_ERRORS as exc:
-        _, message = _failure(queue, lease, exc)
-        event = error_body(message, "runtime_error", 502)
+        _status, reason, message = _failure(queue, lease, exc)
+        event = error_body(message, "runtime_error", reason)
         yield f"data: {json.dumps(event)}\n\n".encode()
     finally:
         queue.release(lease)

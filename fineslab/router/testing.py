@@ -4,7 +4,9 @@ A real SGLang tiny model on 2 CPU cores serves a few requests a second; measurin
 router *adds* at 200 requests/s needs a backend that answers in microseconds. This one answers
 `/v1/completions` and `/v1/chat/completions` with `max_tokens` tokens ("tok0 tok1 ..."),
 optionally after `delay_s` (the same for every request, so it cancels out of router-vs-direct
-comparisons), streaming by SSE when asked, and `/health`.
+comparisons), streaming by SSE when asked, and `/health`. A body with `echo_status` (an int)
+gets that status with SGLang's error body and `echo_message` as its message, so tests can see
+what the router makes of a runtime's errors.
 
     python -m fineslab.router.testing --port 9001 [--delay-ms 5] [--token-gap-ms 0]
     proc = start_echo_backend(port, delay_s=0.0)   # a subprocess; proc.terminate() to stop
@@ -52,6 +54,10 @@ def build_app(delay_s: float = 0.0, token_gap_s: float = 0.0) -> Any:
 
     async def complete(request: Request, chat: bool) -> Response:
         body = json.loads(await request.body())
+        if isinstance(body.get("echo_status"), int):
+            return JSONResponse({"object": "error", "message": body.get("echo_message", ""),
+                                 "type": "BadRequestError", "param": None,
+                                 "code": body["echo_status"]}, body["echo_status"])
         num_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 4)
         if delay_s:
             await asyncio.sleep(delay_s)
