@@ -1,9 +1,17 @@
 """Start, health-check and stop one SGLang server process (`python -m sglang.launch_server`).
 
 An SGLang server is a process tree (the HTTP server, a scheduler per TP rank, a detokenizer).
-`ServerProcess` starts it in its own session so that stopping it reaches the whole tree: SIGTERM
-to the process group, then SIGKILL to whatever is left after a grace period. It never leaves an
-orphan behind, which tests check with `ServerProcess.tree_pids()` after `stop()`.
+`ServerProcess` starts it through the lifeline wrapper (`fineslab.lifeline`) as the leader of a
+new session, so that:
+
+- stopping it reaches the whole tree: SIGTERM to the process group, then SIGKILL to whatever is
+  left after a grace period (tests check `ServerProcess.tree_pids()` is empty after `stop()`);
+- the tree dies with the process that started it, even when that one is killed with SIGKILL
+  (the wrapper watches a pipe only this process writes to);
+- SGLang's shared-memory files of the tree (`fineslab.proctree`) are removed on stop,
+  whichever way its processes ended.
+
+`proc` is the wrapper (pid == the process group id); it exits with the server's status.
 
 In CPU mode the child gets the CPU stand-ins on its path and SGLang's CPU flags
 (`fineslab.cpu_mode`).
@@ -11,12 +19,10 @@ In CPU mode the child gets the CPU stand-ins on its path and SGLang's CPU flags
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +35,7 @@ from pathlib import Path
 
 from fineslab import cpu_mode
 from fineslab.errors import EnvironmentSetupError
+from fineslab.proctree import remove_files, stop_group, tree_pids_of_group, tree_shm_files
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +108,18 @@ class ServerSpec:
         return f"http://{self.host}:{self.port}"
 
 
+_lifeline: tuple[int, int] | None = None
+
+
+def lifeline_read_fd() -> int:
+    """The read end of this process's lifeline pipe (created once; its write end is never
+    written to nor closed, so readers see EOF exactly when this process is gone)."""
+    global _lifeline
+    if _lifeline is None:
+        _lifeline = os.pipe()  # both ends non-inheritable; pass_fds hands the read end over
+    return _lifeline[0]
+
+
 class ServerProcess:
     """A running SGLang server; use as a context manager or call `stop()`."""
 
@@ -112,10 +131,13 @@ class ServerProcess:
         env.update(spec.env)
         self.log_path = log_path
         self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.shm_files: set[Path] = set()
         logger.info("starting SGLang server: %s", " ".join(spec.argv()))
+        fd = lifeline_read_fd()
+        argv = [sys.executable, "-m", "fineslab.lifeline", "--fd", str(fd), "--", *spec.argv()]
         self.proc = subprocess.Popen(
-            spec.argv(), env=env, stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True, pass_fds=(fd,),
         )
 
     def __enter__(self) -> ServerProcess:
@@ -143,6 +165,7 @@ class ServerProcess:
             try:
                 with urllib.request.urlopen(self.spec.base_url + "/health", timeout=2) as resp:
                     if resp.status == 200:
+                        self.record_shm()
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
@@ -172,49 +195,33 @@ class ServerProcess:
 
     def tree_pids(self) -> list[int]:
         """PIDs of live processes in the server's process group (empty once fully stopped)."""
-        return _pids_in_group(self.proc.pid)
+        return tree_pids_of_group(self.proc.pid)
+
+    def record_shm(self) -> None:
+        """Note the SGLang shm files the live tree uses, to remove them after it is gone."""
+        self.shm_files |= tree_shm_files(self.tree_pids())
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the process group, wait up to `grace_s`, then SIGKILL what is left."""
+        """SIGTERM the process group, wait up to `grace_s`, then SIGKILL what is left; then
+        remove the tree's SGLang shm files."""
         pgid = self.proc.pid
+        self.record_shm()
         if self.proc.poll() is None or _pids_in_group(pgid):
-            _signal_group(pgid, signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline and _pids_in_group(pgid):
-                self.proc.poll()
-                time.sleep(0.2)
-            if _pids_in_group(pgid):
-                logger.warning("SGLang server %d ignored SIGTERM for %.0fs; killing", pgid, grace_s)
-                _signal_group(pgid, signal.SIGKILL)
+            stop_group(pgid, grace_s, reap=self.proc.poll)
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             logger.error("SGLang server %d did not exit after SIGKILL", pgid)
         if self._log is not subprocess.DEVNULL:
             self._log.close()  # type: ignore[union-attr]
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
+        if not _pids_in_group(pgid):
+            removed = remove_files(self.shm_files)
+            if removed:
+                logger.info("removed %d SGLang shm file(s) of server %d", len(removed), pgid)
 
 
 def _pids_in_group(pgid: int) -> list[int]:
-    """Live (non-zombie) processes whose process group is `pgid`, read from /proc."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # Fields after the parenthesised command name: state ppid pgrp ...
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(entry))
-    return pids
+    return tree_pids_of_group(pgid)
 
 
 def start_server(spec: ServerSpec, log_path: Path | None = None,

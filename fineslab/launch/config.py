@@ -12,7 +12,8 @@ rules that span fields (unique names, KV dtype vs activation dtype, precision pe
     placement: mme                  # global placer (fineslab.scheduler.placement)
     batch_policy: adaptive          # local scheduler (fineslab.scheduler.local)
     router: {host: 127.0.0.1, port: 8000, api_key_env: null, on_drop: reject,
-             drop_status: 429, retry_after_s: 1, max_running_requests: 32}
+             drop_status: 429, retry_after_s: 1, max_running_requests: 32,
+             upstream_timeout_s: 600, max_body_mib: 4}
     models:
       - name: llama-bf16            # the OpenAI `model` field
         preset: llama-tiny          # or path: /models/x (exactly one of them)
@@ -115,6 +116,8 @@ class RouterConfig:
     drop_status: int
     retry_after_s: int
     max_running_requests: int
+    upstream_timeout_s: float = 600.0
+    max_body_bytes: int = 4 * MIB
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,8 @@ class _Router(_Strict):
     drop_status: Literal[429, 503] = 429
     retry_after_s: int = Field(default=1, ge=0)
     max_running_requests: int = Field(default=32, ge=1)
+    upstream_timeout_s: float = Field(default=600.0, gt=0, le=86400)
+    max_body_mib: float = Field(default=4.0, ge=0.01, le=1024)
 
 
 class _Model(_Strict):
@@ -216,7 +221,8 @@ def _to_dataclasses(fleet: _Fleet, source: str, base_dir: Path) -> FleetConfig:
         for m in fleet.models)
     r = fleet.router
     router = RouterConfig(r.host, r.port, r.api_key_env, r.on_drop, r.drop_status,
-                          r.retry_after_s, r.max_running_requests)
+                          r.retry_after_s, r.max_running_requests, r.upstream_timeout_s,
+                          int(r.max_body_mib * MIB))
     dirs = tuple(_resolve_path(d, base_dir) or d for d in fleet.profile_dirs)
     return FleetConfig(fleet.fleet_id, devices, fleet.kv_pool, fleet.placement,
                        fleet.batch_policy, router, models, dirs, source)

@@ -1,10 +1,13 @@
 """A running fleet: arenas, supervised runtimes and the router, started and stopped in order.
 
-    start: checkpoints (each model's precision prepared and verified, fineslab.quant.fleet) ->
+    start: router port bound (a taken port fails the launch at once) -> leftovers of a dead
+           launcher of this fleet_id swept, a live one refused (fineslab.launch.leftovers) ->
+           checkpoints (each model's precision prepared and verified, fineslab.quant.fleet) ->
            arenas (one per device, SlabArena.create) -> runtimes (all at once, each joining its
            device's arena through the plugin env) -> wait until healthy -> router -> supervisor
-    stop:  router (no new requests) -> runtimes (process groups, SIGTERM then SIGKILL) ->
-           arenas (close unlinks /dev/shm/fineslab-<fleet>-<device>.{table,arena})
+    stop:  router (no new requests) -> runtimes (all at once: process groups, SIGTERM then
+           SIGKILL, SGLang's shm files removed) -> arenas (close unlinks
+           /dev/shm/fineslab-<fleet>-<device>.{table,arena}) -> the run record
 
 The CLI (`fineslab.launch.__main__`) runs a Fleet until SIGINT or SIGTERM; `Fleet.stop` is safe
 to call from any phase of `start` (it stops what exists).
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import tempfile
 import threading
 import time
@@ -22,10 +26,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fineslab.errors import ConfigError
+from fineslab.launch.leftovers import RunRecord, sweep
 from fineslab.launch.plan import FleetPlan, arena_device
 from fineslab.launch.runtimes import SupervisedRuntime, Supervisor, server_spec
 from fineslab.quant.fleet import PrecisionRuntime, prepare_served_model, verify_runtime
 from fineslab.router import ModelRoute, ReplicaRoute, Router, RouterServer, RouterSettings
+from fineslab.router.server import bind_router_socket
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
 from fineslab.slabs import ArenaSpec, SlabArena, TableSnapshot, snapshot
 
@@ -33,6 +39,14 @@ logger = logging.getLogger(__name__)
 
 #: Slab-table snapshots are reused for this long (the router asks every dispatch round).
 SNAPSHOT_TTL_S = 0.1
+
+
+def _vocab_size(hf_config: dict[str, object]) -> int | None:
+    """The embedding rows of a HF config (a multimodal config nests it in `text_config`)."""
+    for source in (hf_config, hf_config.get("text_config")):
+        if isinstance(source, dict) and isinstance(source.get("vocab_size"), int):
+            return int(source["vocab_size"])
+    return None
 
 
 class Fleet:
@@ -48,6 +62,8 @@ class Fleet:
         self.supervisor: Supervisor | None = None
         self.router: Router | None = None
         self.server: RouterServer | None = None
+        self.record: RunRecord | None = None
+        self._router_socket: socket.socket | None = None
         self._snapshots: tuple[float, dict[str, TableSnapshot]] = (0.0, {})
         self._snapshot_lock = threading.Lock()
 
@@ -66,6 +82,9 @@ class Fleet:
 
     def start(self) -> None:
         config = self.plan.config
+        self._router_socket = bind_router_socket(config.router.host, self.port)
+        self.port = self._router_socket.getsockname()[1]
+        self.record = sweep(config.fleet_id, progress=self.progress)
         self.prepare()
         for arena_plan in self.plan.arenas:
             spec = ArenaSpec.fit(config.fleet_id, arena_device(arena_plan.device),
@@ -84,13 +103,17 @@ class Fleet:
                                      on_up=self._runtime_up, reclaim=self._reclaim,
                                      progress=self.progress)
         self.supervisor.start_all()
+        for r in runtimes:
+            self._note_runtime(r.plan.runtime_id)
         # Routes only now: a runtime whose port was taken at start-up runs on a fresh one.
         router = self.router = Router(self._routes(runtimes), self._settings(),
                                       slabs=self.slab_snapshots)
         for r in runtimes:
             router.mark_up(r.plan.runtime_id, self.supervisor.pid_of(r.plan.runtime_id),
                            restarted=False)
-        self.server = RouterServer(router, config.router.host, self.port)
+        self.server = RouterServer(router, config.router.host, self.port,
+                                   sock=self._router_socket)
+        self._router_socket = None  # the server owns it now
         self.server.start()
         self.supervisor.watch()
         self.progress(f"router serving {[m.name for m in config.models]} on "
@@ -125,7 +148,9 @@ class Fleet:
                 raise ConfigError(f"router.api_key_env names {r.api_key_env}, which is not set")
         return RouterSettings(api_key=api_key, on_drop=r.on_drop, drop_status=r.drop_status,
                               retry_after_s=r.retry_after_s,
-                              batch_policy=self.plan.config.batch_policy)
+                              batch_policy=self.plan.config.batch_policy,
+                              upstream_timeout_s=r.upstream_timeout_s,
+                              max_body_bytes=r.max_body_bytes)
 
     def _routes(self, runtimes: list[SupervisedRuntime]) -> list[ModelRoute]:
         routes = []
@@ -139,6 +164,7 @@ class Fleet:
                     self.plan.profiles[model.name]),
                 tokenizer_dir=model_dir,
                 context_tokens=int(hf_config.get("max_position_embeddings", 2048)),
+                vocab_size=_vocab_size(hf_config),
                 max_running_requests=(model.max_running_requests
                                       or self.plan.config.router.max_running_requests),
                 kv_free_tokens=self.kv_free_tokens if self.plan.arenas else None))
@@ -172,8 +198,16 @@ class Fleet:
             self.router.mark_down(runtime_id)
 
     def _runtime_up(self, runtime_id: str, pid: int, base_url: str) -> None:
+        self._note_runtime(runtime_id)
         if self.router is not None:
             self.router.mark_up(runtime_id, pid, base_url=base_url)
+
+    def _note_runtime(self, runtime_id: str) -> None:
+        """Record the runtime's process group and SGLang shm files for a later sweep."""
+        supervisor, record = self.supervisor, self.record
+        process = supervisor.runtimes[runtime_id].process if supervisor else None
+        if record is not None and process is not None:
+            record.note_runtime(runtime_id, process.proc.pid, process.shm_files)
 
     def _reclaim(self, device: str) -> list[str]:
         arena = self.arenas.get(device)
@@ -182,6 +216,9 @@ class Fleet:
     # -- stop -----------------------------------------------------------------------------------
 
     def stop(self) -> None:
+        if self._router_socket is not None:
+            self._router_socket.close()
+            self._router_socket = None
         if self.server is not None:
             self.server.stop()
             self.server = None
@@ -194,6 +231,9 @@ class Fleet:
             except Exception:
                 logger.exception("closing the arena of %s failed", device)
         self.arenas.clear()
+        if self.record is not None:
+            self.record.remove()
+            self.record = None
         self.progress("fleet stopped")
 
     @property

@@ -24,6 +24,7 @@ Lock order: `_lock` only (held while the process table changes, never while wait
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fineslab.errors import EnvironmentSetupError
+from fineslab.launch.leftovers import FLEET_MARKER
 from fineslab.launch.plan import RuntimePlan, prefill_chunk_args
 from fineslab.quant.fleet import PrecisionRuntime
 from fineslab.runtime import PortInUse, ServerProcess, ServerSpec, free_port
@@ -41,6 +43,11 @@ logger = logging.getLogger(__name__)
 
 #: Fresh ports tried for a runtime whose port was taken during its start-up.
 PORT_RETRIES = 3
+
+#: SIGTERM to SIGKILL when the fleet stops. Short on purpose: the router has stopped first, so
+#: nothing is in flight, and SGLang 0.5.23 answers SIGTERM with a 3 s drain and, once it sees
+#: its scheduler gone, a 5 s "crash diagnostics" sleep; its shm files are removed either way.
+STOP_GRACE_S = 1.0
 
 #: KV tokens for a runtime on SGLang's own pool (no arena to size it): enough for the demo.
 OWN_POOL_MAX_TOTAL_TOKENS = 16384
@@ -67,7 +74,7 @@ def server_spec(plan: RuntimePlan, prepared: PrecisionRuntime, fleet_id: str, us
     cpu = plan.device.is_cpu
     if not cpu:
         args += ["--base-gpu-id", plan.device.name.split(":")[1]]
-    env = dict(model.env)
+    env = {**dict(model.env), FLEET_MARKER: fleet_id}
     if use_arena:
         env.update(ArenaJoin(fleet_id, plan.runtime_id, plan.key_pool).environ(),
                    **prepared.kv_env)
@@ -201,15 +208,29 @@ class Supervisor:
     # -- stop -----------------------------------------------------------------------------------
 
     def stop_all(self) -> None:
-        """Stop watching, then stop every runtime's process group (no orphan is left)."""
+        """Stop watching, then stop every runtime's process group at once (no orphan is left,
+        nor SGLang shm file), reporting each as it goes."""
         self._stopping.set()
         with self._lock:
-            processes = [r.process for r in self.runtimes.values() if r.process is not None]
-        for process in processes:
-            process.stop(grace_s=10)
-        for thread in self._threads:
-            thread.join(timeout=15)
+            running = [(rid, r.process) for rid, r in self.runtimes.items()
+                       if r.process is not None]
+        start_s = time.monotonic()
+        if running:
+            self.progress(f"stopping {len(running)} runtime(s)")
+        done = itertools.count(1)
+
+        def stop_one(runtime_id: str, process: ServerProcess) -> None:
+            process.stop(grace_s=STOP_GRACE_S)
+            self.progress(f"[{next(done)}/{len(running)}] runtime {runtime_id} stopped "
+                          f"after {time.monotonic() - start_s:.1f} s")
+
+        stoppers = [threading.Thread(target=stop_one, args=item, daemon=True,
+                                     name=f"fineslab-stop-{item[0]}") for item in running]
+        for thread in stoppers:
+            thread.start()
+        for thread in [*stoppers, *self._threads]:
+            thread.join(timeout=30)
         with self._lock:  # a restart that raced the stop
             for r in self.runtimes.values():
                 if r.process is not None and r.process.tree_pids():
-                    r.process.stop(grace_s=5)
+                    r.process.stop(grace_s=STOP_GRACE_S)

@@ -4,11 +4,17 @@
     server.start()          # returns once the socket accepts connections
     server.base_url         # "http://127.0.0.1:PORT"
     server.stop()           # graceful: in-flight responses finish, then the loop ends
+
+`bind_router_socket(host, port)` binds (and listens on) the router's port at once, so that a
+launcher can claim it before the minutes of starting runtimes and fail at once if it is taken;
+give the socket to `RouterServer(..., sock=...)`.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import threading
 import time
 
@@ -21,18 +27,37 @@ from fineslab.runtime import free_port
 logger = logging.getLogger(__name__)
 
 
+def bind_router_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on `host:port`; EnvironmentSetupError naming the port if taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        what = "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc})"
+        raise EnvironmentSetupError(
+            f"router port {port} on {host} {what}; stop what holds it or choose another "
+            "(--port or router.port)") from None
+    sock.set_inheritable(False)
+    return sock
+
+
 class RouterServer:
     def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning") -> None:
+                 log_level: str = "warning", sock: socket.socket | None = None) -> None:
         self.router = router
         self.host = host
-        self.port = port or free_port(host)
+        self.port = sock.getsockname()[1] if sock is not None else (port or free_port(host))
+        self._sockets = [sock] if sock is not None else None
         config = uvicorn.Config(create_app(router), host=host, port=self.port,
                                 log_level=log_level, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="fineslab-router",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._server.run, args=(self._sockets,),
+                                        name="fineslab-router", daemon=True)
 
     @property
     def base_url(self) -> str:
@@ -52,7 +77,7 @@ class RouterServer:
 
     def serve_in_foreground(self) -> None:
         """Run in the calling thread until `stop()` is called from elsewhere."""
-        self._server.run()
+        self._server.run(self._sockets)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         self._server.should_exit = True

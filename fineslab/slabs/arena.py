@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -30,7 +31,14 @@ from fineslab.errors import ConfigError, EnvironmentSetupError
 from fineslab.slabs.client import RuntimeSlabs
 from fineslab.slabs.formats import BlockFormat
 from fineslab.slabs.pooled import PooledSlabs
-from fineslab.slabs.shm import ArenaPaths, ProcessIdentity, create_file, map_fd, open_file
+from fineslab.slabs.shm import (
+    ArenaPaths,
+    ProcessIdentity,
+    create_file,
+    default_shm_dir,
+    map_fd,
+    open_file,
+)
 from fineslab.slabs.table import SlabTable, TableDims, creator_of_header, read_header
 
 logger = logging.getLogger(__name__)
@@ -204,6 +212,24 @@ def _clear_stale(paths: ArenaPaths, reclaim_stale: bool) -> None:
     logger.warning("arena %s: reclaiming files of a crashed run (creator %s)", paths.table,
                    creator)
     paths.unlink()
+
+
+def remove_dead_arenas(fleet_id: str, shm_dir: Path | None = None) -> list[Path]:
+    """Unlink every arena of `fleet_id` whose creator (its launcher) is gone; returns the
+    tables removed. Runtimes' lifelines call it once they have stopped their tree, so the
+    memory of a CPU arena does not outlive a launcher killed with SIGKILL."""
+    folder = shm_dir or default_shm_dir()
+    pattern = re.compile(rf"^fineslab-{re.escape(fleet_id)}-(cpu\d*|cuda\d+)\.table$")
+    removed = []
+    for table in sorted(folder.glob(f"fineslab-{fleet_id}-*.table")):
+        if not pattern.match(table.name):
+            continue
+        creator = _creator_of(table)
+        if creator is not None and creator.is_alive():
+            continue
+        ArenaPaths(table, table.with_suffix(".arena")).unlink()
+        removed.append(table)
+    return removed
 
 
 def _creator_of(table_path: Path) -> ProcessIdentity | None:

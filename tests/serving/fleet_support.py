@@ -60,18 +60,23 @@ def group_alive(pgid: int) -> bool:
 
 
 def shm_files(fleet_id: str) -> list[str]:
+    """The fleet's arena files (its run record is `fineslab-<fleet_id>.run`, not matched)."""
     return sorted(p.name for p in Path("/dev/shm").glob(f"fineslab-{fleet_id}-*"))
 
 
 def launch(example: str, folder: Path, model_cache: Path, fleet_id: str,
-           timeout_s: float = START_TIMEOUT_S) -> tuple[LaunchedFleet, float]:
-    """Start `examples/<example>` under `fleet_id`; return the fleet and its start seconds."""
+           timeout_s: float = START_TIMEOUT_S, models: tuple[str, ...] | None = None,
+           port: int | None = None, name: str = "launch") -> tuple[LaunchedFleet, float]:
+    """Start `examples/<example>` under `fleet_id` (only `models`, when given); return the
+    fleet and its start seconds."""
     config = yaml.safe_load((REPO / "examples" / example).read_text())
     config["fleet_id"] = fleet_id
-    port = free_port()
+    port = port or free_port()
     config["router"]["port"] = port
+    if models is not None:
+        config["models"] = [m for m in config["models"] if m["name"] in models]
     (folder / "fleet.yaml").write_text(yaml.safe_dump(config))
-    output = folder / "launch.out"
+    output = folder / f"{name}.out"
     env = dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache))
     start_s = time.monotonic()
     with open(output, "wb") as out:

@@ -102,14 +102,32 @@ def test_sglang_bench_serving_runs_against_the_router_for_each_model(
     (json.dumps({"model": "llama-bf16"}).encode(), 400),
     (json.dumps({"model": "llama-bf16", "prompt": "word " * 5000}).encode(), 400),
     (json.dumps({"model": "gpt-17", "prompt": "hi"}).encode(), 404),
+    # issue #15, defect 1: this id past the 2,048-token vocabulary killed the runtime
+    (json.dumps({"model": "llama-bf16", "prompt": [1, 4096], "max_tokens": 2}).encode(), 400),
+    # defect 3: valid JSON that gave 500 and reset the connection
+    (b'{"model": "qwen2-bf16", "prompt": "\\ud800", "max_tokens": 2}', 400),
+    (b'{"model": "qwen2-bf16", "prompt": "x", "n": ' + b"[" * 10000 + b"]" * 10000 + b"}", 400),
+    # defect 9: these leaked `range() arg 3 must not be zero` and a pydantic dump
+    (json.dumps({"model": "llama-bf16", "prompt": "hi", "n": 0}).encode(), 400),
+    (json.dumps({"model": "llama-bf16", "prompt": "hi", "max_tokens": 0}).encode(), 400),
+    (json.dumps({"model": "qwen2-bf16", "messages": [{"role": "wizard", "content": "hi"}],
+                 "max_tokens": 2}).encode(), 400),
+    # a runtime's own 400, in the router's error shape and with no path of SGLang's sources
+    (json.dumps({"model": "llama-bf16", "prompt": "hi", "max_tokens": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}
+     ).encode(), 400),
 ])
 def test_bad_requests_get_their_status_and_the_fleet_stays_healthy(
         fleet: LaunchedFleet, payload: bytes, status: int) -> None:
-    reply = httpx.post(fleet.base_url + "/v1/completions", content=payload, timeout=60,
+    path = "/v1/chat/completions" if b'"messages"' in payload else "/v1/completions"
+    reply = httpx.post(fleet.base_url + path, content=payload, timeout=60,
                        headers={"content-type": "application/json"})
     assert reply.status_code == status, reply.text
-    assert "error" in reply.json()
-    assert fleet.health().status_code == 200
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "code", "param"}, error
+    assert not re.search(r"/[\w.-]+/[\w.-]+/", error["message"]), "no file path leaks"
+    health = fleet.health()
+    assert health.status_code == 200 and health.json()["status"] == "ok", health.text
 
 
 def test_metrics_report_queues_ttft_slo_and_slabs(fleet: LaunchedFleet) -> None:
@@ -164,6 +182,9 @@ def test_killing_a_runtime_mid_load_errors_its_requests_restarts_it_and_others_a
 
 def test_shutdown_leaves_no_process_and_no_shared_memory(fleet: LaunchedFleet) -> None:
     pids = list(fleet.runtime_pids().values())
+    record = json.loads(Path(f"/dev/shm/fineslab-{fleet.fleet_id}.run").read_text())
+    sglang_files = [f for r in record["runtimes"].values() for f in r["shm_files"]]
+    assert any("sglang_loads_" in f for f in sglang_files), record  # what SGLang leaks
     os.killpg(fleet.proc.pid, signal.SIGTERM)
     assert fleet.proc.wait(180) == 0, fleet.output.read_text()[-3000:]
     time.sleep(0.5)
@@ -171,4 +192,8 @@ def test_shutdown_leaves_no_process_and_no_shared_memory(fleet: LaunchedFleet) -
     assert not alive, f"process groups still alive: {alive}"
     leftovers = shm_files(fleet.fleet_id)
     assert not leftovers, leftovers
-    assert "fleet stopped" in fleet.output.read_text()
+    # issue #15, defect 6: every runtime start left SGLang's sglang_loads_*.shm and sem.mp-*
+    assert not [f for f in sglang_files if Path(f).exists()], sglang_files
+    assert not Path(f"/dev/shm/fineslab-{fleet.fleet_id}.run").exists()
+    out = fleet.output.read_text()
+    assert "fleet stopped" in out and "[3/3] runtime" in out and "stopped after" in out

@@ -1,0 +1,114 @@
+"""What a launcher leaves to be swept if it dies: its run record, and the sweep at the next launch.
+
+    /dev/shm/fineslab-<fleet_id>.run     {"launcher": [pid, start_ticks],
+                                          "runtimes": {runtime_id: {"pgid": N,
+                                                                    "shm_files": [...]}}}
+
+The launcher writes the record at start and again whenever a runtime (re)starts, and removes it
+on a clean stop. Runtimes die with their launcher on their own (`fineslab.lifeline`); the record
+is the second line of defence, for what the lifeline cannot cover (a wrapper killed or stopped
+together with the launcher, files of a tree SIGKILLed whole). At the next launch of the same
+`fleet_id`:
+
+- a record whose launcher is alive means the fleet is already running: the launch is refused,
+  naming its pid (a second set of runtimes beside the first is what an orphaned fleet did);
+- otherwise every process of a recorded group that carries this fleet's marker in its
+  environment (`FINESLAB_FLEET_ID=<fleet_id>`, which the launcher gives every runtime; a pgid
+  reused by an unrelated program is never touched) is stopped, the recorded SGLang shm files
+  are removed, and the record goes.
+
+Arena files of a dead launcher are reclaimed by `SlabArena.create` itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fineslab.errors import EnvironmentSetupError
+from fineslab.proctree import FLEET_MARKER, remove_files, stop_group, tree_pids_of_group
+from fineslab.slabs.shm import ProcessIdentity, default_shm_dir, shm_stem
+
+logger = logging.getLogger(__name__)
+
+def record_path(fleet_id: str, shm_dir: Path | None = None) -> Path:
+    stem = shm_stem(fleet_id, "run").removesuffix("-run")
+    return (shm_dir or default_shm_dir()) / f"{stem}.run"
+
+
+@dataclass
+class RunRecord:
+    """The launcher's record of its runtimes' process groups and SGLang shm files."""
+
+    fleet_id: str
+    path: Path
+    launcher: ProcessIdentity = field(default_factory=ProcessIdentity.current)
+    runtimes: dict[str, dict[str, object]] = field(default_factory=dict)
+
+    def note_runtime(self, runtime_id: str, pgid: int, shm_files: set[Path]) -> None:
+        self.runtimes[runtime_id] = {"pgid": pgid, "shm_files": sorted(map(str, shm_files))}
+        self.write()
+
+    def write(self) -> None:
+        body = {"launcher": [self.launcher.pid, self.launcher.start_ticks],
+                "runtimes": self.runtimes}
+        tmp = self.path.with_suffix(".run.tmp")
+        tmp.write_text(json.dumps(body))
+        os.replace(tmp, self.path)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _marked(pid: int, fleet_id: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{FLEET_MARKER}={fleet_id}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def sweep(fleet_id: str, shm_dir: Path | None = None,
+          progress: Callable[[str], None] = logger.info) -> RunRecord:
+    """Clear what a dead launcher of `fleet_id` left, refuse a live one; return a new record.
+
+    Raises EnvironmentSetupError when the fleet's launcher is still running.
+    """
+    path = record_path(fleet_id, shm_dir)
+    try:
+        old = json.loads(path.read_text())
+    except FileNotFoundError:
+        old = None
+    except (OSError, ValueError) as exc:
+        logger.warning("unreadable run record %s (%s); replacing it", path, exc)
+        old = None
+    if old is not None:
+        launcher = ProcessIdentity(*old.get("launcher", [0, 0]))
+        if launcher.pid and launcher.pid != os.getpid() and launcher.is_alive():
+            raise EnvironmentSetupError(
+                f"fleet {fleet_id!r} is already running (launcher pid {launcher.pid}); stop it "
+                "first, or give this fleet another fleet_id")
+        _sweep_runtimes(fleet_id, old.get("runtimes", {}), progress)
+    record = RunRecord(fleet_id, path)
+    record.write()
+    return record
+
+
+def _sweep_runtimes(fleet_id: str, runtimes: dict[str, dict[str, object]],
+                    progress: Callable[[str], None]) -> None:
+    num_processes, files = 0, []
+    for entry in runtimes.values():
+        pgid = int(entry.get("pgid", 0))  # type: ignore[call-overload]
+        members = [p for p in tree_pids_of_group(pgid) if _marked(p, fleet_id)] if pgid else []
+        if members:
+            num_processes += len(members)
+            stop_group(pgid, grace_s=1.0)
+        files += [Path(f) for f in entry.get("shm_files", [])]  # type: ignore[attr-defined]
+    removed = remove_files(files)
+    if num_processes or removed:
+        progress(f"swept what a dead launcher of fleet {fleet_id!r} left: "
+                 f"{num_processes} process(es), {len(removed)} SGLang shm file(s)")

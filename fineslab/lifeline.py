@@ -1,0 +1,116 @@
+"""A runtime's lifeline: its process tree dies with the process that started it, even on kill -9.
+
+    python -m fineslab.lifeline --fd N [--grace-s S] -- COMMAND ...
+
+`ServerProcess` starts every SGLang server through this small wrapper, as the leader of a new
+session (so the server, its scheduler and its detokenizer share the wrapper's process group).
+The starter keeps the write end of a pipe whose read end is fd N here; nobody ever writes to
+it. When the starter exits in any way (return, exception, SIGKILL, OOM kill), the kernel closes
+its end and the read here sees EOF: the wrapper then stops the whole group (SIGTERM, then
+SIGKILL after `--grace-s`), removes SGLang's shared-memory files of the tree
+(`fineslab.proctree`) and, for a fleet's runtime, the fleet's arena files whose launcher is
+gone (`remove_dead_arenas`), and exits. Otherwise it waits for COMMAND and exits with its status
+(a signal-killed COMMAND as 128 + signal, the shell's convention), so the starter sees the
+server's own exit.
+
+Why a wrapper and not `PR_SET_PDEATHSIG`: the parent-death signal fires when the *thread* that
+forked the child exits, and the launcher restarts runtimes from short-lived threads; it also
+reaches only the direct child, not the scheduler SGLang forks. The pipe sees the whole
+process, and the group covers the whole tree. Cost: one idle Python process per runtime
+(about 10 MB resident, no CPU while it waits).
+
+Standard library only (it must start fast and import nothing heavy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from fineslab.proctree import (
+    FLEET_MARKER,
+    remove_files,
+    stop_group,
+    tree_pids_of_group,
+    tree_shm_files,
+)
+
+#: How often the wrapper looks at COMMAND while the lifeline is quiet.
+POLL_S = 0.5
+
+
+#: Every this many polls the wrapper re-reads which SGLang shm files its tree maps.
+RECORD_EVERY_POLLS = 10
+
+
+def _group_others() -> list[int]:
+    me = os.getpid()
+    return [p for p in tree_pids_of_group(os.getpgid(0)) if p != me]
+
+
+def _reap() -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)
+
+
+def _exit_status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def run(fd: int, command: list[str], grace_s: float) -> int:
+    child = subprocess.Popen(command)
+    # SIGTERM to the group (the starter's normal stop) reaches COMMAND directly; the wrapper
+    # outlives it only to report its status. Set after the fork: COMMAND keeps the defaults.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    files: set[Path] = set()
+    for polls in itertools.count():
+        readable, _, _ = select.select([fd], [], [], POLL_S)
+        if polls % RECORD_EVERY_POLLS == 0 or readable:
+            files |= tree_shm_files(_group_others())
+        if readable and not os.read(fd, 1):  # EOF: the starter is gone
+            print(f"fineslab.lifeline: the process that started {' '.join(command[:4])} is "
+                  "gone; stopping its process tree", file=sys.stderr, flush=True)
+            stop_group(os.getpgid(0), grace_s, exclude=os.getpid(), reap=_reap)
+            remove_files(files)
+            _remove_dead_arenas()
+            return 1
+        code = child.poll()
+        if code is not None:
+            return _exit_status(code)
+    raise AssertionError("unreachable")
+
+
+def _remove_dead_arenas() -> None:
+    """The fleet's arena files, once their launcher is gone (the arena is RAM on CPU)."""
+    fleet_id = os.environ.get(FLEET_MARKER)
+    if not fleet_id:
+        return
+    from fineslab.slabs.arena import remove_dead_arenas  # heavier; only on this path
+
+    for table in remove_dead_arenas(fleet_id):
+        print(f"fineslab.lifeline: removed the arena {table.stem} of a dead launcher",
+              file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fineslab.lifeline")
+    parser.add_argument("--fd", type=int, required=True, help="read end of the lifeline pipe")
+    parser.add_argument("--grace-s", type=float, default=8.0)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given")
+    return run(args.fd, command, args.grace_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

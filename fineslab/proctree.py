@@ -1,0 +1,175 @@
+"""Process trees: their members, stopping them whole, and SGLang's shared-memory leftovers.
+
+A server tree is one process group (its leader started in a new session). `stop_group` stops
+it: SIGTERM to every member, then, after the grace period, SIGKILL to every member but
+multiprocessing's resource tracker, which gets a moment to unlink the semaphores it tracks
+once the others are gone (it ignores SIGTERM and exits when its clients have), and only then
+SIGKILL. Killing the tracker together with the rest is what leaked `sem.mp-*` files.
+
+An SGLang 0.5.23 server leaves files in /dev/shm that nobody removes when it is killed:
+
+    sglang_loads_<name>_<hash>.shm   the scheduler's load snapshot (managers/load_snapshot.py)
+    sem.mp-<random>                  multiprocessing semaphores of its spawned children; the
+                                     resource tracker that would unlink them dies with the tree
+
+They are named from random or hashed parts, so they cannot be told apart by name from another
+server's. They can by use: while a process of the tree lives, it maps them (semaphores and the
+snapshot are mmap'd) or holds them open. `tree_shm_files(pids)` reads that from /proc;
+`ServerProcess` records it once the server is healthy (and again on each stop), and the
+lifeline wrapper (`fineslab.lifeline`) records it while it waits, so either can remove the files
+after the tree is gone, even when it was killed with SIGKILL.
+
+Only names matching `LEFTOVER_PATTERNS` are ever removed: fineslab's own arena files
+(`fineslab-*`), which every runtime maps, are the launcher's to remove.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+#: Environment variable the launcher gives each runtime of a fleet (value: the fleet id), so its
+#: processes can be told apart from any other program's by a later sweep.
+FLEET_MARKER = "FINESLAB_FLEET_ID"
+LEFTOVER_PATTERNS = ("sglang_loads_*", "sem.mp-*", "sgl_shm_*", "multi_tokenizer_args_*")
+
+
+def is_leftover_name(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in LEFTOVER_PATTERNS)
+
+
+def tree_pids_of_group(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is `pgid`, read from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Fields after the parenthesised command name: state ppid pgrp ...
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+#: How long the resource tracker gets to clean up once the rest of its tree is gone.
+TRACKER_GRACE_S = 3.0
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
+def _signal_all(pids: Iterable[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _wait_until(gone: Callable[[], bool], timeout_s: float, reap: Callable[[], object]) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not gone():
+        if time.monotonic() > deadline:
+            return False
+        reap()
+        time.sleep(0.05)
+    return True
+
+
+def stop_group(pgid: int, grace_s: float, exclude: int | None = None,
+               reap: Callable[[], object] = lambda: None) -> bool:
+    """Stop every member of process group `pgid` (but `exclude`); see the module docstring.
+
+    `reap` is called while waiting (a parent must reap its children, or they stay zombies,
+    which count as gone here anyway). Returns whether SIGKILL was needed.
+    """
+    def members() -> list[int]:
+        return [p for p in tree_pids_of_group(pgid) if p != exclude]
+
+    _signal_all(members(), signal.SIGTERM)
+    if _wait_until(lambda: not members(), grace_s, reap):
+        return False
+    logger.warning("process group %d ignored SIGTERM for %.0f s; killing it", pgid, grace_s)
+    _signal_all([p for p in members() if not _is_resource_tracker(p)], signal.SIGKILL)
+    _wait_until(lambda: all(_is_resource_tracker(p) for p in members()), 2.0, reap)
+    _wait_until(lambda: not members(), TRACKER_GRACE_S, reap)
+    _signal_all(members(), signal.SIGKILL)
+    _wait_until(lambda: not members(), 2.0, reap)
+    return True
+
+
+def _shm_inodes(pid: int) -> set[int]:
+    """Inodes of the /dev/shm files `pid` maps or holds open.
+
+    By inode, not by the path /proc shows: glibc's sem_open creates a semaphore under a
+    temporary name, maps it, then links it to its real name (`sem.mp-...`) and unlinks the
+    temporary one, so the mapping's path is a deleted name while the inode is the file's.
+    """
+    prefix = str(SHM_DIR) + "/"
+    inodes: set[int] = set()
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[5].startswith(prefix):
+                inodes.add(int(parts[4]))
+    with contextlib.suppress(OSError):
+        fd_dir = f"/proc/{pid}/fd"
+        for fd in os.listdir(fd_dir):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"{fd_dir}/{fd}").startswith(prefix):
+                    inodes.add(os.stat(f"{fd_dir}/{fd}").st_ino)
+    return inodes
+
+
+def tree_shm_files(pids: Iterable[int]) -> set[Path]:
+    """The SGLang leftover files (see the module docstring) that `pids` map or hold open."""
+    inodes: set[int] = set()
+    for pid in pids:
+        inodes |= _shm_inodes(pid)
+    if not inodes:
+        return set()
+    found: set[Path] = set()
+    with contextlib.suppress(OSError), os.scandir(SHM_DIR) as entries:
+        for entry in entries:
+            if is_leftover_name(entry.name) and entry.inode() in inodes:
+                found.add(Path(entry.path))
+    return found
+
+
+def remove_files(paths: Iterable[Path]) -> list[Path]:
+    """Unlink the given leftover files; returns those removed. Refuses any other name."""
+    removed = []
+    for path in paths:
+        if not is_leftover_name(path.name):
+            raise ValueError(f"{path} is not an SGLang leftover file; refusing to remove it")
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            logger.warning("could not remove %s: %s", path, exc)
+            continue
+        removed.append(path)
+    return removed
+
+
+def remove_tree_files(pids: Iterable[int], known: Iterable[Path] = ()) -> list[Path]:
+    """Remove the leftovers `pids` still map (those alive) plus `known` ones recorded earlier."""
+    return remove_files(set(known) | tree_shm_files(pids))

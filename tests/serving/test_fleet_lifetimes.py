@@ -1,0 +1,115 @@
+"""A fleet's lifetime at its edges (issue #15): a second launch, a busy port, the launcher killed
+with SIGKILL, the relaunch, and Ctrl-C. One real SGLang runtime (the demo's llama-bf16), real
+processes and shared memory; the checks run in file order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fleet_support import REPO, LaunchedFleet, group_alive, launch, shm_files
+
+from fineslab.runtime import free_port
+
+pytestmark = pytest.mark.slow
+
+MODELS = ("llama-bf16",)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("lifetimes")
+
+
+@pytest.fixture(scope="module")
+def fleet_id() -> str:
+    return f"life-{os.getpid()}"
+
+
+@pytest.fixture(scope="module")
+def first(folder: Path, model_cache: Path, fleet_id: str) -> Iterator[LaunchedFleet]:
+    fleet, _ = launch("cpu-demo.yaml", folder, model_cache, fleet_id, models=MODELS)
+    yield fleet
+    if fleet.proc.poll() is None:
+        os.killpg(fleet.proc.pid, signal.SIGKILL)
+
+
+def _launch_fails(folder: Path, fleet_id: str, port: int, name: str) -> tuple[int, str, float]:
+    import yaml
+
+    config = yaml.safe_load((REPO / "examples" / "cpu-demo.yaml").read_text())
+    config.update(fleet_id=fleet_id, models=config["models"][:1])
+    config["router"]["port"] = port
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    start_s = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "fineslab.launch", "--config", str(path)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - start_s
+
+
+def test_a_second_launch_of_a_running_fleet_is_refused(first: LaunchedFleet, folder: Path,
+                                                       fleet_id: str) -> None:
+    # Defect 2: relaunching the same config started a second set of runtimes beside the first.
+    code, out, _ = _launch_fails(folder, fleet_id, free_port(), "second")
+    assert code == 2 and "already running" in out, out[-2000:]
+    assert "starting 1 runtimes" not in out
+    assert first.health().status_code == 200, "the running fleet is untouched"
+
+
+def test_a_busy_router_port_fails_the_launch_before_any_runtime_starts(
+        first: LaunchedFleet, folder: Path) -> None:
+    # Defect 8: the router port was checked last, after 57 s of starting runtimes.
+    port = int(first.base_url.rsplit(":", 1)[1])
+    code, out, took_s = _launch_fails(folder, f"other-{os.getpid()}", port, "busy")
+    assert code == 2 and f"router port {port}" in out and "in use" in out, out[-2000:]
+    assert "starting" not in out, "no runtime was started"
+    assert took_s < 60, f"the launch took {took_s:.0f} s to fail"
+
+
+def test_killing_the_launcher_takes_its_runtimes_and_shared_memory_with_it(
+        first: LaunchedFleet, fleet_id: str) -> None:
+    # Defect 2: after kill -9 of the launcher every SGLang process kept running and listening.
+    runtime_groups = list(first.runtime_pids().values())
+    record = json.loads(Path(f"/dev/shm/fineslab-{fleet_id}.run").read_text())
+    sglang_files = [f for r in record["runtimes"].values() for f in r["shm_files"]]
+    assert sglang_files, record
+    os.kill(first.proc.pid, signal.SIGKILL)  # the launcher alone, not its process group
+    first.proc.wait(30)
+    deadline = time.monotonic() + 60
+    while any(group_alive(g) for g in runtime_groups) or shm_files(fleet_id):
+        assert time.monotonic() < deadline, (
+            f"left after 60 s: groups {[g for g in runtime_groups if group_alive(g)]}, "
+            f"arena files {shm_files(fleet_id)}")
+        time.sleep(0.5)
+    assert not [f for f in sglang_files if Path(f).exists()], "SGLang's shm files are removed"
+
+
+def test_a_relaunch_after_a_killed_launcher_serves_and_ctrl_c_stops_it_fast(
+        first: LaunchedFleet, folder: Path, model_cache: Path, fleet_id: str) -> None:
+    fleet, _ = launch("cpu-demo.yaml", folder, model_cache, fleet_id, models=MODELS,
+                      name="relaunch")
+    try:
+        assert fleet.health().json()["status"] == "ok"
+        groups = list(fleet.runtime_pids().values())
+        start_s = time.monotonic()
+        os.kill(fleet.proc.pid, signal.SIGINT)
+        assert fleet.proc.wait(120) == 0, fleet.output.read_text()[-3000:]
+        stop_s = time.monotonic() - start_s
+    finally:
+        if fleet.proc.poll() is None:
+            os.killpg(fleet.proc.pid, signal.SIGKILL)
+    assert not [g for g in groups if group_alive(g)]
+    assert not shm_files(fleet_id) and not Path(f"/dev/shm/fineslab-{fleet_id}.run").exists()
+    # Defect 11: Ctrl-C took 9.5-24.5 s, runtimes stopped one by one, silently.
+    out = fleet.output.read_text()
+    assert "stopping 1 runtime(s)" in out and "runtime llama-bf16-r0 stopped after" in out, out
+    assert stop_s < 15, f"Ctrl-C took {stop_s:.1f} s"

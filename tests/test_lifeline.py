@@ -1,0 +1,153 @@
+"""The lifeline wrapper and process-tree cleanup (issue #15, defects 2, 6 and 14), without SGLang.
+
+A stand-in "server" tree (a parent with a child, one of them mapping a semaphore-named file in
+/dev/shm, as SGLang's spawned children do) is started through `fineslab.lifeline` by a starter
+process; the tests kill the starter with SIGKILL and check that the tree and its file go.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from fineslab.proctree import (
+    is_leftover_name,
+    remove_files,
+    stop_group,
+    tree_pids_of_group,
+    tree_shm_files,
+)
+
+#: A parent that spawns a child; the child creates a sem.mp-* named file through a temporary
+#: name (as glibc's sem_open does), maps it, and sleeps; the parent sleeps too.
+TREE = textwrap.dedent("""
+    import mmap, os, subprocess, sys, time
+    if sys.argv[1] == "parent":
+        subprocess.Popen([sys.executable, __file__, "child", sys.argv[2]])
+        time.sleep(600)
+    else:
+        tmp = "/dev/shm/sem.tmp-" + sys.argv[2]
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, 4096)
+        area = mmap.mmap(fd, 4096)
+        os.link(tmp, "/dev/shm/sem.mp-" + sys.argv[2])
+        os.unlink(tmp)
+        time.sleep(600)
+""")
+
+#: Starts the tree through the lifeline, prints the wrapper's pid, then waits to be killed.
+STARTER = textwrap.dedent("""
+    import sys, time
+    from fineslab.runtime import lifeline_read_fd
+    import subprocess
+    fd = lifeline_read_fd()
+    wrapper = [sys.executable, "-m", "fineslab.lifeline", "--fd", str(fd), "--grace-s", "1", "--"]
+    command = [sys.executable, sys.argv[1], "parent", sys.argv[2]]
+    if sys.argv[3] == "bare":  # the negative control: no lifeline
+        wrapper = []
+    proc = subprocess.Popen(wrapper + command, start_new_session=True, pass_fds=(fd,))
+    print(proc.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def _wait(condition: object, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture
+def tree_files(tmp_path: Path) -> tuple[Path, Path, str]:
+    tree = tmp_path / "tree.py"
+    tree.write_text(TREE)
+    starter = tmp_path / "starter.py"
+    starter.write_text(STARTER)
+    return tree, starter, f"fineslabtest{uuid.uuid4().hex[:10]}"
+
+
+def test_killing_the_starter_with_sigkill_takes_the_whole_tree_and_its_shm_file(
+        tree_files: tuple[Path, Path, str]) -> None:
+    # Defect 2: after kill -9 of the launcher every SGLang process kept running and listening.
+    tree, starter, tag = tree_files
+    sem = Path(f"/dev/shm/sem.mp-{tag}")
+    proc = subprocess.Popen([sys.executable, str(starter), str(tree), tag, "lifeline"],
+                            stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        pgid = int(proc.stdout.readline())
+        assert _wait(lambda: sem.exists() and len(tree_pids_of_group(pgid)) == 3, 30), \
+            "wrapper, parent and child are up and the child maps its file"
+        time.sleep(1.5)  # the wrapper records the tree's files on its next look
+        proc.kill()
+        assert _wait(lambda: not tree_pids_of_group(pgid), 20), "the tree outlived its starter"
+        assert _wait(lambda: not sem.exists(), 5), "the tree's semaphore file was left"
+    finally:
+        proc.kill()
+        remove_files([sem])
+
+
+def test_negative_control_without_the_lifeline_the_tree_outlives_its_starter(
+        tree_files: tuple[Path, Path, str]) -> None:
+    tree, starter, tag = tree_files
+    proc = subprocess.Popen([sys.executable, str(starter), str(tree), tag, "bare"],
+                            stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    pgid = int(proc.stdout.readline())
+    try:
+        assert _wait(lambda: len(tree_pids_of_group(pgid)) == 2, 30)
+        proc.kill()
+        proc.wait(10)
+        time.sleep(2)
+        assert len(tree_pids_of_group(pgid)) == 2, "an unwrapped tree is orphaned, not stopped"
+    finally:
+        stop_group(pgid, grace_s=1.0)
+        remove_files([Path(f"/dev/shm/sem.mp-{tag}")])
+
+
+def test_the_wrapper_exits_with_its_commands_status(tmp_path: Path) -> None:
+    from fineslab.runtime import lifeline_read_fd
+
+    fd = lifeline_read_fd()
+    for code, expected in (("sys.exit(3)", 3), ("os.kill(os.getpid(), 9)", 128 + 9)):
+        done = subprocess.run([sys.executable, "-m", "fineslab.lifeline", "--fd", str(fd), "--",
+                               sys.executable, "-c", f"import os, sys; {code}"],
+                              pass_fds=(fd,), timeout=60)
+        assert done.returncode == expected
+
+
+def test_tree_shm_files_finds_a_semaphore_by_inode_through_its_deleted_temporary_name(
+        tree_files: tuple[Path, Path, str]) -> None:
+    # Defect 6: the semaphore shows under a deleted temporary name in /proc/<pid>/maps.
+    tree, _, tag = tree_files
+    sem = Path(f"/dev/shm/sem.mp-{tag}")
+    proc = subprocess.Popen([sys.executable, str(tree), "parent", tag],
+                            start_new_session=True)
+    try:
+        assert _wait(lambda: sem.exists() and len(tree_pids_of_group(proc.pid)) == 2, 30)
+        time.sleep(0.3)
+        assert tree_shm_files(tree_pids_of_group(proc.pid)) == {sem}
+        assert stop_group(proc.pid, grace_s=2.0, reap=proc.poll) is False, "SIGTERM sufficed"
+        assert not tree_pids_of_group(proc.pid)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if tree_pids_of_group(proc.pid) else None
+        remove_files([sem])
+
+
+def test_only_sglang_leftover_names_are_ever_removed(tmp_path: Path) -> None:
+    assert is_leftover_name("sem.mp-abc") and is_leftover_name("sglang_loads_x_1234.shm")
+    for name in ("fineslab-demo-cpu0.arena", "fineslab-demo.run", "sem.loky-1", "torch_1"):
+        assert not is_leftover_name(name)
+        with pytest.raises(ValueError, match="not an SGLang leftover"):
+            remove_files([Path("/dev/shm") / name])
