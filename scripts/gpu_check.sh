@@ -2,11 +2,38 @@
 # Every GPU check in one command, for any session that has a CUDA GPU:
 #   bash scripts/gpu_check.sh            (after `make setup`, which installs the CUDA stack there)
 # 1. the `gpu`-marked tests (CUDA IPC arena, strided-view attention, FP8/AWQ/KV4 kernels, ...);
-# 2. each GPU benchmark, its JSON line kept in results/gpu/<name>.json.
+# 2. each GPU benchmark, its JSON line kept in results/gpu/<name>.json;
+# 3. one table of every figure the benchmarks measured (`python -m fineslab.bench.report`).
 # Write the figures into the docs named in each benchmark's docstring.
+#
+#   bash scripts/gpu_check.sh --check    (any machine, no GPU; CI runs it)
+# runs nothing: parses every command below against its program's own argument parser
+# (`python -m fineslab.bench.check_commands`; pytest by collecting), so that the one run a GPU
+# is lent for does not die on a flag; exits 1 naming each broken command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
+case "${1:-}" in
+  "") mode=run ;;
+  --check) mode=check ;;
+  *) echo "usage: bash scripts/gpu_check.sh [--check]" >&2; exit 2 ;;
+esac
+
+# name|what follows `python -m`. Each benchmark also gets --json (its last line: the figures).
+TESTS="tests|pytest -m gpu -p no:cacheprovider tests -q"
+BENCHES=(
+  "alloc|fineslab.bench.alloc --device cuda"
+  "pool-triton|fineslab.bench.pool --device cuda --attention-backend triton"
+  "pool-flashinfer|fineslab.bench.pool --device cuda --attention-backend flashinfer"
+  "precisions|fineslab.bench.precisions --device cuda"
+)
+
+if [ "$mode" = check ]; then
+  entries=("$TESTS")
+  for entry in "${BENCHES[@]}"; do entries+=("$entry --json"); done
+  exec "$PY" -m fineslab.bench.check_commands "${entries[@]}"
+fi
+
 out=results/gpu
 mkdir -p "$out"
 status=0
@@ -14,29 +41,34 @@ status=0
 nvidia-smi -L || { echo "gpu_check: no CUDA GPU visible" >&2; exit 2; }
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'torch has no CUDA'; print(torch.__version__, torch.cuda.get_device_name(0))" || exit 2
 
-echo "== gpu-marked tests"
-FINESLAB_CPU_MODE=0 "$PY" -m pytest -m gpu -p no:cacheprovider tests -q | tee "$out/tests.txt"
+echo "== gpu-marked tests: python -m ${TESTS#*|}"
+# shellcheck disable=SC2086
+FINESLAB_CPU_MODE=0 "$PY" -m ${TESTS#*|} | tee "$out/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-# name|module and arguments; a benchmark whose module is not there yet is skipped by name.
-BENCHES=(
-  "alloc|fineslab.bench.alloc --device cuda"
-  "pool-triton|fineslab.bench.pool --device cuda --attention-backend triton"
-  "pool-flashinfer|fineslab.bench.pool --device cuda --attention-backend flashinfer"
-  "precisions|fineslab.bench.precisions --device cuda"
-)
+# A benchmark whose module is not there yet is skipped by name.
+measured=()
 for entry in "${BENCHES[@]}"; do
   name=${entry%%|*}; cmd=${entry#*|}; module=${cmd%% *}
+  rm -f "$out/$name.json"  # a figure in the table below is one from this run
   if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$module') is None)"; then
     echo "== $name: $module not present, skipped"; continue
   fi
   echo "== $name: python -m $cmd --json"
   # shellcheck disable=SC2086
-  if FINESLAB_CPU_MODE=0 "$PY" -m $cmd --json | tee "$out/$name.log"; then
+  if FINESLAB_CPU_MODE=0 "$PY" -m $cmd --json | tee "$out/$name.log"; then  # pipefail: python's status
     tail -n 1 "$out/$name.log" > "$out/$name.json"
+    measured+=("$out/$name.json")
   else
     status=1
   fi
 done
+
+echo
+if [ "${#measured[@]}" -gt 0 ]; then
+  "$PY" -m fineslab.bench.report --title "GPU figures (results in $out/)" "${measured[@]}" || status=1
+else
+  echo "gpu_check: no benchmark measured anything"
+fi
 echo "gpu_check: results in $out/ (exit $status)"
 exit $status

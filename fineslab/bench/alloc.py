@@ -1,6 +1,7 @@
 """Benchmark: per-page cost of the slab allocator against SGLang's own paged allocator.
 
     python -m fineslab.bench.alloc [--json] [--steps N] [--page-size 16] [--repeats 3]
+                                   [--device cpu|cuda]
 
 Both replay the same operation list, the pattern SGLang's scheduler produces: a new request
 allocates its prompt's pages in one batch (prefill), a running request allocates one page each
@@ -19,6 +20,13 @@ CPU contention (this 2-core machine is shared) and only the slab one shares a ta
 Result: CPU ns per allocated page (process CPU time, user + system, so that time a process spends
 descheduled on a loaded machine does not count), including the page's free, averaged over the two
 processes; ratio = slab / sglang (target <= 1.5).
+
+`--device cuda` puts both on a GPU as a runtime there has them: SGLang's free pages and the
+token indices it returns live on the device, and the adapter does what `SlabAllocator` does
+there (the block ids cross to the device, the token indices are made there, the freed ids come
+back to the host: one small copy each way). Time is then wall time up to a device synchronize,
+since waiting for the device is the cost in question and a driver that blocks rather than spins
+would hide it from CPU time. The block-ids-only replay (`slab_raw`) never touches the device.
 """
 
 from __future__ import annotations
@@ -36,6 +44,24 @@ from fineslab.bench.report import add_json_flag, emit
 
 ALLOC, FREE = 0, 1
 NUM_PROCESSES = 2
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class ReplaySpec:
+    """What each process replays (its op list of `num_steps` scheduler steps), how often, where."""
+
+    num_steps: int
+    page_size: int
+    pool_pages: int
+    repeats: int
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if min(self.num_steps, self.page_size, self.pool_pages, self.repeats) <= 0:
+            raise ValueError("steps, page size, pool pages and repeats must be positive")
+        if self.device not in DEVICES:
+            raise ValueError(f"device {self.device!r} is none of {DEVICES}")
 
 
 @dataclass(frozen=True)
@@ -75,19 +101,43 @@ def make_ops(num_steps: int, page_size: int, seed: int, concurrency: int = 48) -
     return OpList(kinds, requests, pages)
 
 
-def replay_sglang(ops: OpList, page_size: int, pool_pages: int) -> float:
-    """Seconds to replay `ops` through SGLang's PagedTokenToKVPoolAllocator."""
-    from fineslab import cpu_mode
+class ReplayClock:
+    """Seconds of one replay: process CPU time on the CPU, wall time to a synchronize on CUDA."""
 
-    cpu_mode.activate()
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self._start = 0.0
+
+    def _now(self) -> float:
+        if self.device == "cpu":
+            return time.process_time()
+        import torch
+
+        torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self._start = self._now()
+
+    def seconds(self) -> float:
+        return self._now() - self._start
+
+
+def replay_sglang(ops: OpList, page_size: int, pool_pages: int, device: str = "cpu") -> float:
+    """Seconds to replay `ops` through SGLang's PagedTokenToKVPoolAllocator on `device`."""
+    if device == "cpu":
+        from fineslab import cpu_mode
+
+        cpu_mode.activate()
     import torch
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 
     allocator = PagedTokenToKVPoolAllocator(pool_pages * page_size, page_size=page_size,
-                                            dtype=torch.bfloat16, device="cpu", kvcache=None,
+                                            dtype=torch.bfloat16, device=device, kvcache=None,
                                             need_sort=False)
     held: dict[int, list[torch.Tensor]] = {}
-    start = time.process_time()
+    clock = ReplayClock(device)
+    clock.start()
     for kind, request, num_pages in zip(ops.kinds, ops.requests, ops.num_pages, strict=True):
         if kind == ALLOC:
             indices = allocator.alloc(num_pages * page_size)
@@ -96,50 +146,63 @@ def replay_sglang(ops: OpList, page_size: int, pool_pages: int) -> float:
             held.setdefault(request, []).append(indices)
         else:
             allocator.free_segment(torch.cat(held.pop(request)), start_pos=0)
-    return time.process_time() - start
+    return clock.seconds()
 
 
 class SlabTokenAdapter:
     """What the plugin does around RuntimeSlabs: token indices in and out, as SGLang expects.
 
-    alloc: block ids -> token indices `page * page_size + offset` (numpy, then torch.from_numpy);
-    free: token indices of whole pages -> page ids `indices[::page_size] // page_size`, the same
-    reduction SGLang's own `free_segment` does.
+    alloc: block ids -> token indices `page * page_size + offset`; free: token indices of whole
+    pages -> page ids `indices[::page_size] // page_size`, the same reduction SGLang's own
+    `free_segment` does. On the CPU in numpy (then torch.from_numpy); on CUDA as
+    `SlabAllocator` does it there: ids to the device, indices made there, freed ids back.
     """
 
-    def __init__(self, runtime: object, page_size: int) -> None:
+    def __init__(self, runtime: object, page_size: int, device: str = "cpu") -> None:
+        import torch
+
         from fineslab.slabs.client import RuntimeSlabs
         from fineslab.slabs.pooled import PooledSlabs
 
         assert isinstance(runtime, RuntimeSlabs | PooledSlabs)
-        self.runtime, self.page_size = runtime, page_size
+        self.runtime, self.page_size, self.device = runtime, page_size, device
         self._offsets = np.arange(page_size, dtype=np.int64)
+        self._device_offsets = torch.arange(page_size, dtype=torch.int64, device=device)
 
     def alloc(self, num_pages: int) -> object:
         import torch
 
         pages = self.runtime.alloc_array(num_pages)
-        return torch.from_numpy((pages[:, None] * self.page_size + self._offsets).reshape(-1))
+        if self.device == "cpu":
+            return torch.from_numpy((pages[:, None] * self.page_size + self._offsets).reshape(-1))
+        ids = torch.from_numpy(pages).to(self.device)
+        return (ids[:, None] * self.page_size + self._device_offsets).reshape(-1)
 
     def free(self, token_indices: object) -> None:
         import torch
 
         assert isinstance(token_indices, torch.Tensor)
-        self.runtime.free(token_indices.numpy()[:: self.page_size] // self.page_size)
+        if self.device == "cpu":
+            self.runtime.free(token_indices.numpy()[:: self.page_size] // self.page_size)
+        else:
+            page_ids = token_indices[:: self.page_size] // self.page_size
+            self.runtime.free(page_ids.cpu().numpy())
 
 
-def replay_slab(ops: OpList, runtime: object, page_size: int, to_torch: bool) -> float:
+def replay_slab(ops: OpList, runtime: object, page_size: int, to_torch: bool,
+                device: str = "cpu") -> float:
     """Seconds to replay `ops` through a RuntimeSlabs or PooledSlabs, with the plugin's token
-    adapter or not."""
+    adapter on `device` or not (block ids only: CPU time, whatever the device)."""
     import torch
 
     from fineslab.slabs.client import RuntimeSlabs
     from fineslab.slabs.pooled import PooledSlabs
 
     assert isinstance(runtime, RuntimeSlabs | PooledSlabs)
-    adapter = SlabTokenAdapter(runtime, page_size)
+    adapter = SlabTokenAdapter(runtime, page_size, device)
     held: dict[int, list] = {}
-    start = time.process_time()
+    clock = ReplayClock(device if to_torch else "cpu")
+    clock.start()
     if to_torch:
         for kind, request, num_pages in zip(ops.kinds, ops.requests, ops.num_pages,
                                             strict=True):
@@ -154,7 +217,7 @@ def replay_slab(ops: OpList, runtime: object, page_size: int, to_torch: bool) ->
                 held.setdefault(request, []).append(runtime.alloc_array(num_pages))
             else:
                 runtime.free(np.concatenate(held.pop(request)))
-    return time.process_time() - start
+    return clock.seconds()
 
 def _bench_format(page_size: int) -> object:
     from fineslab.slabs.formats import BlockFormat, KVDtype, KVShape
@@ -162,31 +225,32 @@ def _bench_format(page_size: int) -> object:
     return BlockFormat.unpadded(KVShape("tiny-bf16", 4, 2, 64, KVDtype.BF16), page_size)
 
 
-def _worker(shm_dir: str, index: int, args: tuple[int, int, int, int],
+def _worker(shm_dir: str, index: int, spec: ReplaySpec,
             barrier: mp.synchronize.Barrier, queue: mp.Queue) -> None:
     """Replay the op list alternately through a private SGLang allocator and the shared table."""
     from fineslab.slabs.client import RuntimeSlabs
     from fineslab.slabs.formats import BlockFormat
     from fineslab.slabs.pooled import PooledSlabs
 
-    num_steps, page_size, pool_pages, repeats = args
-    ops = make_ops(num_steps, page_size, seed=index)
+    page_size, device = spec.page_size, spec.device
+    ops = make_ops(spec.num_steps, page_size, seed=index)
     fmt = _bench_format(page_size)
     assert isinstance(fmt, BlockFormat)
     runtime = RuntimeSlabs.attach("bench-alloc", "cpu0", f"rt{index}", fmt, Path(shm_dir))
     pooled = PooledSlabs.attach("bench-alloc", "cpu0", f"pool{index}", fmt, Path(shm_dir))
-    replay_sglang(ops, page_size, pool_pages)  # warm-up: imports and first-call costs
-    replay_slab(ops, runtime, page_size, to_torch=True)
-    replay_slab(ops, pooled, page_size, to_torch=True)
+    # Warm-up: imports, first-call costs and, on CUDA, the context and its first kernels.
+    replay_sglang(ops, page_size, spec.pool_pages, device)
+    replay_slab(ops, runtime, page_size, to_torch=True, device=device)
+    replay_slab(ops, pooled, page_size, to_torch=True, device=device)
     best = {"sglang": np.inf, "slab": np.inf, "slab_raw": np.inf, "slab_pooled": np.inf}
-    for _ in range(repeats):
+    for _ in range(spec.repeats):
         for kind in best:
             barrier.wait()  # both processes run the same allocator at the same time
             if kind == "sglang":
-                seconds = replay_sglang(ops, page_size, pool_pages)
+                seconds = replay_sglang(ops, page_size, spec.pool_pages, device)
             else:
                 seconds = replay_slab(ops, pooled if kind == "slab_pooled" else runtime,
-                                      page_size, to_torch=kind != "slab_raw")
+                                      page_size, to_torch=kind != "slab_raw", device=device)
             best[kind] = min(best[kind], seconds / ops.total_pages)
     runtime.check_integrity()
     pooled.check_integrity()
@@ -195,26 +259,25 @@ def _worker(shm_dir: str, index: int, args: tuple[int, int, int, int],
     queue.put((best, ops.total_pages, len(ops.kinds)))
 
 
-def run(num_steps: int, page_size: int, pool_pages: int, repeats: int
-        ) -> tuple[dict[str, float], int, int]:
+def run(spec: ReplaySpec) -> tuple[dict[str, float], int, int]:
     """Seconds per page of each allocator, averaged over the processes; pages and ops per run."""
     from fineslab.slabs.arena import ArenaSpec, SlabArena
     from fineslab.slabs.formats import BlockFormat
 
-    fmt = _bench_format(page_size)
+    fmt = _bench_format(spec.page_size)
     assert isinstance(fmt, BlockFormat)
     blocks_per_slab = 64
     slab_bytes = blocks_per_slab * fmt.block_stride_bytes
-    num_slabs = NUM_PROCESSES * pool_pages // blocks_per_slab
+    num_slabs = NUM_PROCESSES * spec.pool_pages // blocks_per_slab
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as shm_dir:
-        spec = ArenaSpec("bench-alloc", "cpu0", num_slabs * slab_bytes, slab_bytes,
-                         blocks_per_slab)
-        with SlabArena.create(spec, shm_dir=Path(shm_dir)):
+        # The slab table is host memory whatever the device: only the token indices move.
+        arena = ArenaSpec("bench-alloc", "cpu0", num_slabs * slab_bytes, slab_bytes,
+                          blocks_per_slab)
+        with SlabArena.create(arena, shm_dir=Path(shm_dir)):
             barrier, queue = ctx.Barrier(NUM_PROCESSES), ctx.Queue()
-            workers = [ctx.Process(target=_worker, args=(
-                shm_dir, i, (num_steps, page_size, pool_pages, repeats), barrier, queue))
-                for i in range(NUM_PROCESSES)]
+            workers = [ctx.Process(target=_worker, args=(shm_dir, i, spec, barrier, queue))
+                       for i in range(NUM_PROCESSES)]
             for worker in workers:
                 worker.start()
             results = [queue.get(timeout=900) for _ in workers]
@@ -224,14 +287,27 @@ def run(num_steps: int, page_size: int, pool_pages: int, repeats: int
     return means, sum(r[1] for r in results), sum(r[2] for r in results)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fineslab.bench.alloc",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60_000, help="scheduler steps replayed")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="best of N replays")
+    parser.add_argument("--device", choices=DEVICES, default="cpu",
+                        help="where SGLang's free pages and the token indices live")
     add_json_flag(parser)
-    args = parser.parse_args(argv)
-    seconds, num_pages, num_ops = run(args.steps, args.page_size, 16_384, args.repeats)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.device == "cuda":
+        from fineslab import cpu_mode
+
+        if not cpu_mode.cuda_available():
+            raise SystemExit("fineslab.bench.alloc --device cuda: torch sees no CUDA device")
+    spec = ReplaySpec(args.steps, args.page_size, 16_384, args.repeats, args.device)
+    seconds, num_pages, num_ops = run(spec)
     sglang_ns, slab_ns, slab_raw_ns, pooled_ns = (
         seconds[k] * 1e9 for k in ("sglang", "slab", "slab_raw", "slab_pooled"))
     result = {
@@ -240,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
         "slab_pooled_ns_per_page": round(pooled_ns, 1),
         "pooled_ratio": round(pooled_ns / sglang_ns, 3),
         "pages_per_replay": num_pages, "ops_per_replay": num_ops,
-        "page_size": args.page_size, "processes": NUM_PROCESSES,
+        "page_size": args.page_size, "processes": NUM_PROCESSES, "device": args.device,
     }
     rows = [
         ["sglang PagedTokenToKVPoolAllocator (private)", sglang_ns, 1.0],
@@ -249,9 +325,9 @@ def main(argv: list[str] | None = None) -> None:
          slab_raw_ns / sglang_ns],
         ["slab PooledSlabs + token adapter (one key pool)", pooled_ns, pooled_ns / sglang_ns],
     ]
-    emit(f"Allocator cost per page, {NUM_PROCESSES} processes at once ({num_pages} pages, "
-         f"{num_ops} ops, page size "
-         f"{args.page_size})", ["allocator", "ns/page", "vs sglang"], rows, result, args.json)
+    emit(f"Allocator cost per page on {args.device}, {NUM_PROCESSES} processes at once "
+         f"({num_pages} pages, {num_ops} ops, page size {args.page_size})",
+         ["allocator", "ns/page", "vs sglang"], rows, result, args.json)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Decode throughput of one SGLang runtime with the slab pool against SGLang's own pool.
 
-    python -m fineslab.bench.pool --json
+    python -m fineslab.bench.pool [--device auto|cpu|cuda] [--attention-backend triton ...] --json
 
 Both runtimes run side by side as real SGLang servers (same model, page size and arguments; the
 plugin one joins an arena this benchmark creates, the stock one gets the same token capacity
@@ -9,8 +9,11 @@ both alike; each round sends `--requests` concurrent greedy requests of short pr
 `ignore_eos`, so the time is dominated by decoding. Reported per runtime: the median over rounds
 of generated tokens / wall seconds. Target: plugin_tok_s / stock_tok_s >= 0.95.
 
-On a machine with CUDA, the same comparison also runs on GPU with the triton and flashinfer
-attention backends (keys `gpu_<backend>_plugin_tok_s`, `..._stock_tok_s`, `..._ratio`).
+`--device auto` (the default) runs the CPU comparison (keys `plugin_tok_s`, `stock_tok_s`,
+`ratio`), then, on a machine with CUDA, the same comparison on the GPU with each attention
+backend (keys `gpu_<backend>_plugin_tok_s`, `..._stock_tok_s`, `..._ratio`); `--device cpu` or
+`--device cuda` runs only that half (JSON `device`: `cpu`, `cuda` or `cpu+cuda`), and
+`--attention-backend` (repeatable) picks the GPU backends (default: all of `GPU_BACKENDS`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from fineslab.slabs.sizing import fit_format
 logger = logging.getLogger(__name__)
 
 SLAB_BYTES = 1 << 20
+DEVICES = ("auto", "cpu", "cuda")
+GPU_BACKENDS = ("triton", "flashinfer")
 
 
 @dataclass(frozen=True)
@@ -137,8 +142,31 @@ def compare(cfg: BenchConfig, model_path: Path, logs: Path, *, cpu: bool,
     return statistics.median(rates["plugin"]), statistics.median(rates["stock"])
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+@dataclass(frozen=True)
+class Comparison:
+    """One plugin-against-stock comparison: on the CPU, or on CUDA with one attention backend."""
+
+    label: str
+    cpu: bool
+    backend: str | None = None
+
+    @property
+    def backend_args(self) -> tuple[str, ...]:
+        return () if self.backend is None else ("--attention-backend", self.backend)
+
+
+def plan_comparisons(device: str, backends: Sequence[str], has_cuda: bool
+                     ) -> list[Comparison]:
+    """The comparisons `--device` and `--attention-backend` ask for on this machine."""
+    runs = [Comparison("cpu torch_native", cpu=True)] if device in ("auto", "cpu") else []
+    if device == "cuda" or (device == "auto" and has_cuda):
+        runs += [Comparison(f"cuda {b}", cpu=False, backend=b) for b in backends]
+    return runs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fineslab.bench.pool",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-tiny")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--requests", type=int, default=16)
@@ -147,8 +175,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--capacity-tokens", type=int, default=8192)
     parser.add_argument("--logs", type=Path, default=Path("/tmp/fineslab-bench-pool"))
+    parser.add_argument("--device", choices=DEVICES, default="auto",
+                        help="auto: the CPU, then CUDA if torch sees a GPU")
+    parser.add_argument("--attention-backend", dest="backends", action="append",
+                        choices=GPU_BACKENDS,
+                        help="a CUDA attention backend to compare (repeatable; default: all)")
     add_json_flag(parser)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """`build_parser()`'s arguments, with the rule between two of them checked."""
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.device == "cpu" and args.backends:
+        parser.error("--attention-backend picks CUDA backends: not with --device cpu")
+    args.backends = args.backends or list(GPU_BACKENDS)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    has_cuda = cpu_mode.cuda_available()
+    if args.device == "cuda" and not has_cuda:
+        raise SystemExit("fineslab.bench.pool --device cuda: torch sees no CUDA device")
+    runs = plan_comparisons(args.device, args.backends, has_cuda)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     # A SIGTERM must still stop the servers this benchmark started (the `finally` in compare).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -156,18 +207,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                       args.new_tokens, args.rounds, args.capacity_tokens)
     args.logs.mkdir(parents=True, exist_ok=True)
     model_path = ensure_model(cfg.model, FineslabEnv.from_environ().model_cache_dir)
-    plugin, stock = compare(cfg, model_path, args.logs, cpu=True, backend_args=())
-    result: dict[str, object] = {"plugin_tok_s": plugin, "stock_tok_s": stock,
-                                 "ratio": plugin / stock, "device": "cpu"}
-    rows: list[list[object]] = [["cpu torch_native", plugin, stock, plugin / stock]]
-    if cpu_mode.cuda_available():
-        for backend in ("triton", "flashinfer"):
-            g_plugin, g_stock = compare(cfg, model_path, args.logs, cpu=False,
-                                        backend_args=("--attention-backend", backend))
-            result.update({f"gpu_{backend}_plugin_tok_s": g_plugin,
-                           f"gpu_{backend}_stock_tok_s": g_stock,
-                           f"gpu_{backend}_ratio": g_plugin / g_stock})
-            rows.append([f"cuda {backend}", g_plugin, g_stock, g_plugin / g_stock])
+    result: dict[str, object] = {"device": "+".join(dict.fromkeys(
+        "cpu" if run.cpu else "cuda" for run in runs))}
+    rows: list[list[object]] = []
+    for run in runs:
+        plugin, stock = compare(cfg, model_path, args.logs, cpu=run.cpu,
+                                backend_args=run.backend_args)
+        prefix = "" if run.backend is None else f"gpu_{run.backend}_"
+        result.update({f"{prefix}plugin_tok_s": plugin, f"{prefix}stock_tok_s": stock,
+                       f"{prefix}ratio": plugin / stock})
+        rows.append([run.label, plugin, stock, plugin / stock])
     emit(f"Decode throughput, {cfg.model}, {cfg.num_requests} x {cfg.new_tokens} new tokens, "
          f"page {cfg.page_size}, median of {cfg.rounds} rounds",
          ["runtime", "plugin tok/s", "stock tok/s", "ratio"], rows, result, args.json)

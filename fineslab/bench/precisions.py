@@ -79,8 +79,9 @@ def source_model(cache: Path, name: str) -> Path:
     return ensure_model("llama-tiny" if name == "auto" else name, cache)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fineslab.bench.precisions",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--no-decode", action="store_true", help="capacity only (no servers)")
     parser.add_argument("--model", default="auto",
@@ -88,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=16)
     add_json_flag(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     # SIGTERM (timeout, CI) unwinds through run_fleet's finally: servers stop, arena closes.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.device == "cpu":

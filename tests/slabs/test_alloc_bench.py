@@ -20,3 +20,18 @@ def test_alloc_bench_reports_private_and_pooled_costs(capsys: pytest.CaptureFixt
         result["slab_ns_per_page"] / result["sglang_ns_per_page"], abs=2e-3)
     assert result["pooled_ratio"] == pytest.approx(
         result["slab_pooled_ns_per_page"] / result["sglang_ns_per_page"], abs=2e-3)
+
+
+@pytest.mark.gpu
+def test_alloc_bench_runs_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--device cuda`, as scripts/gpu_check.sh runs it: SGLang's free pages and the adapter's
+    token indices on the GPU, the freed ids back on the host."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    alloc.main(["--device", "cuda", "--steps", "3000", "--repeats", "1", "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["device"] == "cuda"
+    for key in ("slab_ns_per_page", "sglang_ns_per_page", "slab_pooled_ns_per_page"):
+        assert result[key] > 0, f"{key} is measured on the GPU"
