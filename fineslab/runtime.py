@@ -132,6 +132,7 @@ class ServerProcess:
         self.log_path = log_path
         self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
         self.shm_files: set[Path] = set()
+        self.members: set[int] = set()  # the tree's processes once healthy (tree_intact)
         logger.info("starting SGLang server: %s", " ".join(spec.argv()))
         fd = lifeline_read_fd()
         argv = [sys.executable, "-m", "fineslab.lifeline", "--fd", str(fd), "--", *spec.argv()]
@@ -166,6 +167,7 @@ class ServerProcess:
                 with urllib.request.urlopen(self.spec.base_url + "/health", timeout=2) as resp:
                     if resp.status == 200:
                         self.record_shm()
+                        self.members = set(self.tree_pids())
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
@@ -196,6 +198,11 @@ class ServerProcess:
     def tree_pids(self) -> list[int]:
         """PIDs of live processes in the server's process group (empty once fully stopped)."""
         return tree_pids_of_group(self.proc.pid)
+
+    def tree_intact(self) -> bool:
+        """Whether every process the tree had when it became healthy is still alive (SGLang's
+        server notices a dead scheduler only after a 5 s sleep; this sees it at once)."""
+        return self.members <= set(self.tree_pids())
 
     def record_shm(self) -> None:
         """Note the SGLang shm files the live tree uses, to remove them after it is gone."""

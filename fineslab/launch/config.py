@@ -27,6 +27,8 @@ rules that span fields (unique names, KV dtype vs activation dtype, precision pe
         profile: null               # a profile name or file; null: <preset>--<precision>--<kind>
         extra_args: []              # more SGLang arguments (not those precision/kv_dtype set)
         env: {}                     # more environment for the runtime (e.g. OMP_NUM_THREADS)
+    supervision: {probe_interval_s: 5, probe_timeout_s: 20, probe_failures: 2,
+                  backoff_max_s: 60, stable_after_s: 300, health_timeout_s: 600}
 """
 
 from __future__ import annotations
@@ -121,6 +123,28 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class SupervisionPolicy:
+    """How runtimes are watched and restarted (the fleet config's `supervision:` section)."""
+
+    probe_interval_s: float = 5.0
+    probe_timeout_s: float = 20.0
+    probe_failures: int = 2
+    backoff_max_s: float = 60.0
+    stable_after_s: float = 300.0
+    health_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if min(self.probe_interval_s, self.probe_timeout_s, self.backoff_max_s,
+               self.health_timeout_s) <= 0 or self.probe_failures < 1:
+            raise ConfigError("supervision: intervals and timeouts must be positive and "
+                              "probe_failures at least 1")
+
+    def backoff_s(self, consecutive: int) -> float:
+        """The wait before the `consecutive`-th restart in a row (0-based)."""
+        return 0.0 if consecutive == 0 else min(self.backoff_max_s, 2.0 ** min(consecutive - 1, 62))
+
+
+@dataclass(frozen=True)
 class FleetConfig:
     fleet_id: str
     devices: tuple[DeviceConfig, ...] | None  # None: "auto", resolved by the launcher
@@ -131,6 +155,7 @@ class FleetConfig:
     models: tuple[ModelConfig, ...]
     profile_dirs: tuple[str, ...]
     source: str = "<dict>"
+    supervision: SupervisionPolicy = SupervisionPolicy()
 
     def model(self, name: str) -> ModelConfig:
         for model in self.models:
@@ -190,6 +215,15 @@ class _Model(_Strict):
         return self
 
 
+class _Supervision(_Strict):
+    probe_interval_s: float = Field(default=5.0, gt=0)
+    probe_timeout_s: float = Field(default=20.0, gt=0)
+    probe_failures: int = Field(default=2, ge=1)
+    backoff_max_s: float = Field(default=60.0, gt=0)
+    stable_after_s: float = Field(default=300.0, ge=0)
+    health_timeout_s: float = Field(default=600.0, gt=0)
+
+
 class _Fleet(_Strict):
     fleet_id: str = Field(default="fineslab", pattern=_NAME)
     devices: Literal["auto"] | list[_Device] = "auto"
@@ -199,6 +233,7 @@ class _Fleet(_Strict):
     router: _Router = Field(default_factory=_Router)
     models: list[_Model] = Field(min_length=1)
     profile_dirs: list[str] = Field(default_factory=list)
+    supervision: _Supervision = Field(default_factory=_Supervision)
 
 
 def _format_errors(exc: ValidationError, source: str) -> str:
@@ -225,7 +260,8 @@ def _to_dataclasses(fleet: _Fleet, source: str, base_dir: Path) -> FleetConfig:
                           int(r.max_body_mib * MIB))
     dirs = tuple(_resolve_path(d, base_dir) or d for d in fleet.profile_dirs)
     return FleetConfig(fleet.fleet_id, devices, fleet.kv_pool, fleet.placement,
-                       fleet.batch_policy, router, models, dirs, source)
+                       fleet.batch_policy, router, models, dirs, source,
+                       SupervisionPolicy(**fleet.supervision.model_dump()))
 
 
 def _resolve_path(path: str | None, base_dir: Path) -> str | None:

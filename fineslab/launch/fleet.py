@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -28,7 +29,8 @@ from pathlib import Path
 from fineslab.errors import ConfigError
 from fineslab.launch.leftovers import RunRecord, sweep
 from fineslab.launch.plan import FleetPlan, arena_device
-from fineslab.launch.runtimes import SupervisedRuntime, Supervisor, server_spec
+from fineslab.launch.runtimes import server_spec
+from fineslab.launch.supervisor import SupervisedRuntime, Supervisor
 from fineslab.quant.fleet import PrecisionRuntime, prepare_served_model, verify_runtime
 from fineslab.router import ModelRoute, ReplicaRoute, Router, RouterServer, RouterSettings
 from fineslab.router.server import bind_router_socket
@@ -55,6 +57,9 @@ class Fleet:
         self.plan, self.progress = plan, progress
         config = plan.config
         self.port = config.router.port if port is None else port
+        #: A temporary log folder is removed at a clean stop unless a runtime went down.
+        self._temp_logs = log_dir is None
+        self._ready = False
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"fineslab-{config.fleet_id}-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.arenas: dict[str, SlabArena] = {}
@@ -101,7 +106,7 @@ class Fleet:
             self.log_dir / f"{r.runtime_id}.log") for r in self.plan.runtimes]
         self.supervisor = Supervisor(runtimes, on_down=self._runtime_down,
                                      on_up=self._runtime_up, reclaim=self._reclaim,
-                                     progress=self.progress)
+                                     progress=self.progress, policy=config.supervision)
         self.supervisor.start_all()
         for r in runtimes:
             self._note_runtime(r.plan.runtime_id)
@@ -109,8 +114,7 @@ class Fleet:
         router = self.router = Router(self._routes(runtimes), self._settings(),
                                       slabs=self.slab_snapshots)
         for r in runtimes:
-            router.mark_up(r.plan.runtime_id, self.supervisor.pid_of(r.plan.runtime_id),
-                           restarted=False)
+            router.mark_up(r.plan.runtime_id, self.supervisor.pid_of(r.plan.runtime_id))
         self.server = RouterServer(router, config.router.host, self.port,
                                    sock=self._router_socket)
         self._router_socket = None  # the server owns it now
@@ -118,6 +122,7 @@ class Fleet:
         self.supervisor.watch()
         self.progress(f"router serving {[m.name for m in config.models]} on "
                       f"{self.server.base_url}/v1")
+        self._ready = True
 
     def prepare(self) -> None:
         """Each model's checkpoint in its precision (reused when already prepared), verified
@@ -193,9 +198,9 @@ class Fleet:
         free_blocks = snap.free_slabs * blocks_per_slab + owner.free_blocks
         return free_blocks * runtime.page_size
 
-    def _runtime_down(self, runtime_id: str) -> None:
+    def _runtime_down(self, runtime_id: str, reason: str, back_in_s: float) -> None:
         if self.router is not None:
-            self.router.mark_down(runtime_id)
+            self.router.mark_down(runtime_id, reason, back_in_s)
 
     def _runtime_up(self, runtime_id: str, pid: int, base_url: str) -> None:
         self._note_runtime(runtime_id)
@@ -222,8 +227,10 @@ class Fleet:
         if self.server is not None:
             self.server.stop()
             self.server = None
+        troubled = False
         if self.supervisor is not None:
             self.supervisor.stop_all()
+            troubled = any(r.restarts for r in self.supervisor.runtimes.values())
             self.supervisor = None
         for device, arena in self.arenas.items():
             try:
@@ -234,6 +241,11 @@ class Fleet:
         if self.record is not None:
             self.record.remove()
             self.record = None
+        if self._temp_logs and self._ready and not troubled:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+        elif self._temp_logs:
+            self.progress(f"runtime logs kept in {self.log_dir} "
+                          f"({'a runtime went down' if self._ready else 'the start failed'})")
         self.progress("fleet stopped")
 
     @property

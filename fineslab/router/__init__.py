@@ -4,7 +4,7 @@
                          tokenizer_dir, context_tokens, max_running_requests)]
     router = Router(routes, RouterSettings(api_key=None, on_drop="reject"), slabs=snapshots_fn)
     server = RouterServer(router, host="127.0.0.1", port=8000); server.start(); ...; server.stop()
-    router.mark_down(runtime_id) / router.mark_up(runtime_id, pid)   # from the supervisor
+    router.mark_down(runtime_id, reason, back_in_s) / router.mark_up(runtime_id, pid)  # supervisor
 
 Modules: config (routes, settings), requests (validation, prompt tokens), queues (per-model
 queue driven by the batch policy: Algorithm 2 by default), replicas (live runtime state),

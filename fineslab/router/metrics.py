@@ -14,7 +14,8 @@ request path never pays for them.
     fineslab_ttft_slo_attainment{model}          met / measured (streamed requests)
     fineslab_runtime_up{model,runtime}, fineslab_runtime_restarts{model,runtime}
     fineslab_slabs{device,key,state}             slab count by block size (bytes) and state
-    fineslab_slab_owner_slabs{device,owner}      slabs held by each runtime
+    fineslab_slab_owner_slabs{device,owner}      slabs a runtime holds alone (a key pool's slabs
+                                                 are shared: they are in fineslab_slabs by key)
     fineslab_slab_owner_used_bytes{device,owner} bytes of blocks in use by each runtime
     fineslab_arena_free_bytes{device}
 """
@@ -73,7 +74,8 @@ class LiveCollector(Collector):
 def _slab_metrics(snapshots: dict[str, TableSnapshot]) -> Iterator[Metric]:
     slabs = GaugeMetricFamily("fineslab_slabs", "Slabs by block size (bytes) and state",
                               labels=["device", "key", "state"])
-    owner_slabs = GaugeMetricFamily("fineslab_slab_owner_slabs", "Slabs held by a runtime",
+    owner_slabs = GaugeMetricFamily("fineslab_slab_owner_slabs",
+                                    "Slabs a runtime holds alone (not its key pool's)",
                                     labels=["device", "owner"])
     owner_used = GaugeMetricFamily("fineslab_slab_owner_used_bytes",
                                    "Bytes of KV blocks in use by a runtime",
@@ -84,7 +86,9 @@ def _slab_metrics(snapshots: dict[str, TableSnapshot]) -> Iterator[Metric]:
         for (key, state), count in sorted(snap.slabs_by_key_state.items()):
             slabs.add_metric([device, str(key), state], count)
         for owner in snap.owners:
-            owner_slabs.add_metric([device, owner.runtime_id], owner.num_slabs)
+            # A key pool's slabs hold several runtimes' blocks: counted once, by key, above.
+            owner_slabs.add_metric([device, owner.runtime_id], 0 if owner.pooled
+                                   else owner.num_slabs)
             owner_used.add_metric([device, owner.runtime_id], owner.used_bytes)
         free.add_metric([device], snap.free_bytes)
     yield from (slabs, owner_slabs, owner_used, free)

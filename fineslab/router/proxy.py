@@ -58,7 +58,7 @@ def _failure(queue: ModelQueue, lease: Lease, exc: BaseException) -> tuple[int, 
     """(status, code, message) for a request whose runtime failed it."""
     runtime_id = lease.replica.runtime_id
     if isinstance(exc, RuntimeDown):
-        status, reason, message = 502, "runtime_down", str(exc)
+        status, reason, message = exc.status, "runtime_down", str(exc)
     elif isinstance(exc, TimeoutError):
         status, reason = 504, "runtime_timeout"
         message = (f"runtime {runtime_id} sent nothing for "

@@ -50,6 +50,10 @@ class RequestDropped(TransientError):
 class NoLiveRuntime(RequestDropped):
     """Dropped while none of the model's runtimes was up (HTTP 503, whatever `on_drop` says)."""
 
+    def __init__(self, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
 
 @dataclass
 class Ticket:
@@ -85,9 +89,22 @@ class ModelQueue:
     def wake(self) -> None:
         self._wake.set()
 
+    def _back_in_s(self) -> int | None:
+        """Seconds until the first replica of a model with none up is expected back."""
+        etas = [r.retry_after_s() for r in self.replicas]
+        known = [eta for eta in etas if eta is not None]
+        return min(known) if known and len(known) == len(etas) else None
+
     async def acquire(self, prompt_tokens: int) -> Lease:
         """Wait until the scheduler releases this request; raises RequestDropped."""
         now_s = self.clock()
+        back_in_s = None if any(r.up for r in self.replicas) else self._back_in_s()
+        if back_in_s is not None and back_in_s > self.route.ttft_slo_s:
+            # Waiting for the restart cannot meet the deadline: say so now, not at it.
+            raise NoLiveRuntime(
+                f"model {self.route.name} is restarting and expected back in about "
+                f"{back_in_s} s, past this request's {self.route.ttft_slo_s:g} s time to "
+                "first token", back_in_s)
         request = WaitingRequest(f"{self.route.name}-{next(self._ids)}", now_s, prompt_tokens)
         ticket = Ticket(request, asyncio.get_running_loop().create_future())
         self._waiting[request.request_id] = ticket
@@ -146,8 +163,9 @@ class ModelQueue:
             ticket = by_id[dropped.request.request_id]
             if not up:
                 ticket.future.set_exception(NoLiveRuntime(
-                    f"model {self.route.name}: no runtime is up (restarting?); "
-                    f"{dropped.reason}"))
+                    f"model {self.route.name} has no runtime up (restarting) and this request "
+                    f"waited its {self.route.ttft_slo_s:g} s time to first token for one",
+                    self._back_in_s()))
                 self.metrics.dropped(self.route.name, "rejected")
             elif self.settings.on_drop == "best_effort":
                 ticket.best_effort = True
@@ -155,7 +173,9 @@ class ModelQueue:
                 self.metrics.dropped(self.route.name, "best_effort")
             else:
                 ticket.future.set_exception(RequestDropped(
-                    f"model {self.route.name}: {dropped.reason}"))
+                    f"model {self.route.name} is overloaded: this request cannot get its first "
+                    f"token within its {self.route.ttft_slo_s:g} s target; retry later "
+                    f"(scheduler: {dropped.reason})"))
                 self.metrics.dropped(self.route.name, "rejected")
 
     def _lease(self, ticket: Ticket, up: list[Replica]) -> bool:

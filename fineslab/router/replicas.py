@@ -7,11 +7,18 @@ two), so a dead runtime's requests end with an error at once instead of waiting 
 timeout; going up installs a fresh future.
 
     inflight == number of leases handed out on this replica and not yet released
+    restarts == number of times it went down and was (or is being) restarted
+
+A replica marked down carries the supervisor's reason (`exited`, `hung`, ...) and when it is
+expected back (`back_at_s`, on the router's monotonic clock; None when unknown): the queue
+rejects at once what cannot wait that long, with a `Retry-After` that says how long.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import Awaitable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -26,9 +33,12 @@ T = TypeVar("T")
 class RuntimeDown(Exception):
     """The runtime serving a request died (or was marked down) before it finished."""
 
-    def __init__(self, runtime_id: str) -> None:
-        super().__init__(f"runtime {runtime_id} went down while serving this request")
+    def __init__(self, runtime_id: str, reason: str | None = None) -> None:
+        why = f" ({reason}); it is being restarted" if reason else ""
+        super().__init__(f"runtime {runtime_id} went down while serving this request{why}")
         self.runtime_id = runtime_id
+        #: 504 for a runtime that stopped answering, 502 for one that died.
+        self.status = 504 if reason is not None and reason.startswith("hung") else 502
 
 
 class Replica:
@@ -39,16 +49,29 @@ class Replica:
         self.inflight = 0
         self.restarts = 0
         self.pid: int | None = None
+        self.down_reason: str | None = None
+        self.back_at_s: float | None = None
         self.down: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     @property
     def runtime_id(self) -> str:
         return self.route.runtime_id
 
-    def mark_down(self) -> None:
+    def mark_down(self, reason: str | None = None, back_in_s: float | None = None) -> None:
+        """Down; with a `reason`, the supervisor is restarting it (counted in `restarts`)."""
+        if self.up and reason is not None:
+            self.restarts += 1
         self.up = False
+        self.down_reason = reason
+        self.back_at_s = None if back_in_s is None else time.monotonic() + back_in_s
         if not self.down.done():
             self.down.set_result(None)
+
+    def retry_after_s(self) -> int | None:
+        """Whole seconds until it is expected back (None: unknown or up)."""
+        if self.up or self.back_at_s is None:
+            return None
+        return max(1, math.ceil(self.back_at_s - time.monotonic()))
 
     def move(self, base_url: str, client: aiohttp.ClientSession) -> aiohttp.ClientSession:
         """Serve from `base_url` with `client` from now on; return the old client to close."""
@@ -56,18 +79,17 @@ class Replica:
         self.route = replace(self.route, base_url=base_url)
         return old
 
-    def mark_up(self, restarted: bool) -> None:
+    def mark_up(self) -> None:
         if self.down.done():
             self.down = asyncio.get_running_loop().create_future()
         self.up = True
-        if restarted:
-            self.restarts += 1
+        self.down_reason = self.back_at_s = None
 
     async def guard(self, awaitable: Awaitable[T]) -> T:
         """Await `awaitable`, or raise RuntimeDown as soon as this replica goes down."""
         down = self.down
         if down.done():
-            raise RuntimeDown(self.runtime_id)
+            raise RuntimeDown(self.runtime_id, self.down_reason)
         work = asyncio.ensure_future(awaitable)
         waiters: list[asyncio.Future[Any]] = [work, down]
         try:
@@ -78,9 +100,10 @@ class Replica:
         if work in done:
             return work.result()
         work.cancel()
-        raise RuntimeDown(self.runtime_id)
+        raise RuntimeDown(self.runtime_id, self.down_reason)
 
     def state(self) -> dict[str, object]:
-        return {"runtime_id": self.runtime_id, "url": self.route.base_url,
-                "state": "up" if self.up else "down", "inflight": self.inflight,
+        state = "up" if self.up else ("restarting" if self.down_reason else "down")
+        return {"runtime_id": self.runtime_id, "url": self.route.base_url, "state": state,
+                "reason": self.down_reason, "inflight": self.inflight,
                 "restarts": self.restarts, "pid": self.pid}

@@ -83,10 +83,14 @@ def build_app(delay_s: float = 0.0, token_gap_s: float = 0.0) -> Any:
     async def health(request: Request) -> Response:
         return Response("ok")
 
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "echo", "max_model_len": 2048}]})
+
     return Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/health", health),
+        Route("/v1/models", models),
     ])
 
 

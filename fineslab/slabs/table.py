@@ -377,8 +377,11 @@ class SlabTable:
                 if not self.identity_of(slot).is_alive()]
         for slot, name in dead:
             num_slabs = int(np.count_nonzero(self.owner == slot))
-            logger.warning("slab table %s: runtime %r (pid %d) is dead; reclaiming %d slab(s)",
-                           self.path, name, self.rt_pid[slot], num_slabs)
+            pooled = int(np.count_nonzero((self.block_owner == slot + 1)
+                                          & (self.owner == POOLED)[:, None]))
+            logger.warning("slab table %s: runtime %r (pid %d) is dead; reclaiming its %d own "
+                           "slab(s) and %d block(s) in its key pool", self.path, name,
+                           self.rt_pid[slot], num_slabs, pooled)
             self._drop_runtime_locked(slot)
         return [name for _, name in dead]
 

@@ -195,7 +195,7 @@ def test_a_runtime_marked_down_fails_its_inflight_requests_at_once() -> None:
                     await asyncio.sleep(0.01)
                 assert replica.inflight == 1, "the request must be in flight at the runtime"
                 marked = asyncio.get_running_loop().time()
-                server.router.mark_down("fast-r0")
+                server.router.mark_down("fast-r0", reason="exited with -9")
                 reply = await pending
                 waited = asyncio.get_running_loop().time() - marked
                 health = await client.get("/health")
@@ -204,7 +204,7 @@ def test_a_runtime_marked_down_fails_its_inflight_requests_at_once() -> None:
         status, code, health, waited = asyncio.run(scenario())
         assert waited < 2.5, f"the in-flight request must fail at once, not after {waited:.1f} s"
         assert (status, code) == (502, "runtime_down")
-        assert health == 503, "a model with no live runtime makes /health fail"
+        assert health == 503, "with its only model down, the router serves nothing"
         server.router.mark_up("fast-r0", pid=123)
         reply = httpx.post(server.base_url + "/v1/completions",
                            json={"model": "fast", "prompt": "hi", "max_tokens": 1}, timeout=30)
@@ -230,11 +230,30 @@ def test_a_request_for_a_model_with_no_runtime_up_gets_503_by_its_deadline(
         waited = reply.elapsed.total_seconds()
         assert reply.status_code == 503, reply.text
         assert reply.json()["error"]["code"] == "runtime_down"
-        assert "no runtime is up" in reply.json()["error"]["message"]
+        assert "has no runtime up" in reply.json()["error"]["message"]
         assert "retry-after" in reply.headers
         assert 0.9 <= waited < 5.0, f"it waits for a restart until its 1 s deadline, not {waited}"
         server.router.mark_up("strict-r0", pid=123)
         assert httpx.post(url, json=body, timeout=30).status_code == 200, "served once back"
+    finally:
+        server.stop()
+
+
+def test_a_model_restarting_for_longer_than_its_slo_is_refused_at_once_with_retry_after(
+        backend_url: str) -> None:
+    # Issue #15, defect 4: after a give-up every request waited 5 s for a 503, for ever.
+    server = _serve([_route("strict", backend_url, slo_s=1.0, s_per_token=0.001)])
+    try:
+        server.router.mark_down("strict-r0", reason="exited with -9", back_in_s=30)
+        reply = httpx.post(server.base_url + "/v1/completions", timeout=30,
+                           json={"model": "strict", "prompt": "hi", "max_tokens": 1})
+        assert reply.status_code == 503, reply.text
+        assert reply.elapsed.total_seconds() < 0.5, "no wait for a restart that comes too late"
+        assert 28 <= int(reply.headers["retry-after"]) <= 30, reply.headers
+        assert "expected back in about" in reply.json()["error"]["message"]
+        health = httpx.get(server.base_url + "/health", timeout=30).json()
+        replica = health["models"]["strict"][0]
+        assert (replica["state"], replica["restarts"]) == ("restarting", 1), replica
     finally:
         server.stop()
 

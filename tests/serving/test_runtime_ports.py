@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fineslab.launch.config import DeviceConfig, ModelConfig
+from fineslab.launch.config import DeviceConfig, ModelConfig, SupervisionPolicy
 from fineslab.launch.plan import RuntimePlan
-from fineslab.launch.runtimes import SupervisedRuntime, Supervisor
+from fineslab.launch.supervisor import SupervisedRuntime, Supervisor
 from fineslab.runtime import PORT_BAND, ServerSpec, free_port, start_server
 
 
@@ -69,9 +69,9 @@ def _supervised(spec: ServerSpec, log_path: Path, progress: Callable[[str], None
                 ) -> tuple[SupervisedRuntime, Supervisor]:
     """One runtime under a Supervisor with no router and no arena behind it."""
     runtime = SupervisedRuntime(_plan("llama-r0"), spec, log_path)
-    return runtime, Supervisor([runtime], on_down=lambda _id: None,
+    return runtime, Supervisor([runtime], on_down=lambda _id, _why, _eta: None,
                                on_up=lambda _id, _pid, _url: None, reclaim=lambda _d: [],
-                               progress=progress, health_timeout_s=300)
+                               progress=progress, policy=SupervisionPolicy(health_timeout_s=300))
 
 
 def test_a_runtime_whose_port_is_taken_at_start_up_comes_up_on_a_fresh_port(
@@ -96,7 +96,7 @@ def test_a_runtime_whose_port_is_taken_at_start_up_comes_up_on_a_fresh_port(
 
 def test_a_port_still_taken_after_the_last_retry_fails_the_start_with_the_log_named(
         squatted: ServerSpec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("fineslab.launch.runtimes.PORT_RETRIES", 0)  # no retry left
+    monkeypatch.setattr("fineslab.launch.supervisor.PORT_RETRIES", 0)  # no retry left
     _, supervisor = _supervised(squatted, tmp_path / "llama-r0.log", lambda _m: None)
     try:
         with pytest.raises(Exception, match="runtime llama-r0 did not start") as info:

@@ -1,0 +1,227 @@
+"""Chaos: the demo fleet under load while runtimes die and hang, then the launcher is killed.
+
+    python -m fineslab.bench.chaos --json [--duration 120] [--seed 0] [--config YAML]
+
+Starts the fleet (`examples/cpu-demo.yaml` with its own fleet id, a free port, fast liveness
+probes), then for `--duration` seconds keeps `--clients` closed-loop clients on loopback sending
+small valid requests (completions and chat, streaming or not) while a driver, every
+`duration / faults` seconds, does one of: SIGKILL a runtime's server, SIGKILL its scheduler,
+SIGSTOP its server, SIGSTOP its scheduler, or a burst of hostile and fuzzed bodies
+(`fineslab.bench.fuzz_cases`). Then it waits for every model to serve again, checks the slab
+table, SIGKILLs the launcher, checks what is left, relaunches the same config, and stops it
+with SIGINT.
+
+Keys (last line, JSON), target all 0 and `integrity_ok` true:
+    requests         requests the clients sent
+    unexpected_5xx   5xx other than 502/503/504 for a request that overlapped a fault of its
+                     model (from the fault until the model was seen serving again)
+    hung_requests    requests with no answer within upstream_timeout_s + 10 s
+    models_retired   models not serving at the end (after `--settle-s`)
+    leaked_slabs     slabs held by runtimes that are gone (slab table, before the launcher kill)
+    orphans          processes carrying the fleet's marker left after the launcher's SIGKILL
+                     (+ after the relaunch's stop)
+    shm_files_left   SGLang shm files of the fleet's runtimes and arena files left after each
+    integrity_ok     the slab table's check_integrity, and the relaunch served and stopped
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from fineslab.bench.chaos_fleet import ChaosFleet
+from fineslab.bench.fuzz_cases import hostile_cases, random_cases
+
+REPO = Path(__file__).resolve().parents[2]
+FAULTS = ("kill_server", "kill_scheduler", "stop_server", "stop_scheduler", "fuzz")
+UPSTREAM_TIMEOUT_S = 60.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fineslab.bench.chaos", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=float, default=120.0, help="seconds of chaos")
+    parser.add_argument("--faults", type=int, default=6, help="faults over the duration")
+    parser.add_argument("--clients", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--settle-s", type=float, default=600.0,
+                        help="how long every model gets to serve again after the chaos")
+    parser.add_argument("--config", default=str(REPO / "examples" / "cpu-demo.yaml"))
+    parser.add_argument("--json", action="store_true")
+    return parser
+
+
+class Ledger:
+    """Requests and faults, with the rule that tells an expected 502/503/504 from a defect."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests: list[tuple[str, float, float, int | None]] = []  # model, t0, t1, status
+        self.faults: list[dict[str, Any]] = []
+        self.windows: dict[str, list[list[float]]] = {}  # model -> [[start, end], ...]
+
+    def fault(self, model: str, kind: str, now_s: float) -> None:
+        with self.lock:
+            self.faults.append({"model": model, "kind": kind, "at_s": round(now_s, 1)})
+            self.windows.setdefault(model, []).append([now_s, float("inf")])
+
+    def serving(self, model: str, now_s: float) -> None:
+        with self.lock:
+            for window in self.windows.get(model, []):
+                if window[1] == float("inf"):
+                    window[1] = now_s
+
+    def classify(self) -> dict[str, Any]:
+        statuses: Counter[str] = Counter()
+        unexpected, hung = [], 0
+        for model, t0, t1, status in self.requests:
+            statuses[str(status)] += 1
+            if status is None:
+                hung += 1
+                continue
+            if status < 500:
+                continue
+            overlaps = any(s <= t1 and t0 <= e for s, e in self.windows.get(model, []))
+            if status not in (502, 503, 504) or not overlaps:
+                unexpected.append({"model": model, "status": status, "at_s": round(t0, 1)})
+        return {"requests": len(self.requests), "unexpected_5xx": len(unexpected),
+                "hung_requests": hung, "statuses": dict(sorted(statuses.items())),
+                "unexpected": unexpected[:10]}
+
+
+def _client(base_url: str, models: list[str], ledger: Ledger, stop: threading.Event,
+            seed: int, clock_0: float) -> None:
+    rng = random.Random(seed)
+    with httpx.Client(base_url=base_url, timeout=UPSTREAM_TIMEOUT_S + 10) as client:
+        while not stop.is_set():
+            model = rng.choice(models)
+            stream = rng.random() < 0.3
+            body: dict[str, Any]
+            if rng.random() < 0.5:
+                path, body = "/v1/completions", {"prompt": "the arena " * rng.randint(1, 20)}
+            else:
+                path, body = "/v1/chat/completions", {
+                    "messages": [{"role": "user", "content": "hi " * rng.randint(1, 20)}]}
+            body.update(model=model, max_tokens=rng.randint(1, 8), stream=stream)
+            t0 = time.monotonic() - clock_0
+            status: int | None
+            try:
+                with client.stream("POST", path, json=body) as reply:
+                    reply.read()
+                    status = reply.status_code
+            except httpx.TimeoutException:
+                status = None
+            except httpx.TransportError:
+                status = 599  # a reset: never expected
+            with ledger.lock:
+                ledger.requests.append((model, t0, time.monotonic() - clock_0, status))
+            if status in (429, 503):
+                time.sleep(0.5)
+
+
+def _watch_health(fleet: ChaosFleet, ledger: Ledger, stop: threading.Event,
+                  clock_0: float) -> None:
+    while not stop.wait(1.0):
+        status = fleet.model_status()
+        for model, state in status.items():
+            if state == "serving":
+                ledger.serving(model, time.monotonic() - clock_0)
+
+
+def _inject(fleet: ChaosFleet, kind: str, rng: random.Random, ledger: Ledger,
+            clock_0: float) -> None:
+    if kind == "fuzz":
+        models = fleet.models
+        cases = hostile_cases(models) + random_cases(models, {}, 40, rng.randrange(2**31))
+        with httpx.Client(base_url=fleet.base_url, timeout=60) as client:
+            for method, path, body in cases:
+                reply = client.request(method, path or "/v1/completions", content=body,
+                                       headers={"content-type": "application/json"})
+                if reply.status_code >= 500:
+                    ledger.requests.append(("fuzz", 0.0, 0.0, reply.status_code))
+        return
+    model = rng.choice(fleet.models)
+    target = "scheduler" if kind.endswith("scheduler") else "server"
+    pid = fleet.process_of(model, target)
+    if pid is None:
+        return
+    ledger.fault(model, kind, time.monotonic() - clock_0)
+    os.kill(pid, signal.SIGKILL if kind.startswith("kill") else signal.SIGSTOP)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    config = yaml.safe_load(Path(args.config).read_text())
+    config["fleet_id"] = f"chaos-{os.getpid()}"
+    config.setdefault("router", {})["upstream_timeout_s"] = UPSTREAM_TIMEOUT_S
+    config["supervision"] = {"probe_interval_s": 2, "probe_timeout_s": 10, "probe_failures": 2}
+    folder = Path(tempfile.mkdtemp(prefix="fineslab-chaos-"))
+    ledger, result = Ledger(), dict[str, Any]()
+    fleet = ChaosFleet.launch(config, folder, "first")
+    fleets = [fleet]
+    try:
+        clock_0 = time.monotonic()
+        stop = threading.Event()
+        workers = [threading.Thread(target=_client, args=(fleet.base_url, fleet.models, ledger,
+                                                          stop, args.seed + i, clock_0))
+                   for i in range(args.clients)]
+        workers.append(threading.Thread(target=_watch_health,
+                                        args=(fleet, ledger, stop, clock_0)))
+        for worker in workers:
+            worker.start()
+        gap_s = args.duration / max(1, args.faults)
+        for i in range(args.faults):
+            time.sleep(gap_s / 2 if i == 0 else gap_s)
+            _inject(fleet, rng.choice(FAULTS), rng, ledger, clock_0)
+        time.sleep(gap_s / 2)
+        stop.set()
+        for worker in workers:
+            worker.join(UPSTREAM_TIMEOUT_S + 30)
+        result.update(ledger.classify(), faults=ledger.faults)
+        result["models_retired"] = len(fleet.wait_serving(args.settle_s))
+        result["leaked_slabs"], integrity = fleet.slab_check()
+        result.update(fleet.kill_launcher_and_count())
+        second = ChaosFleet.launch(config, folder, "relaunch")
+        fleets.append(second)
+        result["relaunch_serving"] = not second.wait_serving(args.settle_s)
+        after_stop = second.interrupt()
+        result["stop_s"] = after_stop.pop("stop_s")
+        for key, value in after_stop.items():
+            result[key] += int(value)
+        result["integrity_ok"] = integrity and result["relaunch_serving"]
+    finally:
+        for each in fleets:
+            each.cleanup()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result = run(args)
+    keys = ("requests", "unexpected_5xx", "hung_requests", "models_retired", "leaked_slabs",
+            "orphans", "shm_files_left", "integrity_ok", "statuses", "stop_s")
+    for key in keys:
+        print(f"{key:>16}: {result.get(key)}")
+    for fault in result.get("faults", []):
+        print(f"  fault: {fault}")
+    if args.json:
+        print(json.dumps(result))
+    ok = all(result.get(k) == 0 for k in keys[1:7]) and result.get("integrity_ok") is True
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
