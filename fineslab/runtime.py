@@ -204,6 +204,14 @@ class ServerProcess:
         server notices a dead scheduler only after a 5 s sleep; this sees it at once)."""
         return self.members <= set(self.tree_pids())
 
+    def cpu_ticks(self) -> int:
+        """CPU time (clock ticks, user + system) the tree's live processes have used."""
+        return sum(_stat_fields(pid, (11, 12)) for pid in self.tree_pids())
+
+    def stopped(self) -> bool:
+        """Whether a process of the tree is stopped (SIGSTOP, a debugger)."""
+        return any(_state(pid) in ("T", "t") for pid in self.tree_pids())
+
     def record_shm(self) -> None:
         """Note the SGLang shm files the live tree uses, to remove them after it is gone."""
         self.shm_files |= tree_shm_files(self.tree_pids())
@@ -225,6 +233,26 @@ class ServerProcess:
             removed = remove_files(self.shm_files)
             if removed:
                 logger.info("removed %d SGLang shm file(s) of server %d", len(removed), pgid)
+
+
+def _stat_after_name(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _state(pid: int) -> str:
+    fields = _stat_after_name(pid)
+    return fields[0] if fields else "X"
+
+
+def _stat_fields(pid: int, indexes: tuple[int, ...]) -> int:
+    """The sum of /proc/<pid>/stat fields at `indexes`, counted after the command name
+    (0 is the state; 11 and 12 are utime and stime)."""
+    fields = _stat_after_name(pid)
+    return sum(int(fields[i]) for i in indexes) if len(fields) > max(indexes) else 0
 
 
 def _pids_in_group(pgid: int) -> list[int]:

@@ -48,6 +48,7 @@ from fineslab.bench.fuzz_cases import hostile_cases, random_cases
 REPO = Path(__file__).resolve().parents[2]
 FAULTS = ("kill_server", "kill_scheduler", "stop_server", "stop_scheduler", "fuzz")
 UPSTREAM_TIMEOUT_S = 60.0
+FUZZ = "<fuzz>"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +95,10 @@ class Ledger:
                 continue
             if status < 500:
                 continue
-            overlaps = any(s <= t1 and t0 <= e for s, e in self.windows.get(model, []))
+            # A fuzzed body may name any model (or none): any model's fault explains it.
+            windows = ([w for ws in self.windows.values() for w in ws] if model == FUZZ
+                       else self.windows.get(model, []))
+            overlaps = any(s <= t1 and t0 <= e for s, e in windows)
             if status not in (502, 503, 504) or not overlaps:
                 unexpected.append({"model": model, "status": status, "at_s": round(t0, 1)})
         return {"requests": len(self.requests), "unexpected_5xx": len(unexpected),
@@ -148,10 +152,12 @@ def _inject(fleet: ChaosFleet, kind: str, rng: random.Random, ledger: Ledger,
         cases = hostile_cases(models) + random_cases(models, {}, 40, rng.randrange(2**31))
         with httpx.Client(base_url=fleet.base_url, timeout=60) as client:
             for method, path, body in cases:
+                t0 = time.monotonic() - clock_0
                 reply = client.request(method, path or "/v1/completions", content=body,
                                        headers={"content-type": "application/json"})
-                if reply.status_code >= 500:
-                    ledger.requests.append(("fuzz", 0.0, 0.0, reply.status_code))
+                with ledger.lock:
+                    ledger.requests.append((FUZZ, t0, time.monotonic() - clock_0,
+                                            reply.status_code))
         return
     model = rng.choice(fleet.models)
     target = "scheduler" if kind.endswith("scheduler") else "server"

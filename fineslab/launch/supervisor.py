@@ -9,7 +9,11 @@ on to clients and to /health:
              at every `poll_s`, so the router knows at once)
     hung     `probe_failures` liveness probes in a row failed: SGLang's own `/health_generate`
              (a 1-token generation, or any output seen while it waits) got no 200 within
-             `probe_timeout_s` (a SIGSTOPped scheduler or server, a wedged loop)
+             `probe_timeout_s`, AND the tree is not merely slow: a process of it is stopped
+             (SIGSTOP), or the whole tree used less than `MIN_BUSY_CPU_S` of CPU since the
+             first failed probe (deadlocked, wedged). A runtime whose probes time out while
+             it computes (a 2-core machine loaded by restarts) is busy, not hung: the chaos
+             benchmark saw such runtimes killed, and their restarts load the machine further.
     start    a restart did not come up healthy
 
 A restart never gives up: the n-th restart in a row waits `backoff_s(n)` (0, then 1, 2, 4 ...
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 import urllib.error
@@ -47,6 +52,11 @@ PORT_RETRIES = 3
 #: nothing is in flight, and SGLang 0.5.23 answers SIGTERM with a 3 s drain and, once it sees
 #: its scheduler gone, a 5 s "crash diagnostics" sleep; its shm files are removed either way.
 STOP_GRACE_S = 1.0
+
+CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+#: CPU a tree must use between its first and last failed probe to count as busy, not hung.
+MIN_BUSY_CPU_S = 0.5
 
 
 @dataclass
@@ -150,7 +160,7 @@ class Supervisor:
                     self._down(r, "a process of its tree died")
 
     def _probe_loop(self, r: SupervisedRuntime) -> None:
-        failures = 0
+        failures, cpu_at_first = 0, 0
         while not self._stopping.wait(self.policy.probe_interval_s):
             process = r.process
             if r.restarting or process is None:
@@ -160,12 +170,24 @@ class Supervisor:
                 failures = 0
                 continue
             failures += 1
+            cpu_at_first = process.cpu_ticks() if failures == 1 else cpu_at_first
             logger.warning("runtime %s failed liveness probe %d of %d", r.plan.runtime_id,
                            failures, self.policy.probe_failures)
-            if failures >= self.policy.probe_failures and process is r.process:
+            if failures < self.policy.probe_failures or process is not r.process:
+                continue
+            busy_s = (process.cpu_ticks() - cpu_at_first) / CLOCK_TICKS_PER_S
+            if process.stopped():
+                why = "a process of it is stopped"
+            elif busy_s < MIN_BUSY_CPU_S:
+                why = f"it used {busy_s:.2f} s of CPU meanwhile"
+            else:
+                logger.warning("runtime %s: no answer to %d probes, but it used %.1f s of CPU "
+                               "meanwhile: busy, not hung", r.plan.runtime_id, failures, busy_s)
                 failures = 0
-                self._down(r, f"hung: no answer to {self.policy.probe_failures} health probes "
-                              f"of {self.policy.probe_timeout_s:g} s")
+                continue
+            failures = 0
+            self._down(r, f"hung: no answer to {self.policy.probe_failures} health probes "
+                          f"of {self.policy.probe_timeout_s:g} s, and {why}")
 
     def _probe(self, base_url: str) -> bool:
         try:

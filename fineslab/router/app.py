@@ -38,6 +38,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from fineslab.router.attribution import CrashAttribution, fingerprint
 from fineslab.router.config import ModelRoute, RouterSettings
 from fineslab.router.metrics import LiveCollector, RouterMetrics
 from fineslab.router.proxy import error_body, forward
@@ -84,6 +85,7 @@ class Router:
         self._tasks: list[asyncio.Task[None]] = []
         self._pending_state: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         self._parse_pool = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="fineslab-parse")
+        self.attribution = CrashAttribution()
 
     # -- lifecycle (on the loop) ----------------------------------------------------------------
 
@@ -198,37 +200,48 @@ class Router:
     async def handle(self, raw: bytes, path: str, chat: bool) -> Response:
         try:
             if len(raw) <= INLINE_PARSE_BYTES:
-                route, parsed = self._read(raw, chat)
+                route, parsed, key = self._read(raw, path, chat)
             else:
                 loop = asyncio.get_running_loop()
-                route, parsed = await loop.run_in_executor(self._parse_pool, self._read, raw,
-                                                           chat)
+                route, parsed, key = await loop.run_in_executor(self._parse_pool, self._read,
+                                                                raw, path, chat)
         except BadRequest as exc:
             return bad_request(exc)
         except UnknownModel as exc:
             return JSONResponse(error_body(str(exc), "invalid_request_error",
                                            "model_not_found", "model"), 404)
+        if self.attribution.is_poison(key):
+            return self.attribution.refuse(route.name)
         queue = self.queues[route.name]
+        return await self.attribution.serve(route.name, key,
+                                            lambda: self._attempt(queue, parsed, path),
+                                            queue.can_take_soon)
+
+    async def _attempt(self, queue: ModelQueue, parsed: ParsedRequest,
+                       path: str) -> tuple[Response, bool]:
+        """Queue the request, then forward it: (the response, whether a runtime answered);
+        raises RuntimeLost (see attribution.py)."""
         try:
             lease = await queue.acquire(parsed.prompt_tokens)
         except NoLiveRuntime as exc:
             retry_s = exc.retry_after_s or self.settings.retry_after_s
             return JSONResponse(error_body(str(exc), "runtime_unavailable", "runtime_down"), 503,
-                                headers={"Retry-After": str(retry_s)})
+                                headers={"Retry-After": str(retry_s)}), False
         except RequestDropped as exc:
             status = self.settings.drop_status
             return JSONResponse(error_body(str(exc), "slo_drop", status), status,
-                                headers={"Retry-After": str(self.settings.retry_after_s)})
-        return await forward(queue, lease, path, parsed.body, parsed.stream)
+                                headers={"Retry-After": str(self.settings.retry_after_s)}), False
+        return await forward(queue, lease, path, parsed.body, parsed.stream), True
 
-    def _read(self, raw: bytes, chat: bool) -> tuple[ModelRoute, ParsedRequest]:
-        """Parse and validate one body (on the loop or the parse pool: touches no live state)."""
+    def _read(self, raw: bytes, path: str, chat: bool) -> tuple[ModelRoute, ParsedRequest, str]:
+        """Parse, validate and fingerprint one body (on the loop or the parse pool: touches no
+        live state)."""
         body = parse_body(raw)
         route = self.routes.get(body["model"])
         if route is None:
             raise UnknownModel(f"model {body['model']!r:.80} is not served here; see /v1/models")
         return route, read_request(body, self.counters[route.name], chat, route.context_tokens,
-                                   route.vocab_size)
+                                   route.vocab_size), fingerprint(path, raw)
 
 
 class UnknownModel(Exception):

@@ -9,12 +9,16 @@ request's arrival at the router to the first event, TPOT the mean gap between la
 
 Every read from the runtime races the replica's `down` future (`Replica.guard`): if the runtime
 dies mid-request, a non-streaming client gets a 502 JSON error at once and a streaming client an
-SSE `error` event (the `openai` client raises it as an APIError), never a hang. A runtime that
+SSE `error` event (the `openai` client raises it as an APIError), never a hang. When it went
+down before the client got any byte, `forward` raises `RuntimeLost` instead, and the router may
+send the request again (`app.py`: crash attribution). A runtime that
 sends nothing for `upstream_timeout_s` (hung, e.g. SIGSTOPped) fails the request with a 504.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -31,6 +35,29 @@ from fineslab.router.replicas import Replica, RuntimeDown
 logger = logging.getLogger(__name__)
 
 UPSTREAM_ERRORS = (RuntimeDown, aiohttp.ClientError, TimeoutError)
+#: A broken connection is often the first sign of a runtime's death; the supervisor sees the
+#: exit within its 0.5 s poll. This long the proxy waits to tell a death from a network error.
+DEATH_CONFIRM_S = 1.5
+
+
+class RuntimeLost(Exception):
+    """The runtime went down under a request before any byte of the answer reached the client,
+    so the request may be sent again; `response` is the error to give if it is not."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__("runtime lost")
+        self.response = response
+
+
+async def _died(replica: Replica, exc: BaseException) -> bool:
+    """Whether `exc` is (or turns out to be, within DEATH_CONFIRM_S) the replica going down."""
+    if isinstance(exc, RuntimeDown):
+        return True
+    if not isinstance(exc, aiohttp.ClientError):
+        return False
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(replica.down), DEATH_CONFIRM_S)
+    return not replica.up
 MAX_UPSTREAM_MESSAGE = 400
 _PATH = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.@+-]+){2,}/?")
 
@@ -70,6 +97,17 @@ def _failure(queue: ModelQueue, lease: Lease, exc: BaseException) -> tuple[int, 
     return status, reason, message
 
 
+async def _failed_before_answer(queue: ModelQueue, lease: Lease,
+                                exc: BaseException) -> JSONResponse:
+    """The error for a request whose runtime failed before answering; raises RuntimeLost
+    (carrying it) when the runtime went down, so that the caller may send it again."""
+    code, reason, message = _failure(queue, lease, exc)
+    response = JSONResponse(error_body(message, "runtime_error", reason), status_code=code)
+    if await _died(lease.replica, exc):
+        raise RuntimeLost(response)
+    return response
+
+
 def upstream_error(status: int, content: bytes) -> JSONResponse:
     """A runtime's non-200 answer in the router's shape (its 4xx kept, its 5xx -> 502)."""
     message = ""
@@ -98,16 +136,18 @@ async def _post_whole(replica: Replica, path: str, body: dict[str, Any],
 
 async def forward(queue: ModelQueue, lease: Lease, path: str, body: dict[str, Any],
                   stream: bool) -> Response:
-    """Send `body` to the leased replica; releases the lease when the response is done."""
+    """Send `body` to the leased replica; releases the lease when the response is done.
+
+    Raises RuntimeLost when the runtime went down before the client got anything.
+    """
     replica = lease.replica
     if not stream:
         try:
             status, content, media_type = await replica.guard(_post_whole(replica, path, body))
         except UPSTREAM_ERRORS as exc:
-            code, reason, message = _failure(queue, lease, exc)
-            return JSONResponse(error_body(message, "runtime_error", reason), status_code=code)
-        finally:
             queue.release(lease)
+            return await _failed_before_answer(queue, lease, exc)
+        queue.release(lease)
         if status != 200:
             return upstream_error(status, content)
         return Response(content, status_code=status, media_type=media_type)
@@ -115,8 +155,7 @@ async def forward(queue: ModelQueue, lease: Lease, path: str, body: dict[str, An
         upstream = await replica.guard(replica.client.post(path, json=body))
     except UPSTREAM_ERRORS as exc:
         queue.release(lease)
-        code, reason, message = _failure(queue, lease, exc)
-        return JSONResponse(error_body(message, "runtime_error", reason), status_code=code)
+        return await _failed_before_answer(queue, lease, exc)
     if upstream.status != 200:
         try:
             content = await replica.guard(upstream.read())

@@ -95,6 +95,13 @@ class ModelQueue:
         known = [eta for eta in etas if eta is not None]
         return min(known) if known and len(known) == len(etas) else None
 
+    def can_take_soon(self) -> bool:
+        """Whether a replica is up, or expected back within the TTFT SLO."""
+        if any(r.up for r in self.replicas):
+            return True
+        back_in_s = self._back_in_s()
+        return back_in_s is not None and back_in_s <= self.route.ttft_slo_s
+
     async def acquire(self, prompt_tokens: int) -> Lease:
         """Wait until the scheduler releases this request; raises RequestDropped."""
         now_s = self.clock()

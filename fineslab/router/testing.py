@@ -6,7 +6,8 @@ router *adds* at 200 requests/s needs a backend that answers in microseconds. Th
 optionally after `delay_s` (the same for every request, so it cancels out of router-vs-direct
 comparisons), streaming by SSE when asked, and `/health`. A body with `echo_status` (an int)
 gets that status with SGLang's error body and `echo_message` as its message, so tests can see
-what the router makes of a runtime's errors.
+what the router makes of a runtime's errors; a body with `echo_crash: true` makes the backend
+exit at once (a request that kills its runtime).
 
     python -m fineslab.router.testing --port 9001 [--delay-ms 5] [--token-gap-ms 0]
     proc = start_echo_backend(port, delay_s=0.0)   # a subprocess; proc.terminate() to stop
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -54,6 +56,8 @@ def build_app(delay_s: float = 0.0, token_gap_s: float = 0.0) -> Any:
 
     async def complete(request: Request, chat: bool) -> Response:
         body = json.loads(await request.body())
+        if body.get("echo_crash") is True:
+            os._exit(1)
         if isinstance(body.get("echo_status"), int):
             return JSONResponse({"object": "error", "message": body.get("echo_message", ""),
                                  "type": "BadRequestError", "param": None,
