@@ -204,9 +204,9 @@ class ServerProcess:
         server notices a dead scheduler only after a 5 s sleep; this sees it at once)."""
         return self.members <= set(self.tree_pids())
 
-    def cpu_ticks(self) -> int:
-        """CPU time (clock ticks, user + system) the tree's live processes have used."""
-        return sum(_stat_fields(pid, (11, 12)) for pid in self.tree_pids())
+    def cpu_ticks(self) -> dict[int, int]:
+        """CPU time (clock ticks, user + system) each live process of the tree has used."""
+        return {pid: _stat_fields(pid, (11, 12)) for pid in self.tree_pids()}
 
     def stopped(self) -> bool:
         """Whether a process of the tree is stopped (SIGSTOP, a debugger)."""

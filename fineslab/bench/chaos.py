@@ -149,6 +149,9 @@ def _inject(fleet: ChaosFleet, kind: str, rng: random.Random, ledger: Ledger,
             clock_0: float) -> None:
     if kind == "fuzz":
         models = fleet.models
+        with ledger.lock:
+            ledger.faults.append({"model": "*", "kind": kind,
+                                  "at_s": round(time.monotonic() - clock_0, 1)})
         cases = hostile_cases(models) + random_cases(models, {}, 40, rng.randrange(2**31))
         with httpx.Client(base_url=fleet.base_url, timeout=60) as client:
             for method, path, body in cases:

@@ -160,7 +160,7 @@ class Supervisor:
                     self._down(r, "a process of its tree died")
 
     def _probe_loop(self, r: SupervisedRuntime) -> None:
-        failures, cpu_at_first = 0, 0
+        failures, cpu_at_first = 0, dict[int, int]()
         while not self._stopping.wait(self.policy.probe_interval_s):
             process = r.process
             if r.restarting or process is None:
@@ -175,7 +175,9 @@ class Supervisor:
                            failures, self.policy.probe_failures)
             if failures < self.policy.probe_failures or process is not r.process:
                 continue
-            busy_s = (process.cpu_ticks() - cpu_at_first) / CLOCK_TICKS_PER_S
+            # Per process: one that died meanwhile adds nothing (the watcher handles deaths).
+            busy_s = sum(max(0, ticks - cpu_at_first.get(pid, ticks))
+                         for pid, ticks in process.cpu_ticks().items()) / CLOCK_TICKS_PER_S
             if process.stopped():
                 why = "a process of it is stopped"
             elif busy_s < MIN_BUSY_CPU_S:

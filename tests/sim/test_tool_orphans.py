@@ -1,0 +1,76 @@
+"""Issue #15, defect 14: `python -m fineslab.sim fidelity` killed by a timeout left its SGLang
+server running (reparented to init) with its shared-memory files. Every tool starts SGLang
+through `fineslab.runtime`, whose lifeline takes the server down with the tool; this runs the
+real tool, ends it as `timeout` does (SIGTERM, which skips its `finally`), and looks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """Live descendants of `root`: pid -> command line."""
+    parents: dict[int, int] = {}
+    commands: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":
+            parents[int(entry)] = int(fields[1])
+            commands[int(entry)] = cmdline.decode(errors="replace")
+    found, frontier = {}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, ppid in parents.items():
+            if ppid == parent and pid not in found:
+                found[pid] = commands[pid]
+                frontier.append(pid)
+    return found
+
+
+def test_fidelity_killed_by_sigterm_leaves_no_sglang_process(tmp_path: Path) -> None:
+    tool = subprocess.Popen(
+        [sys.executable, "-m", "fineslab.sim", "fidelity", "--quick", "--out", str(tmp_path)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        tree: dict[int, str] = {}
+        while not any("sglang::scheduler" in c for c in tree.values()):
+            assert tool.poll() is None, "the tool ended before its server spawned a scheduler"
+            assert time.monotonic() < deadline, "no SGLang scheduler started"
+            tree = _descendants(tool.pid)
+            time.sleep(0.5)
+        assert any("sglang.launch_server" in c for c in tree.values()), tree
+        tool.send_signal(signal.SIGTERM)
+        tool.wait(30)
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{pid}").exists() and _alive(pid) for pid in tree):
+            assert time.monotonic() < deadline, (
+                "left behind: " + str({p: c[:80] for p, c in tree.items() if _alive(p)}))
+            time.sleep(0.5)
+    finally:
+        if tool.poll() is None:
+            os.killpg(tool.pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
