@@ -50,20 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _InstantPrefill:
-    """The echo backend answers at once: every batch's TTFT is a millisecond."""
-
-    def ttft_s(self, prompt_tokens: object) -> float:
-        return 0.001
-
-
 @contextlib.contextmanager
 def own_router() -> Iterator[str]:
     """A router in this process over the echo backend, serving `llama-tiny` as `llama-bf16`."""
     from fineslab.env import FineslabEnv
     from fineslab.models.generate import ensure_model
     from fineslab.router import ModelRoute, ReplicaRoute, Router, RouterServer, RouterSettings
-    from fineslab.router.testing import start_echo_backend
+    from fineslab.router.testing import FixedTtftPredictor, start_echo_backend
     from fineslab.runtime import free_port
 
     model_dir = ensure_model("llama-tiny", FineslabEnv.from_environ().model_cache_dir)
@@ -71,7 +64,7 @@ def own_router() -> Iterator[str]:
     port = free_port()
     backend = start_echo_backend(port)
     route = ModelRoute("llama-bf16", (ReplicaRoute("llama-bf16-r0", f"http://127.0.0.1:{port}"),),
-                       60.0, _InstantPrefill(), tokenizer_dir=str(model_dir),
+                       60.0, FixedTtftPredictor(), tokenizer_dir=str(model_dir),
                        context_tokens=int(config["max_position_embeddings"]),
                        vocab_size=int(config["vocab_size"]))
     server = RouterServer(Router([route], RouterSettings()))

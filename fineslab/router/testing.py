@@ -28,6 +28,16 @@ from typing import Any
 from fineslab.runtime import wait_until_up
 
 
+class FixedTtftPredictor:
+    """A TTFT predictor that answers `ttft_s` for any batch (the echo backend's is ~0)."""
+
+    def __init__(self, ttft_s: float = 0.001) -> None:
+        self._ttft_s = ttft_s
+
+    def ttft_s(self, prompt_tokens: object) -> float:
+        return self._ttft_s
+
+
 def _completion(body: dict[str, Any], chat: bool, text: str, index: int) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
     if chat:

@@ -13,13 +13,8 @@ import httpx
 import pytest
 
 from fineslab.router import ModelRoute, ReplicaRoute, Router, RouterServer, RouterSettings
-from fineslab.router.testing import start_echo_backend
+from fineslab.router.testing import FixedTtftPredictor, start_echo_backend
 from fineslab.runtime import free_port
-
-
-class Instant:
-    def ttft_s(self, prompt_tokens: object) -> float:
-        return 0.001
 
 
 @pytest.fixture(params=[2.0, 60.0], ids=["quick-restart", "restart-past-the-slo"])
@@ -29,8 +24,8 @@ def supervised(request: pytest.FixtureRequest) -> Iterator[tuple[RouterServer, l
     back_in_s = request.param
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    route = ModelRoute("m", (ReplicaRoute("m-r0", url),), 30.0, Instant(), tokenizer_dir=None,
-                       context_tokens=256, max_running_requests=8)
+    route = ModelRoute("m", (ReplicaRoute("m-r0", url),), 30.0, FixedTtftPredictor(),
+                       tokenizer_dir=None, context_tokens=256, max_running_requests=8)
     server = RouterServer(Router([route], RouterSettings()))
     server.start()
     backend = [start_echo_backend(port, delay_s=1.0)]

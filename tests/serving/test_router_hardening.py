@@ -17,16 +17,11 @@ import pytest
 
 from fineslab.router import ModelRoute, ReplicaRoute, Router, RouterServer, RouterSettings
 from fineslab.router.app import INLINE_PARSE_BYTES
-from fineslab.router.testing import start_echo_backend
+from fineslab.router.testing import FixedTtftPredictor, start_echo_backend
 from fineslab.runtime import free_port
 
 VOCAB = 2048
 ONE_MIB = 1024 * 1024
-
-
-class ConstantPredictor:
-    def ttft_s(self, prompt_tokens: object) -> float:
-        return 0.01
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +35,7 @@ def backend_url() -> Iterator[str]:
 
 def _route(name: str, url: str, tokenizer_dir: str | None = None,
            context_tokens: int = 256) -> ModelRoute:
-    return ModelRoute(name, (ReplicaRoute(f"{name}-r0", url),), 30.0, ConstantPredictor(),
+    return ModelRoute(name, (ReplicaRoute(f"{name}-r0", url),), 30.0, FixedTtftPredictor(),
                       tokenizer_dir=tokenizer_dir, context_tokens=context_tokens,
                       vocab_size=VOCAB)
 
