@@ -72,17 +72,23 @@ class Ledger:
         self.lock = threading.Lock()
         self.requests: list[tuple[str, float, float, int | None]] = []  # model, t0, t1, status
         self.faults: list[dict[str, Any]] = []
-        self.windows: dict[str, list[list[float]]] = {}  # model -> [[start, end], ...]
+        # model -> [[start, end, seen_down], ...]: a window closes when the model is seen
+        # serving after it was seen down (a SIGSTOPped runtime looks up until found hung).
+        self.windows: dict[str, list[list[float]]] = {}
 
     def fault(self, model: str, kind: str, now_s: float) -> None:
         with self.lock:
             self.faults.append({"model": model, "kind": kind, "at_s": round(now_s, 1)})
-            self.windows.setdefault(model, []).append([now_s, float("inf")])
+            self.windows.setdefault(model, []).append([now_s, float("inf"), 0.0])
 
-    def serving(self, model: str, now_s: float) -> None:
+    def seen(self, model: str, serving: bool, now_s: float) -> None:
         with self.lock:
             for window in self.windows.get(model, []):
-                if window[1] == float("inf"):
+                if window[1] != float("inf"):
+                    continue
+                if not serving:
+                    window[2] = 1.0
+                elif window[2]:
                     window[1] = now_s
 
     def classify(self) -> dict[str, Any]:
@@ -98,7 +104,7 @@ class Ledger:
             # A fuzzed body may name any model (or none): any model's fault explains it.
             windows = ([w for ws in self.windows.values() for w in ws] if model == FUZZ
                        else self.windows.get(model, []))
-            overlaps = any(s <= t1 and t0 <= e for s, e in windows)
+            overlaps = any(w[0] <= t1 and t0 <= w[1] for w in windows)
             if status not in (502, 503, 504) or not overlaps:
                 unexpected.append({"model": model, "status": status, "at_s": round(t0, 1)})
         return {"requests": len(self.requests), "unexpected_5xx": len(unexpected),
@@ -141,8 +147,7 @@ def _watch_health(fleet: ChaosFleet, ledger: Ledger, stop: threading.Event,
     while not stop.wait(1.0):
         status = fleet.model_status()
         for model, state in status.items():
-            if state == "serving":
-                ledger.serving(model, time.monotonic() - clock_0)
+            ledger.seen(model, state == "serving", time.monotonic() - clock_0)
 
 
 def _inject(fleet: ChaosFleet, kind: str, rng: random.Random, ledger: Ledger,

@@ -10,7 +10,9 @@ from fineslab.bench.chaos import Ledger, build_parser
 def test_a_502_or_504_is_expected_only_while_its_models_fault_lasts() -> None:
     ledger = Ledger()
     ledger.fault("a", "kill_server", 10.0)
-    ledger.serving("a", 40.0)
+    ledger.seen("a", True, 12.0)   # still looks up: a stopped runtime does until found hung
+    ledger.seen("a", False, 20.0)
+    ledger.seen("a", True, 40.0)
     ledger.requests += [
         ("a", 9.0, 11.0, 502),    # overlaps the fault: expected
         ("a", 30.0, 31.0, 504),   # inside it: expected
@@ -25,6 +27,16 @@ def test_a_502_or_504_is_expected_only_while_its_models_fault_lasts() -> None:
     assert result["requests"] == 9
     assert result["unexpected_5xx"] == 4, result["unexpected"]
     assert result["hung_requests"] == 1
+
+
+def test_a_fault_window_stays_open_until_the_model_was_down_and_serves_again() -> None:
+    # Seed 1's first run counted a SIGSTOPped runtime's 504 as unexpected: the window had
+    # closed when /health still said serving, before the hang was found.
+    ledger = Ledger()
+    ledger.fault("a", "stop_scheduler", 94.0)
+    ledger.seen("a", True, 95.0)
+    ledger.requests.append(("a", 109.0, 120.0, 504))
+    assert ledger.classify()["unexpected_5xx"] == 0
 
 
 def test_a_fault_never_followed_by_serving_covers_everything_after_it() -> None:
