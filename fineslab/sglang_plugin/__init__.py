@@ -11,7 +11,10 @@ Public API
                                   process before SGLang builds its KV pool
     ArenaJoin(arena_name, runtime_id)   the join request; `.environ()` gives the variables,
                                   `ArenaJoin.from_env()` reads them
-    check_hooks()                 raise EnvironmentSetupError if this SGLang lacks a hook target
+    CONTACTS, HOOK_TARGETS        every SGLang name the plugin relies on (`contact.py`), and the
+                                  methods it wraps with AROUND hooks
+    check_contacts()              raise EnvironmentSetupError naming each contact the installed
+                                  SGLang breaks, with its version and the tested one
     SlabKVPool, SlabAllocator     the pool and allocator SGLang runs with (see their modules)
     refuse_unsupported(settings)  the start-up refusal of features the arena layout cannot serve
 
@@ -22,15 +25,19 @@ Memory accounting for the router and the launcher is read from the slab table it
 from __future__ import annotations
 
 from fineslab.sglang_plugin.config import TESTED_SGLANG_VERSION, ArenaJoin
-from fineslab.sglang_plugin.install import HOOK_TARGETS, HookTarget, check_hooks, install, register
+from fineslab.sglang_plugin.contact import CONTACTS, HOOK_TARGETS, Contact, Kind
+from fineslab.sglang_plugin.contact_check import check_contacts
+from fineslab.sglang_plugin.install import install, register
 from fineslab.sglang_plugin.refusals import refuse_unsupported
 
 __all__ = [
+    "CONTACTS",
     "HOOK_TARGETS",
     "TESTED_SGLANG_VERSION",
     "ArenaJoin",
-    "HookTarget",
-    "check_hooks",
+    "Contact",
+    "Kind",
+    "check_contacts",
     "install",
     "refuse_unsupported",
     "register",

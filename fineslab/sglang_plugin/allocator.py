@@ -2,17 +2,21 @@
 
 Glossary
     block source   this runtime's allocator over the shared slab table (`RuntimeSlabs`):
-                   alloc(n) -> block ids (all or nothing), free(ids), available_blocks()
+                   alloc(n) -> block ids (all or nothing, lowest slab first), free(ids),
+                   available_blocks(), blocks_per_slab
     page           SGLang's allocation unit; page id == arena block id (tokens_per_block ==
                    SGLang's page size), so page p holds slots [p * page_size, (p+1) * page_size)
     held page      drawn from the block source and not yet given back
     reserved page  held, not yet handed to SGLang: drawn when SGLang *checks* capacity, so that
                    the allocation that follows cannot fail because a neighbour took the memory
-    parked page    page 0, held and never handed out (SGLang's padding page)
+    padding slab   slab 0 of the arena = pages [0, padding_pages) of every format, with
+                   padding_pages = blocks_per_slab. SGLang writes padded tokens to slot 0
+    parked page    a padding-slab page this runtime drew: held, never handed to SGLang
 
 Invariants (`check_integrity`; SGLang's idle check calls it through verify_byte_accounting)
     num_held == count(held_mask) == num_used + len(reserved) + len(parked)
     reserved, parked and the pages SGLang owns are disjoint subsets of the held pages
+    parked pages < padding_pages <= reserved pages and every page SGLang owns
     num_used + len(reserved) <= max_pages           (SGLang's capacity, --max-total-tokens)
     available_size() == (len(reserved) + min(source.available_blocks(), room)) * page_size,
         room = max_pages - num_used - len(reserved)
@@ -22,15 +26,38 @@ the same step; with a neighbour allocating from the same free slabs in between, 
 "check available, then allocate" would fail the allocation, which SGLang treats as fatal. So
 the checks draw the pages they promise, the allocations consume them, and what an allocation
 did not need goes straight back. Between steps this runtime holds only the pages its requests
-use: everything else is visible to its neighbours.
+use: everything else is visible to its neighbours. A check that cannot be met says no at once
+(never waits: waiting is policy, `starvation.py`, and would block SGLang's scheduler loop).
 Cost: one call into the block source per check and per allocation (microseconds), plus a
 tensor of the drawn ids.
+
+Why the whole padding slab is reserved (parked), not just page 0: SGLang writes every padded
+token to slot 0 of the writer's own view (CUDA-graph and CPU-graph batch padding, and graph
+capture at start-up, while the neighbours already serve). Slot 0 of every format is byte 0 of
+the arena, and a token stride never exceeds a slab, so all those writes land in slab 0 and
+nowhere else. Parking only one's own page 0 protects one's own KV; a neighbour whose token
+stride exceeds the block of slab 0's holder (a page-1 holder, for instance) would write into
+the holder's next block. With no page of slab 0 ever handed to SGLang, no runtime's KV lives
+where any format's padding lands, whatever the formats, pages and graph settings of the
+neighbours. Refusing CUDA graphs would close it too, but costs the GPU its decode speed-up
+(graphs are SGLang's default on CUDA) and would have to list every other padding path (CPU
+graphs, graph capture). Cost: one slab of the arena holds no KV (1/num_slabs: 4% of the 24-slab
+test arena, 0.1% of a 1,000-slab GPU arena); whichever runtime first draws from slab 0 holds it,
+parked. `available_size` may count slab 0's blocks while slab 0 is free or not yet all parked
+(at most one slab too many); the first reservation that reaches them parks them, and every
+allocation and SGLang's prefill check follow a reservation.
+
+Zeroed pages: with `page_bytes` given (on CUDA, `needs_zeroed_pages`), every page is zeroed as
+SGLang gets it. A page may hold stale bytes of another format (a slab freed and carved again, or
+a key-pool neighbour's block), which can be NaN in this one; a GPU kernel that loads a page's
+unwritten tail and masks it by multiplying by 0 would turn NaN into NaN. On CPU SGLang's
+torch_native backend gathers only the written slots, so nothing stale is ever read: no zeroing.
+Cost on a GPU: one `index_fill_` over the new pages per allocation (their bytes once).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Protocol
 
 import torch
@@ -42,24 +69,22 @@ from fineslab.errors import ArenaExhausted, InvalidBlockError
 
 logger = logging.getLogger(__name__)
 
-#: SGLang writes padded tokens to slot 0 and never allocates page 0.
-PADDING_PAGE = 0
-#: How long a runtime whose last running request cannot get a page waits for its neighbours to
-#: free arena memory before it lets SGLang abort that request (SGLang's own pool never gets
-#: there: its admission keeps room for what it admitted; a shared arena can be taken in between).
-#: Below SGLang's scheduler watchdog (300 s by default), which would kill a longer wait.
-STARVED_WAIT_S = 60.0
-STARVED_POLL_S = 0.01
-
 
 class BlockSource(Protocol):
     """What SlabAllocator needs from the per-runtime slab allocator."""
+
+    blocks_per_slab: int
 
     def alloc(self, num_blocks: int) -> list[int]: ...
 
     def free(self, block_ids: list[int]) -> None: ...
 
     def available_blocks(self) -> int: ...
+
+
+def needs_zeroed_pages(device: str) -> bool:
+    """Whether pages must be zeroed before SGLang gets them on `device` (see the module doc)."""
+    return torch.device(device).type == "cuda"
 
 
 def triton_pages_ok(page_size: int) -> bool:
@@ -96,14 +121,19 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
     """A `PagedTokenToKVPoolAllocator` whose free pages live in the shared slab table.
 
     Serves page size 1 too (SGLang then calls `alloc` only). `size` is SGLang's capacity in
-    tokens (the whole arena in this model's format, or less with `--max-total-tokens`); this
-    runtime never uses more than `size // page_size` pages, wherever in the arena they are.
+    tokens (the arena outside the padding slab in this model's format, or less with
+    `--max-total-tokens`); this runtime never uses more than `size // page_size` pages, wherever
+    in the arena they are. `page_bytes`: the arena as [pages, block bytes] uint8, given where
+    pages must be zeroed before SGLang gets them (`needs_zeroed_pages`).
     """
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, device: str,
-                 kvcache: Any, need_sort: bool, *, source: BlockSource) -> None:
+                 kvcache: Any, need_sort: bool, *, source: BlockSource,
+                 page_bytes: torch.Tensor | None = None) -> None:
         # clear() runs inside the base constructor and needs these.
         self._source = source
+        self._padding_pages = source.blocks_per_slab
+        self._page_bytes = page_bytes
         self._max_pages = size // page_size
         self._held = torch.zeros(kvcache.k_buffer[0].shape[0] // page_size, dtype=torch.bool)
         self._num_held = 0
@@ -156,28 +186,50 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
     # -- reservation ------------------------------------------------------------------------
 
     def reserve_tokens(self, num_tokens: int) -> bool:
-        """Hold pages for `num_tokens` tokens until the next allocation; False if short."""
+        """Hold pages for `num_tokens` tokens until the next allocation; False at once if short."""
         return self._top_up(_ceil_div(num_tokens, self.page_size))
 
+    def cap_allows(self, num_tokens: int) -> bool:
+        """Whether `num_tokens` more tokens stay within this runtime's own capacity: when a
+        reservation fails although they do, the neighbours hold the memory."""
+        return self._num_used() + _ceil_div(num_tokens, self.page_size) <= self._max_pages
+
     def _top_up(self, num_pages: int) -> bool:
-        short = num_pages - len(self._reserved)
-        if short <= 0:
+        """Reserve up to `num_pages` pages, parking any padding-slab page drawn on the way.
+
+        Once a draw returns a padding page, the next draw asks for just the rest of the padding
+        slab: less than a slab, so the block source takes it from this runtime's lowest partial
+        slab, slab 0, and a page-1 format with thousands of blocks a slab parks them in one
+        draw. Anything else that draw brings serves the reservation; a surplus goes back.
+        """
+        if len(self._reserved) >= num_pages:
             return True
         if self._num_used() + num_pages > self._max_pages:
             return False
-        try:
-            ids = self._source.alloc(short)
-        except ArenaExhausted:
-            return False
-        self._mark_held(ids)
-        if PADDING_PAGE in ids:
-            # SGLang writes padded tokens into page 0: keep it held and unused, draw again.
-            ids.remove(PADDING_PAGE)
-            self._parked.append(PADDING_PAGE)
-            self._reserved += ids
-            return self._top_up(num_pages)
-        self._reserved += ids
+        rest_of_padding = 0
+        while (short := num_pages - len(self._reserved)) > 0:
+            try:
+                ids = self._source.alloc(rest_of_padding or short)
+            except ArenaExhausted:
+                if not rest_of_padding:
+                    return False
+                rest_of_padding = 0
+                continue
+            self._mark_held(ids)
+            padding = [i for i in ids if i < self._padding_pages]
+            self._parked += padding
+            self._reserved += [i for i in ids if i >= self._padding_pages]
+            rest_of_padding = self._padding_pages - len(self._parked) if padding else 0
+        self._release_surplus(num_pages)
         return True
+
+    def _release_surplus(self, num_pages: int) -> None:
+        """Give back what a draw for the padding slab brought beyond `num_pages` (the cap
+        bounds used + reserved pages)."""
+        if len(self._reserved) > num_pages:
+            surplus, self._reserved = self._reserved[num_pages:], self._reserved[:num_pages]
+            self._unmark_held(torch.tensor(surplus, dtype=torch.int64))
+            self._source.free(surplus)
 
     def _take(self, num_pages: int) -> torch.Tensor | None:
         """`num_pages` pages for SGLang, from the reserve first; None if the arena is short."""
@@ -186,7 +238,10 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         if not self._top_up(num_pages):
             return None
         ids, self._reserved = self._reserved[:num_pages], self._reserved[num_pages:]
-        return torch.tensor(ids, dtype=torch.int64, device=self.device)
+        pages = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        if self._page_bytes is not None:
+            self._page_bytes.index_fill_(0, pages.to(self._page_bytes.device), 0)
+        return pages
 
     def release_reserve(self) -> None:
         """Give the reserved pages back to the block source (after each allocation)."""
@@ -226,32 +281,11 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
 
     def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests: Any = None,
                               spec_algorithm: Any = None) -> bool:
-        """Reserve the next decode step's pages. Short with several requests running: False,
-        and SGLang retracts some of them (their pages go back). Short with one request left,
-        which SGLang would abort: wait for the neighbours to free memory (`STARVED_WAIT_S`)."""
+        """Reserve the next decode step's pages; False at once when the arena is short, and
+        SGLang retracts (a lone starved request is held by the scheduler hook, `starvation.py`,
+        before SGLang gets here)."""
         self.evict_to_free_tokens(tree_cache, num_tokens)
-        if self.reserve_tokens(num_tokens):
-            return True
-        if requests is None or len(requests) != 1:
-            return False
-        return self._wait_for_neighbours(num_tokens)
-
-    def _wait_for_neighbours(self, num_tokens: int) -> bool:
-        num_pages = _ceil_div(num_tokens, self.page_size)
-        if self._num_used() + num_pages > self._max_pages:
-            return False  # this runtime's own cap, not a neighbour: waiting cannot help
-        logger.warning("the arena is full: this runtime's last running request waits up to "
-                       "%.0f s for neighbours to free %d page(s)", STARVED_WAIT_S, num_pages)
-        start = time.monotonic()
-        while time.monotonic() - start < STARVED_WAIT_S:
-            time.sleep(STARVED_POLL_S)
-            if self.reserve_tokens(num_tokens):
-                logger.info("arena memory freed after %.2f s: decoding resumes",
-                            time.monotonic() - start)
-                return True
-        logger.error("no arena memory freed in %.0f s: SGLang aborts the request",
-                     STARVED_WAIT_S)
-        return False
+        return self.reserve_tokens(num_tokens)
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         pages = self._take(need_size // self.page_size)
@@ -323,6 +357,10 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         private = self._reserved + self._parked
         if len(set(private)) != len(private) or not all(bool(self._held[p]) for p in private):
             problems.append("reserved/parked pages are not distinct held pages")
+        if any(p >= self._padding_pages for p in self._parked) or \
+                any(p < self._padding_pages for p in self._reserved):
+            problems.append(f"a parked page outside, or a reserved page inside, the padding "
+                            f"slab (pages < {self._padding_pages})")
         if self._num_used() + len(self._reserved) > self._max_pages:
             problems.append(f"uses {self._num_used()} pages, cap {self._max_pages}")
         return problems

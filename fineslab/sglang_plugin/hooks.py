@@ -1,13 +1,16 @@
 """The hook bodies: what the plugin changes inside SGLang's KV set-up, per runtime process.
 
 A `PluginSession` holds one runtime's link to the arena; its methods are installed as AROUND
-hooks (`install.py` lists the targets). In a scheduler process the calls come in this order:
+hooks (`contact.HOOK_TARGETS` lists the targets). In a scheduler process the calls come in this
+order:
 
     _profile_available_bytes  -> join the arena, refuse what cannot work, report its capacity
     _resolve_kv_pool_class    -> SlabKVPool over the arena views (kind "mha")
     _build_token_to_kv_pool_allocator -> SlabAllocator over this runtime's blocks
     _check_full_pool (idle)   -> SGLang's leak check, with the neighbours' memory accounted for
     _get_new_batch_prefill_raw (every step) -> reopen admission after a neighbour freed memory
+    update_running_batch (every decode step) -> skip the step while the neighbours starve a lone
+                                 request (`starvation.py`), instead of SGLang aborting it
 
 Processes that never build a pool (the tokenizer, the detokenizer) never call them, and so never
 open the arena.
@@ -23,11 +26,12 @@ from typing import Any
 import torch
 
 from fineslab.errors import ConfigError
-from fineslab.sglang_plugin.allocator import SlabAllocator
+from fineslab.sglang_plugin.allocator import SlabAllocator, needs_zeroed_pages
 from fineslab.sglang_plugin.config import ArenaJoin
 from fineslab.sglang_plugin.link import ArenaLink, arena_device, join_arena
 from fineslab.sglang_plugin.pool import SlabKVPool
 from fineslab.sglang_plugin.refusals import refuse_unsupported, settings_of
+from fineslab.sglang_plugin.starvation import DecodeShortfall, StarvedRequestPolicy
 from fineslab.slabs.formats import KVDtype, KVShape
 
 logger = logging.getLogger(__name__)
@@ -76,9 +80,11 @@ class PluginSession:
     """One runtime's membership of an arena, and the hooks that put it to use."""
 
     def __init__(self, join: ArenaJoin,
-                 opener: Callable[[ArenaJoin, KVShape, int, str], ArenaLink] = join_arena) -> None:
+                 opener: Callable[[ArenaJoin, KVShape, int, str], ArenaLink] = join_arena,
+                 starvation: StarvedRequestPolicy | None = None) -> None:
         self.join = join
         self._opener = opener
+        self.starvation = starvation or StarvedRequestPolicy()
         self.link: ArenaLink | None = None
 
     def _require_link(self) -> ArenaLink:
@@ -124,20 +130,41 @@ class PluginSession:
             raise ConfigError(
                 f"fineslab plugin: SGLang built a {type(pool).__name__}, not the SlabKVPool; "
                 "a server setting picked another pool (e.g. --kv-cache-dtype mxfp8)")
+        device = str(configurator.device)
         return SlabAllocator(
             kwargs["sizes"].max_total_num_tokens, configurator.page_size,
-            configurator.kv_cache_dtype, str(configurator.device), pool, need_sort=False,
-            source=link.source)
+            configurator.kv_cache_dtype, device, pool, need_sort=False, source=link.source,
+            page_bytes=link.page_bytes() if needs_zeroed_pages(device) else None)
 
     def new_batch_prefill(self, original: Callable[..., Any], scheduler: Any, *args: Any,
                           **kwargs: Any) -> Any:
         """Reopen SGLang's admission when a neighbour gave memory back (see
         `SlabAllocator.admission_reopens`), then run SGLang's own prefill admission."""
-        allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
+        allocator = scheduler.token_to_kv_pool_allocator
         running_batch = kwargs.get("running_batch", args[1] if len(args) > 1 else None)
         if isinstance(allocator, SlabAllocator) and running_batch is not None and \
                 allocator.admission_reopens(bool(running_batch.batch_is_full)):
             running_batch.batch_is_full = False
+        return original(scheduler, *args, **kwargs)
+
+    def update_running_batch(self, original: Callable[..., Any], scheduler: Any, *args: Any,
+                             **kwargs: Any) -> Any:
+        """Skip this decode step (return None, as SGLang does while finishing requests free
+        memory) while the neighbours starve a lone request; else run SGLang's own update, which
+        decodes, retracts or aborts. The allocator's answer is immediate either way; the hold
+        and its bound are `self.starvation`'s."""
+        allocator = scheduler.token_to_kv_pool_allocator
+        batch = kwargs.get("batch", args[0] if args else None)
+        if isinstance(allocator, SlabAllocator) and batch is not None:
+            num_running = batch.batch_size()
+            fits, within_cap = True, True
+            if num_running == 1:
+                num_tokens = batch.new_tokens_required_next_decode()
+                fits = allocator.check_decode_capacity(num_tokens=num_tokens,
+                                                       tree_cache=batch.tree_cache)
+                within_cap = allocator.cap_allows(num_tokens)
+            if self.starvation.hold(DecodeShortfall(num_running, fits, within_cap)):
+                return None
         return original(scheduler, *args, **kwargs)
 
     def check_full_pool(self, original: Callable[..., Any], checker: Any, ps: Any,

@@ -1,6 +1,6 @@
-"""Installing the plugin into SGLang: the hook targets, the version check, and the two doors.
+"""Installing the plugin into SGLang: the contact check, the hooks, and the two doors.
 
-Two ways in, one code path:
+Two ways in, one code path (`install_session`):
 
 - `register()`: the entry point of group `sglang.srt.plugins`, which SGLang calls in every
   process it starts (engine, scheduler, detokenizer). It reads the join request from the
@@ -8,80 +8,34 @@ Two ways in, one code path:
 - `install(join)`: for a custom SGLang build or an embedding program; call it in the process that
   builds the KV pool (the scheduler) before the pool is built.
 
-SGLang runs plugin entry points under `except Exception` and only logs what they raise, and it
-only logs hooks that fail to apply. A runtime told to join an arena must never fall back to its
-own pool silently, so `register()` turns every failure into `SystemExit` (which that handler
-does not catch): the process stops at start-up with the message.
+Both first check every SGLang name the plugin relies on (`contact.CONTACTS`, checked by
+`contact_check`), then register the AROUND hooks (`contact.HOOK_TARGETS`) and verify SGLang
+applied each. SGLang runs plugin entry points under `except Exception` and only logs what they
+raise, and it only logs hooks that fail to apply. A runtime told to join an arena must never fall
+back to its own pool silently, so `register()` turns every failure into `SystemExit` (which that
+handler does not catch): the process stops at start-up with the message.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-import pkgutil
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 from fineslab.errors import ConfigError, EnvironmentSetupError, FineslabError
 from fineslab.sglang_plugin.config import TESTED_SGLANG_VERSION, ArenaJoin
+from fineslab.sglang_plugin.contact import CONTACTS, HOOK_TARGETS, Contact
+from fineslab.sglang_plugin.contact_check import check_contacts, sglang_version
+
+if TYPE_CHECKING:
+    from fineslab.sglang_plugin.hooks import PluginSession
 
 logger = logging.getLogger(__name__)
 
-_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
-_CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
-_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+Session = TypeVar("Session", bound="PluginSession")
 
 
-@dataclass(frozen=True)
-class HookTarget:
-    """A method the plugin wraps, the session method that wraps it, and the parameters the
-    wrapper relies on (a renamed parameter means another SGLang and must stop start-up)."""
-
-    path: str
-    session_method: str
-    parameters: tuple[str, ...]
-
-
-HOOK_TARGETS: tuple[HookTarget, ...] = (
-    HookTarget(f"{_CONFIGURATOR}._profile_available_bytes", "profile_available_bytes",
-               ("pre_model_load_memory",)),
-    HookTarget(f"{_CONFIGURATOR}._resolve_kv_pool_class", "resolve_kv_pool_class",
-               ("kind", "default")),
-    HookTarget(f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", "build_allocator",
-               ("sizes", "token_to_kv_pool", "token_to_kv_pool_allocator")),
-    HookTarget(f"{_CHECKER}._check_full_pool", "check_full_pool", ("ps", "uncached")),
-    HookTarget(f"{_SCHEDULER}._get_new_batch_prefill_raw", "new_batch_prefill",
-               ("prefill_delayer_single_pass", "running_batch")),
-)
-
-
-def sglang_version() -> str:
-    import sglang
-
-    return str(getattr(sglang, "__version__", "unknown"))
-
-
-def check_hooks(targets: Sequence[HookTarget] = HOOK_TARGETS) -> None:
-    """Raise EnvironmentSetupError naming the SGLang version if a target or parameter is missing."""
-    problems = []
-    for target in targets:
-        try:
-            function = pkgutil.resolve_name(target.path)
-        except (ImportError, AttributeError, ValueError) as exc:
-            problems.append(f"{target.path}: missing ({type(exc).__name__}: {exc})")
-            continue
-        params = inspect.signature(function).parameters
-        absent = [p for p in target.parameters if p not in params]
-        if absent:
-            problems.append(f"{target.path}: no parameter(s) {absent}")
-    if problems:
-        raise EnvironmentSetupError(
-            f"fineslab's SGLang plugin cannot hook SGLang {sglang_version()} (written for "
-            f"{TESTED_SGLANG_VERSION}); refusing to start rather than fall back to SGLang's own "
-            "KV pool:\n  " + "\n  ".join(problems))
-
-
-def apply_session_hooks(session: object, targets: Sequence[HookTarget]) -> None:
+def apply_session_hooks(session: object, targets: Sequence[Contact]) -> None:
     """Register `session`'s wrappers as AROUND hooks on `targets` and patch SGLang with them.
 
     SGLang's registry only logs a hook that fails to apply, which would leave the runtime on its
@@ -91,7 +45,8 @@ def apply_session_hooks(session: object, targets: Sequence[HookTarget]) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     for target in targets:
-        hook: Callable[..., object] = getattr(session, target.session_method)
+        assert target.hook is not None, f"{target.path} is not a hook target"
+        hook: Callable[..., object] = getattr(session, target.hook)
         HookRegistry.register(target.path, hook, HookType.AROUND)
     HookRegistry.apply_hooks()
     unapplied = [t.path for t in targets if t.path not in HookRegistry._patched]
@@ -102,22 +57,26 @@ def apply_session_hooks(session: object, targets: Sequence[HookTarget]) -> None:
             "SGLang's own KV pool")
 
 
-def install(join: ArenaJoin, targets: Sequence[HookTarget] = HOOK_TARGETS) -> object:
-    """Make this process's SGLang keep its KV in the arena `join` names; returns the session.
+def install_session(session: Session, contacts: Sequence[Contact] = CONTACTS) -> Session:
+    """Check `contacts`, then install `session`'s hooks on those of them that are hook targets.
 
-    Registers AROUND hooks with SGLang's HookRegistry and applies them at once. Raises
-    EnvironmentSetupError if this SGLang lacks a hook target or does not apply one. Idempotent
-    per process only in the sense SGLang's registry is: call it once.
+    Raises EnvironmentSetupError naming the SGLang version if a contact broke or SGLang did not
+    apply a hook. Call it once per process: SGLang's registry is process-wide.
     """
-    from fineslab.sglang_plugin.hooks import PluginSession
-
-    check_hooks(targets)
+    check_contacts(contacts)
     version = sglang_version()
     if version != TESTED_SGLANG_VERSION:
-        logger.warning("fineslab plugin: SGLang %s, tested on %s; hooks resolve, continuing",
-                       version, TESTED_SGLANG_VERSION)
-    session = PluginSession(join)
-    apply_session_hooks(session, targets)
+        logger.warning("fineslab plugin: SGLang %s, tested on %s; every contact point holds, "
+                       "continuing", version, TESTED_SGLANG_VERSION)
+    apply_session_hooks(session, [c for c in contacts if c.hook is not None])
+    return session
+
+
+def install(join: ArenaJoin, contacts: Sequence[Contact] = CONTACTS) -> PluginSession:
+    """Make this process's SGLang keep its KV in the arena `join` names; returns the session."""
+    from fineslab.sglang_plugin.hooks import PluginSession
+
+    session = install_session(PluginSession(join), contacts)
     logger.info("fineslab plugin: runtime %r will keep its KV in arena %r",
                 join.runtime_id, join.arena_name)
     return session
@@ -145,5 +104,5 @@ def register() -> None:
         raise SystemExit(f"fineslab SGLang plugin: {exc}") from exc
 
 
-__all__ = ["HOOK_TARGETS", "ConfigError", "HookTarget", "apply_session_hooks", "check_hooks",
-           "install", "register"]
+__all__ = ["HOOK_TARGETS", "ConfigError", "apply_session_hooks", "install", "install_session",
+           "register"]

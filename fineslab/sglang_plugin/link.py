@@ -8,10 +8,12 @@ views. Anything that does not fit is a start-up ConfigError naming the numbers.
 
 Capacity (what SGLang is told it has, in tokens):
     num_slots       = arena_bytes // token_stride_bytes  (a multiple of tokens_per_block)
-    capacity_tokens = num_slots - tokens_per_block
-SGLang's views have capacity_tokens + page_size rows, so every block id of the format
-(0 .. num_slots / tokens_per_block - 1) is a valid SGLang page id; page 0 is SGLang's padding page
-and `SlabAllocator` never hands it out.
+    padding_slots   = blocks_per_slab * tokens_per_block  (slab 0, the padding slab)
+    capacity_tokens = num_slots - padding_slots
+SGLang's views have num_slots >= capacity_tokens + page_size rows, so every block id of the
+format (0 .. num_slots / tokens_per_block - 1) is a valid SGLang page id; the pages of slab 0
+take SGLang's padded-token writes and `SlabAllocator` never hands them out (allocator.py says
+why the whole slab).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from fineslab.errors import ConfigError
 from fineslab.sglang_plugin.allocator import BlockSource
@@ -45,8 +48,19 @@ class ArenaLink:
         return self.arena.spec.arena_bytes // self.fmt.token_stride_bytes
 
     @property
+    def padding_slots(self) -> int:
+        return self.fmt.blocks_per_slab(self.arena.spec.slab_bytes) * self.fmt.tokens_per_block
+
+    @property
     def capacity_tokens(self) -> int:
-        return self.num_slots - self.fmt.tokens_per_block
+        return self.num_slots - self.padding_slots
+
+    def page_bytes(self) -> Any:
+        """The arena as [pages, block_stride_bytes] uint8 rows: page p is row p."""
+        num_pages = self.num_slots // self.fmt.tokens_per_block
+        stride = self.fmt.block_stride_bytes
+        arena: Any = self.arena.tensor()
+        return arena[: num_pages * stride].view(num_pages, stride)
 
 
 def arena_device(device: str, gpu_id: int) -> str:
@@ -65,10 +79,11 @@ def fit_to_arena(shape: KVShape, slab_bytes: int, arena_bytes: int, page_size: i
             f"unknown model format: no {page_size}-token block of {shape.name!r} "
             f"({shape.token_bytes} B a token) divides the arena's {slab_bytes} B slabs; plan "
             "the arena with this model and page size (fineslab.slabs.sizing.plan_slabs)")
-    if arena_bytes // fmt.token_stride_bytes < 2 * page_size:
+    if arena_bytes < 2 * slab_bytes:
         raise ConfigError(
-            f"arena too small: {arena_bytes} B holds fewer than two {fmt.block_stride_bytes} B "
-            f"blocks of {shape.name!r} (one is SGLang's padding page)")
+            f"arena too small: {arena_bytes} B is fewer than two {slab_bytes} B slabs (slab 0 "
+            f"takes SGLang's padded-token writes and holds no KV), so no block of "
+            f"{shape.name!r} is left for KV")
     return fmt
 
 

@@ -26,7 +26,7 @@ from fineslab.env import KV_FORMAT_VAR, KV_SCALES_VAR, FineslabEnv
 from fineslab.errors import ConfigError
 from fineslab.sglang_plugin.config import ArenaJoin
 from fineslab.sglang_plugin.hooks import PluginSession, kv_shape_of, refuse_model_kinds
-from fineslab.sglang_plugin.install import HOOK_TARGETS, apply_session_hooks, check_hooks
+from fineslab.sglang_plugin.install import install_session
 from fineslab.sglang_plugin.link import arena_device
 from fineslab.sglang_plugin.quant_pools import Fp8SlabKVPool, Kv4SlabKVPool
 from fineslab.sglang_plugin.refusals import refuse_unsupported, settings_of
@@ -104,10 +104,8 @@ class QuantPluginSession(PluginSession):
 
 def install_quant(join: ArenaJoin, request: KVFormatRequest) -> QuantPluginSession:
     """Install the quantized-KV session's hooks in this process (the scheduler); raises
-    EnvironmentSetupError if this SGLang lacks a hook target or does not apply one."""
-    check_hooks(HOOK_TARGETS)
-    session = QuantPluginSession(join, request)
-    apply_session_hooks(session, HOOK_TARGETS)
+    EnvironmentSetupError if a contact point broke or SGLang does not apply a hook."""
+    session = install_session(QuantPluginSession(join, request))
     logger.info("fineslab quant plugin: runtime %r keeps %s KV in arena %r", join.runtime_id,
                 request.kv_dtype.value, join.arena_name)
     return session

@@ -52,7 +52,7 @@ REFUSALS: tuple[Refusal, ...] = (
 _OFF_VALUES: dict[str, tuple[object, ...]] = {
     "disaggregation_mode": (None, "null", ""),
 }
-_PARALLEL_SIZES = (("tp_size", "--tp-size"), ("pp_size", "--pp-size"), ("dp_size", "--dp-size"))
+PARALLEL_SIZES = (("tp_size", "--tp-size"), ("pp_size", "--pp-size"), ("dp_size", "--dp-size"))
 
 
 def _is_on(setting: str, value: object) -> bool:
@@ -70,7 +70,7 @@ def unsupported_settings(settings: Mapping[str, object]) -> list[str]:
         for r in REFUSALS
         if r.setting in settings and _is_on(r.setting, settings[r.setting])
     ]
-    for name, flag in _PARALLEL_SIZES:
+    for name, flag in PARALLEL_SIZES:
         size = settings.get(name)
         if isinstance(size, int) and size > 1:
             problems.append(
@@ -90,6 +90,9 @@ def refuse_unsupported(settings: Mapping[str, object]) -> None:
 
 
 def settings_of(server_args: object) -> dict[str, object]:
-    """The settings `refuse_unsupported` looks at, read from an SGLang ServerArgs."""
-    names = [r.setting for r in REFUSALS] + [name for name, _ in _PARALLEL_SIZES]
-    return {name: getattr(server_args, name) for name in names if hasattr(server_args, name)}
+    """The settings `refuse_unsupported` looks at, read from an SGLang ServerArgs.
+
+    Read directly, never `if hasattr`: a renamed setting must not pass as "off" (start-up
+    checks each name first, `contact.py`)."""
+    names = [r.setting for r in REFUSALS] + [name for name, _ in PARALLEL_SIZES]
+    return {name: getattr(server_args, name) for name in names}

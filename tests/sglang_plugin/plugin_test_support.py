@@ -11,13 +11,20 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
+import torch
 
 from fineslab.runtime import cpu_engine_kwargs
 from fineslab.sglang_plugin import ArenaJoin
-from fineslab.slabs import ArenaSpec, KVDtype, KVShape, SlabArena, snapshot
+from fineslab.slabs import ArenaSpec, KVDtype, KVShape, RuntimeSlabs, SlabArena, snapshot
+from fineslab.slabs.formats import BlockFormat
 from fineslab.slabs.sizing import fit_format
+from fineslab.slabs.views import layer_views
+
+if TYPE_CHECKING:
+    from fineslab.sglang_plugin.allocator import SlabAllocator
 
 #: stock_outputs(model, page_size, dtype, prompts, max_new_tokens) -> outputs (conftest.py).
 Reference = Callable[[str, int, str, tuple[tuple[int, ...], ...], int], list[list[int]]]
@@ -76,6 +83,20 @@ def arena_for(models: Sequence[KVShape], page_size: int, slab_bytes: int,
         assert fmt is not None, f"{shape.name} must fit a {slab_bytes} B slab"
         bps.append(fmt.blocks_per_slab(slab_bytes))
     return ScratchArena.create(slab_bytes, num_slabs, max(bps))
+
+
+def slab_allocator(arena: ScratchArena, source: RuntimeSlabs, fmt: BlockFormat, page: int,
+                   size: int, page_bytes: torch.Tensor | None = None) -> SlabAllocator:
+    """A SlabAllocator over `source` with a SlabKVPool over `arena` (BF16, on CPU)."""
+    from fineslab.sglang_plugin.allocator import SlabAllocator
+    from fineslab.sglang_plugin.pool import SlabKVPool
+
+    pool = SlabKVPool.over(layer_views(arena.arena.tensor(), fmt))(  # type: ignore[arg-type]
+        size, page_size=page, dtype=torch.bfloat16, head_num=fmt.shape.num_kv_heads,
+        head_dim=fmt.shape.head_dim, layer_num=fmt.shape.num_layers, device="cpu",
+        enable_memory_saver=False)
+    return SlabAllocator(size, page, torch.bfloat16, "cpu", pool, False, source=source,
+                         page_bytes=page_bytes)
 
 
 @contextlib.contextmanager

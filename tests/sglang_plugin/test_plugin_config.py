@@ -15,9 +15,11 @@ from plugin_test_support import ScratchArena, arena_for, kv_shape
 from fineslab.env import FineslabEnv
 from fineslab.errors import ConfigError, EnvironmentSetupError
 from fineslab.runtime import ServerProcess, ServerSpec, free_port
-from fineslab.sglang_plugin import ArenaJoin, HookTarget, check_hooks, install, register
+from fineslab.sglang_plugin import ArenaJoin, Contact, Kind, check_contacts, install, register
 from fineslab.sglang_plugin.config import TESTED_SGLANG_VERSION
+from fineslab.sglang_plugin.link import ArenaLink, fit_to_arena
 from fineslab.sglang_plugin.refusals import refuse_unsupported
+from fineslab.slabs.views import layer_views
 
 BAD_STARTS = {
     # One slab of exactly one 16-token llama block: nothing left once page 0 is set aside.
@@ -71,19 +73,20 @@ def test_bad_configuration_fails_start_up_with_clear_error(failed_logs: dict[str
 
 
 def test_missing_hook_names_the_sglang_version() -> None:
-    missing = HookTarget("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
-                         "_no_such_method", "profile_available_bytes", ())
-    renamed = HookTarget("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
-                         "_profile_available_bytes", "profile_available_bytes", ("gone",))
+    configurator = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+    missing = Contact(f"{configurator}._no_such_method", Kind.METHOD, "test",
+                      hook="profile_available_bytes")
+    renamed = Contact(f"{configurator}._profile_available_bytes", Kind.METHOD, "test",
+                      ("gone",), hook="profile_available_bytes")
     import sglang
 
     for target in (missing, renamed):
         with pytest.raises(EnvironmentSetupError) as err:
-            check_hooks([target])
+            check_contacts([target])
         assert sglang.__version__ in str(err.value) and TESTED_SGLANG_VERSION in str(err.value)
         with pytest.raises(EnvironmentSetupError):
             install(ArenaJoin("never-opened", "m"), [target])
-    check_hooks()  # the real targets resolve in this SGLang
+    check_contacts()  # every real contact holds in this SGLang
 
 
 def test_half_set_join_stops_the_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,3 +116,29 @@ def test_refusals_name_every_unsupported_setting() -> None:
     for flag in ("--speculative-algorithm", "--tp-size", "--enable-memory-saver",
                  "--disaggregation-mode"):
         assert flag in str(err.value), f"the refusal must name {flag}"
+
+
+def test_capacity_leaves_out_the_padding_slab() -> None:
+    """SGLang's capacity is every slab but slab 0 (the padding slab, never KV); an arena of one
+    slab leaves nothing and stops start-up.
+
+        4 slabs x 32 blocks of 16 tokens (llama-tiny, BF16): capacity 3 x 32 x 16 = 1,536
+    """
+    shape = kv_shape("llama-tiny", "bfloat16", "m")
+    with pytest.raises(ConfigError, match="arena too small"):
+        fit_to_arena(shape, 1 << 20, 1 << 20, 16)
+    arena = arena_for([shape], 16, 1 << 20, 4)
+    try:
+        fmt = fit_to_arena(shape, 1 << 20, arena.arena_bytes, 16)
+        source = arena.arena.client("m", fmt)
+        link = ArenaLink(arena.arena, fmt, layer_views(arena.arena.tensor(), fmt),  # type: ignore[arg-type]
+                         source)
+        assert fmt.blocks_per_slab(1 << 20) == 32
+        assert link.capacity_tokens == 3 * 32 * 16, "every slab but the padding slab"
+        assert link.num_slots - link.capacity_tokens >= fmt.tokens_per_block, \
+            "SGLang's views need capacity + one page of rows"
+        rows = link.page_bytes()
+        assert tuple(rows.shape) == (4 * 32, fmt.block_stride_bytes), "one row a page"
+        source.close()
+    finally:
+        arena.close()

@@ -1,6 +1,6 @@
 """On a GPU: the slab pool under SGLang's triton and flashinfer backends, BF16 and FP8 KV, at
 page 16 and at page 20 (not a power of two: the plugin's torch slot path, as key-sharing plans
-need).
+need); and CUDA-graph padding and stale bytes, which only a GPU produces.
 
 Greedy output with the plugin must equal output with SGLang's own pool (same engine arguments).
 Marked `gpu`: skipped by the default CPU suite; run by scripts/gpu_check.sh where CUDA exists.
@@ -24,7 +24,7 @@ PROMPTS = prompts(4, 40, seed=5)
 
 
 def _outputs(model_path: Path, backend: str, kv_cache_dtype: str, page_size: int,
-             join: ArenaJoin | None) -> list[list[int]]:
+             join: ArenaJoin | None, input_ids: list[list[int]] = PROMPTS) -> list[list[int]]:
     import sglang
 
     kwargs: dict[str, object] = dict(
@@ -36,7 +36,7 @@ def _outputs(model_path: Path, backend: str, kv_cache_dtype: str, page_size: int
     with joined(join):
         engine = sglang.Engine(**kwargs)
     try:
-        out = engine.generate(input_ids=PROMPTS, sampling_params={
+        out = engine.generate(input_ids=input_ids, sampling_params={
             "temperature": 0, "max_new_tokens": 24, "ignore_eos": True})
     finally:
         engine.shutdown()
@@ -67,3 +67,36 @@ def test_gpu_backends_match_stock_pool(model_cache: Path, backend: str, kv_cache
     stock = _outputs(model_cache / "llama-tiny", backend, kv_cache_dtype, page_size, None)
     assert plugin == stock, (f"{backend} {kv_cache_dtype} page {page_size}: slab pool output "
                              "differs from stock")
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_gpu_graph_padding_lands_in_the_padding_slab_and_stale_nan_never_leaks(
+        model_cache: Path, backend: str) -> None:
+    """With CUDA graphs on (SGLang's default on CUDA), three requests decode in a graph of
+    four: the padded row writes slot 0, byte 0 of the arena, inside the padding slab. The arena
+    starts filled with 0xFF bytes (NaN in bf16: what another format's stale KV can look like),
+    so output equal to stock also shows that no page SGLang got was read before being written
+    or zeroed (`needs_zeroed_pages`)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    page_size, slab_bytes = 16, 1 << 20
+    fmt = fit_format(KVShape("m", 4, 2, 64, KVDtype.BF16), slab_bytes, [page_size])
+    assert fmt is not None
+    fleet = f"g{uuid.uuid4().hex[:8]}"
+    arena = SlabArena.create(ArenaSpec(fleet, "cuda:0", 16 * slab_bytes, slab_bytes,
+                                       fmt.blocks_per_slab(slab_bytes)))
+    three = PROMPTS[:3]
+    try:
+        data = arena.tensor()
+        data.fill_(0xFF)  # type: ignore[attr-defined]
+        plugin = _outputs(model_cache / "llama-tiny", backend, "auto", page_size,
+                          ArenaJoin(fleet, "m"), input_ids=three)
+        slot0 = data[: fmt.token_stride_bytes]  # type: ignore[index]
+        assert not bool((slot0 == 0xFF).all()), (
+            "padded (graph) writes must have reached slot 0: the padding slab")
+    finally:
+        arena.close()
+    stock = _outputs(model_cache / "llama-tiny", backend, "auto", page_size, None, input_ids=three)
+    assert plugin == stock, f"{backend}: padded graph / stale-NaN arena changed the output"

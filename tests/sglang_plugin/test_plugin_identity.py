@@ -53,7 +53,11 @@ def test_greedy_output_equals_stock_pool_in_a_key_pool(model_cache: Path,
                                                        stock_outputs: Reference) -> None:
     """The runtime shares its key's slabs with a neighbour of the same block stride (here the
     test process, stamping its blocks): it fills the holes the neighbour left in a shared
-    slab, its output equals stock, and the neighbour's bytes are untouched."""
+    slab, its output equals stock, and the neighbour's bytes are untouched.
+
+        slab 0: [n n n ... n]  the neighbour holds it all (the padding slab: never KV)
+        slab 1: [n . n . ...]  holes at every odd block, which the runtime fills
+    """
     model, page_size = "llama-tiny", 16
     shape = kv_shape(model, "bfloat16", "m")
     arena = arena_for([shape], page_size, 1 << 20, num_slabs=4)
@@ -61,9 +65,11 @@ def test_greedy_output_equals_stock_pool_in_a_key_pool(model_cache: Path,
     assert fmt is not None
     neighbour = arena.arena.client("neighbour", fmt, pooled=True)
     try:
-        held = neighbour.alloc(fmt.blocks_per_slab(1 << 20))  # all of slab 0
-        neighbour.free(held[1::2])  # holes at every odd block; block 0 stays held (padding)
-        kept = held[2::2]
+        bps = fmt.blocks_per_slab(1 << 20)
+        padding, held = neighbour.alloc(bps), neighbour.alloc(bps)  # slabs 0 and 1
+        assert max(padding) < bps <= min(held), "slab 0 first, then slab 1"
+        neighbour.free(held[1::2])  # holes at every odd block of slab 1
+        kept = held[0::2]
         data = arena.arena.tensor().view(-1, fmt.block_stride_bytes)  # type: ignore[attr-defined]
         for block in kept:
             data[block].fill_(block % 251 + 1)
@@ -77,8 +83,8 @@ def test_greedy_output_equals_stock_pool_in_a_key_pool(model_cache: Path,
             "the runtime wrote KV into the holes of the neighbour's slab (it used the pool)"
         assert arena.arena.table.reclaim_dead_owners() in ([], ["m"])
         check_integrity(arena.arena.table)
-        assert arena.used_bytes() == {"neighbour": len(kept) * fmt.block_stride_bytes + (
-            fmt.block_stride_bytes)}, "the stopped runtime's blocks went back to the pool"
+        assert arena.used_bytes() == {"neighbour": (len(kept) + bps) * fmt.block_stride_bytes}, \
+            "the stopped runtime's blocks went back to the pool"
     finally:
         neighbour.close()
         arena.close()

@@ -1,0 +1,274 @@
+"""Every SGLang name the plugin relies on, in one table that start-up checks (`contact_check`).
+
+The plugin subclasses SGLang's KV pool, allocator and prefill budget, wraps five private methods
+with AROUND hooks, and reads private attributes of SGLang objects. None of that is SGLang's
+public API: a rename in the next SGLang minor would not fail, it would silently route around
+the plugin (a renamed `_release_page_ids` sends freed pages to SGLang's private free list, which
+the arena never sees). So every such name is a row here, and `install` refuses to start unless
+each row still holds in the installed SGLang.
+
+Glossary
+    contact        one SGLang name, by dotted path: `module`, `module.Class`, `module.function`,
+                   `module.Class.member`
+    kind           MODULE, CLASS, FUNCTION, METHOD (a callable attribute of a class) or
+                   ATTRIBUTE (a class or instance attribute)
+    parameters     for a callable: the parameter names the plugin passes, receives or mirrors in
+                   an override (checked against `inspect.signature`)
+    in_source_of   methods of the owner class (searched through its SGLang bases) whose source
+                   must mention `self.<member>`. For an instance attribute, where SGLang sets it
+                   (the only evidence that exists without an instance); for a method the plugin
+                   overrides, the SGLang callers that must still call it for the override to
+                   take effect. Empty: the member must be declared on the class (a class
+                   attribute, method or property, a dataclass or msgspec field, an annotation)
+    hook           for the methods the plugin wraps: the `PluginSession` method installed as an
+                   AROUND hook (`HOOK_TARGETS`)
+
+Keeping it complete: `tests/sglang_plugin/test_plugin_contact.py` scans the plugin's source
+(imports from sglang, `sglang.` strings, overrides of SGLang methods and `self.` uses of
+SGLang members in the subclasses, attributes read from SGLang objects the hooks receive) and
+fails naming any SGLang name without a row. A new SGLang object reached through a new variable
+name must be added to that test's TYPED_NAMES; the test's docstring says how.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from fineslab.sglang_plugin.refusals import PARALLEL_SIZES, REFUSALS
+
+
+class Kind(enum.Enum):
+    MODULE = "module"
+    CLASS = "class"
+    FUNCTION = "function"
+    METHOD = "method"
+    ATTRIBUTE = "attribute"
+
+
+CALLABLE_KINDS = (Kind.FUNCTION, Kind.METHOD)
+
+
+@dataclass(frozen=True)
+class Contact:
+    """One SGLang name the plugin relies on, what of it, and why."""
+
+    path: str
+    kind: Kind
+    why: str
+    parameters: tuple[str, ...] = ()
+    in_source_of: tuple[str, ...] = ()
+    hook: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.path.startswith("sglang"):
+            raise ValueError(f"{self.path}: a contact is an SGLang name")
+        if self.parameters and self.kind not in CALLABLE_KINDS:
+            raise ValueError(f"{self.path}: only a callable has parameters")
+        if self.in_source_of and self.kind not in (Kind.METHOD, Kind.ATTRIBUTE):
+            raise ValueError(f"{self.path}: only a class member is looked for in sources")
+        if self.hook is not None and self.kind is not Kind.METHOD:
+            raise ValueError(f"{self.path}: only a method is hooked")
+
+    @property
+    def owner(self) -> str:
+        """The dotted path of what holds the name (a class for members)."""
+        return self.path.rpartition(".")[0]
+
+    @property
+    def name(self) -> str:
+        return self.path.rpartition(".")[2]
+
+
+_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+_POOL_SIZES = "sglang.srt.mem_cache.kv_cache_configurator._PoolSizes"
+_CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
+_POOL_STATS = "sglang.srt.managers.scheduler_components.pool_stats_observer.PoolStats"
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
+_MODEL_CONFIG = "sglang.srt.configs.model_config.ModelConfig"
+_LAYER_INFO = "sglang.srt.model_executor.model_runner_components.layer_setup.ModelLayerInfo"
+_ATTENTION = "sglang.srt.layers.radix_attention.RadixAttention"
+_SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+_REGISTRY = "sglang.srt.plugins.hook_registry"
+_ALLOCATOR = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
+_BUDGET = "sglang.srt.mem_cache.prefill_budget.PrefillBudget"
+_POOL = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"
+
+_METHOD, _ATTRIBUTE = Kind.METHOD, Kind.ATTRIBUTE
+
+
+def _members(owner: str, kind: Kind, names: Iterable[str], why: str,
+             in_source_of: tuple[str, ...] = ()) -> tuple[Contact, ...]:
+    """Rows for several members of `owner` that the plugin uses for one reason."""
+    return tuple(Contact(f"{owner}.{name}", kind, why, in_source_of=in_source_of)
+                 for name in names)
+
+
+_HOOKS = (
+    Contact(f"{_CONFIGURATOR}._profile_available_bytes", _METHOD,
+            "joins the arena and returns its capacity as the KV budget instead of profiling "
+            "device memory", ("pre_model_load_memory",), hook="profile_available_bytes"),
+    Contact(f"{_CONFIGURATOR}._resolve_kv_pool_class", _METHOD,
+            "hands SGLang the SlabKVPool for kind 'mha'", ("kind", "default"),
+            hook="resolve_kv_pool_class"),
+    Contact(f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", _METHOD,
+            "builds the SlabAllocator over this runtime's blocks",
+            ("sizes", "token_to_kv_pool", "token_to_kv_pool_allocator"), hook="build_allocator"),
+    Contact(f"{_CHECKER}._check_full_pool", _METHOD,
+            "SGLang's idle leak check, with the neighbours' memory accounted for",
+            ("ps", "uncached"), hook="check_full_pool"),
+    Contact(f"{_SCHEDULER}._get_new_batch_prefill_raw", _METHOD,
+            "reopens admission (batch_is_full) when a neighbour gave memory back",
+            ("prefill_delayer_single_pass", "running_batch"), hook="new_batch_prefill"),
+    Contact(f"{_SCHEDULER}.update_running_batch", _METHOD,
+            "skips a decode step (SGLang's own 'None skips decode this step') while a lone "
+            "request is starved by the neighbours, instead of letting SGLang abort it",
+            ("batch",), hook="update_running_batch"),
+)
+
+_REGISTRY_CONTACTS = (
+    Contact(f"{_REGISTRY}.HookRegistry.register", _METHOD,
+            "registers each AROUND hook", ("target", "hook", "hook_type")),
+    Contact(f"{_REGISTRY}.HookRegistry.apply_hooks", _METHOD, "patches SGLang with the hooks"),
+    Contact(f"{_REGISTRY}.HookRegistry._patched", _ATTRIBUTE,
+            "read to prove every hook was applied (SGLang only logs a hook that fails)"),
+    Contact(f"{_REGISTRY}.HookType.AROUND", _ATTRIBUTE, "the hook type of every hook"),
+)
+
+_SCHEDULER_STATE = (
+    *_members(_CONFIGURATOR, _ATTRIBUTE, (
+        "kv_cache_dtype", "model_config", "layer_info", "use_mla_backend", "is_hybrid_swa",
+        "mambaish_config", "is_draft_worker", "server_args", "device", "gpu_id", "page_size"),
+        "read by the hooks to derive the block format and refuse what the arena cannot serve"),
+    Contact(f"{_LAYER_INFO}.num_effective_layers", _ATTRIBUTE,
+            "the number of layers in this runtime's KV format"),
+    *_members(_MODEL_CONFIG, _ATTRIBUTE, ("head_dim", "v_head_dim"),
+              "the KV head size of the block format", in_source_of=("_derive_model_shapes",)),
+    Contact(f"{_MODEL_CONFIG}.get_num_kv_heads", _METHOD, "KV heads of the block format",
+            ("tensor_parallel_size",)),
+    Contact(f"{_POOL_SIZES}.max_total_num_tokens", _ATTRIBUTE,
+            "SGLang's capacity, the SlabAllocator's size"),
+    *_members(_CHECKER, _ATTRIBUTE, ("token_to_kv_pool_allocator", "max_total_num_tokens"),
+              "the leak-check hook recomputes this runtime's own free tokens"),
+    Contact(f"{_POOL_STATS}.full_available_size", _ATTRIBUTE,
+            "replaced (dataclasses.replace) by the leak-check hook"),
+    Contact(f"{_SCHEDULER}.token_to_kv_pool_allocator", _ATTRIBUTE,
+            "the scheduler hooks find the SlabAllocator here", in_source_of=("__init__",)),
+    *_members(_BATCH, _ATTRIBUTE, ("batch_is_full", "tree_cache"),
+              "the scheduler hooks reopen admission and evict for the starved-request check"),
+    Contact(f"{_BATCH}.batch_size", _METHOD, "how many requests decode (starved-request check)"),
+    Contact(f"{_BATCH}.new_tokens_required_next_decode", _METHOD,
+            "the next decode step's token demand (starved-request check)", ("selected_indices",)),
+    Contact(f"{_ATTENTION}.layer_id", _ATTRIBUTE, "the quantized pools' layer index",
+            in_source_of=("__init__",)),
+    *_members(_SERVER_ARGS, _ATTRIBUTE,
+              [r.setting for r in REFUSALS] + [name for name, _ in PARALLEL_SIZES],
+              "read by the start-up refusals: a renamed setting would never be refused"),
+)
+
+_ALLOCATOR_CONTACTS = (
+    Contact(_ALLOCATOR, Kind.CLASS, "SlabAllocator's base"),
+    Contact(f"{_ALLOCATOR}.__init__", _METHOD, "SlabAllocator keeps SGLang's constructor",
+            ("size", "page_size", "dtype", "device", "kvcache", "need_sort")),
+    Contact(f"{_ALLOCATOR}.clear", _METHOD,
+            "overridden to return every held page; the base constructor must call it",
+            in_source_of=("__init__",)),
+    Contact(f"{_ALLOCATOR}._release_page_ids", _METHOD,
+            "overridden to send freed pages back to the arena: every free path must end here, "
+            "or freed pages go to SGLang's private free list", ("page_ids",),
+            in_source_of=("free", "free_page_ids", "free_group_end")),
+    Contact(f"{_ALLOCATOR}.free_pages", _ATTRIBUTE,
+            "swapped for exactly the taken pages around SGLang's slot-picking kernels",
+            in_source_of=("clear", "alloc_extend", "alloc_decode")),
+    *_members(_ALLOCATOR, _ATTRIBUTE,
+              ("free_group", "free_page_ids_group", "staged_pages", "num_staged_pages"),
+              "SGLang's free-list state, set empty by the overriding clear as the base does",
+              in_source_of=("clear",)),
+    *_members(_ALLOCATOR, _ATTRIBUTE, ("use_triton_kernels", "device", "page_size"),
+              "read (use_triton_kernels also narrowed to power-of-two pages)",
+              in_source_of=("__init__",)),
+    Contact(f"{_ALLOCATOR}.alloc", _METHOD, "overridden: pages from the arena", ("need_size",)),
+    Contact(f"{_ALLOCATOR}.alloc_extend", _METHOD,
+            "overridden: SGLang's kernel over exactly the taken pages",
+            ("prefix_lens", "prefix_lens_cpu", "seq_lens", "seq_lens_cpu", "last_loc",
+             "extend_num_tokens", "num_new_pages")),
+    Contact(f"{_ALLOCATOR}.alloc_decode", _METHOD,
+            "overridden: SGLang's kernel over exactly the taken pages",
+            ("seq_lens", "seq_lens_cpu", "last_loc")),
+    Contact(f"{_ALLOCATOR}.check_decode_capacity", _METHOD,
+            "overridden: reserves the decode step's pages",
+            ("num_tokens", "tree_cache", "requests", "spec_algorithm")),
+    Contact(f"{_ALLOCATOR}.create_prefill_budget", _METHOD,
+            "overridden: a budget that reserves as it admits",
+            ("tree_cache", "num_mixed_decode_tokens")),
+    Contact(f"{_ALLOCATOR}.evict_to_free_tokens", _METHOD,
+            "called before reserving decode pages", ("tree_cache", "num_tokens")),
+    *_members(_ALLOCATOR, _METHOD, (
+        "available_size", "merge_and_sort_free", "get_all_free_pages", "verify_byte_accounting"),
+        "overridden: no private free list; available memory and integrity come from the arena"),
+    Contact("sglang.srt.utils.get_num_new_pages", Kind.FUNCTION,
+            "pages an extend or decode step takes", ("seq_lens", "page_size", "prefix_lens",
+                                                     "decode")),
+    Contact(_BUDGET, Kind.CLASS, "SlabPrefillBudget's base"),
+    Contact(f"{_BUDGET}.__init__", _METHOD, "SlabAllocator builds its budget with it",
+            ("allocator", "tree_cache", "num_mixed_decode_tokens")),
+    Contact(f"{_BUDGET}.can_allocate_prefill", _METHOD,
+            "overridden: reserves the admitted prefill's pages",
+            ("paged_input", "extend_input_len", "max_new_tokens", "chunk_limit")),
+    *_members(_BUDGET, _ATTRIBUTE, ("allocator", "current_offset", "page_size"),
+              "the tokens admitted so far in this step", in_source_of=("__init__",)),
+)
+
+_POOL_CONTACTS = (
+    Contact(_POOL, Kind.CLASS, "SlabKVPool's base"),
+    Contact(f"{_POOL}.__init__", _METHOD, "SGLang builds the pool with its own constructor",
+            ("size", "page_size", "dtype", "head_num", "head_dim", "layer_num", "device",
+             "enable_memory_saver")),
+    Contact(f"{_POOL}._create_buffers", _METHOD,
+            "overridden to point the buffers at the arena; the constructor must call it",
+            in_source_of=("__init__",)),
+    Contact(f"{_POOL}._init_data_ptrs_and_strides", _METHOD,
+            "called after the buffers are set, as SGLang does", in_source_of=("_create_buffers",)),
+    *_members(_POOL, _ATTRIBUTE, ("k_buffer", "v_buffer"),
+              "set to the arena views instead of SGLang's allocation",
+              in_source_of=("_create_buffers_normal",)),
+    *_members(_POOL, _ATTRIBUTE, (
+        "k_scale_buffer", "v_scale_buffer", "native_k_scale_buffer", "native_v_scale_buffer",
+        "dq_k_buffer", "dq_v_buffer", "_kv_buffer_descs"),
+        "set as SGLang's _create_buffers sets them", in_source_of=("_create_buffers",)),
+    *_members(_POOL, _ATTRIBUTE, (
+        "post_capture_active", "quant_method", "kv_cache_layout",
+        "size", "page_size", "layer_num", "head_num", "head_dim", "v_head_dim", "store_dtype",
+        "device", "start_layer", "dtype"),
+        "read to check the views' geometry and refuse what the arena cannot serve",
+        in_source_of=("__init__",)),
+    Contact(f"{_POOL}.is_quantized_kv_cache", _ATTRIBUTE,
+            "a property: quantized KV methods are refused"),
+    Contact(f"{_POOL}._clear_buffers", _METHOD, "overridden: the arena outlives the runtime"),
+    Contact(f"{_POOL}.get_contiguous_buf_infos", _METHOD,
+            "overridden to refuse (PD / HiCache registration of contiguous buffers)"),
+    Contact(f"{_POOL}.get_cpu_copy", _METHOD, "overridden to refuse (CPU KV offload)",
+            ("indices", "mamba_indices", "req_pool_index")),
+    Contact(f"{_POOL}.load_cpu_copy", _METHOD, "overridden to refuse (CPU KV offload)",
+            ("kv_cache_cpu", "indices", "mamba_indices", "req_pool_index")),
+    Contact(f"{_POOL}._init_kv_copy_and_warmup", _METHOD,
+            "overridden to refuse (speculative decoding's KV copy)"),
+    *_members(_POOL, _METHOD, ("get_key_buffer", "get_value_buffer", "_get_key_buffer",
+                               "_get_value_buffer"),
+              "overridden by the quantized pools to dequantize on read"),
+    Contact(f"{_POOL}.set_kv_buffer", _METHOD,
+            "overridden by the quantized pools to quantize on write",
+            ("layer", "loc_info", "cache_k", "cache_v", "k_scale", "v_scale",
+             "layer_id_override", "dcp_kv_mask")),
+    Contact("sglang.srt.mem_cache.memory_pool.unwrap_write_loc", Kind.FUNCTION,
+            "the quantized pools' write slots", ("loc_info",)),
+)
+
+#: Every SGLang name the plugin relies on; `contact_check.check_contacts` checks them all.
+CONTACTS: tuple[Contact, ...] = (
+    *_HOOKS, *_REGISTRY_CONTACTS, *_SCHEDULER_STATE, *_ALLOCATOR_CONTACTS, *_POOL_CONTACTS)
+
+#: The rows the plugin wraps with AROUND hooks, in the order SGLang calls them.
+HOOK_TARGETS: tuple[Contact, ...] = tuple(c for c in CONTACTS if c.hook is not None)
