@@ -147,6 +147,17 @@ def test_a_dead_pooled_runtime_is_reclaimed_block_by_block(arena: SlabArena) -> 
     assert snapshot(arena.table).free_slabs == NUM_SLABS
 
 
+def test_the_dead_owner_log_counts_its_key_pool_blocks(
+        arena: SlabArena, caplog: pytest.LogCaptureFixture) -> None:
+    # Issue #15, defect 11: the log said `reclaiming 0 slab(s)` when 12 blocks came back.
+    a, _ = _pair(arena)
+    a.alloc(5)
+    arena.table.rt_pid[a.slot] = dead_pid()
+    with caplog.at_level("WARNING", logger="fineslab.slabs.table"):
+        arena.table.reclaim_dead_owners()
+    assert "its 0 own slab(s) and 5 block(s) in its key pool" in caplog.text, caplog.text
+
+
 def test_lock_holder_death_mid_pool_update_is_repaired(arena: SlabArena) -> None:
     a, b = _pair(arena)
     a.alloc(3)
