@@ -121,12 +121,13 @@ def run(base_url: str, num_cases: int, seed: int) -> dict[str, Any]:
             elif reply.status_code >= 400 and not _error_shape_ok(reply):
                 bad_shape += 1
                 examples.append(f"shape {reply.status_code}: {reply.text[:200]}")
-        health = client.get("/health", timeout=30)
-    try:
-        replicas = [r for rs in health.json().get("models", {}).values() for r in rs]
-    except (ValueError, AttributeError):
-        replicas = []
-    health_ok = (health.status_code == 200 and bool(replicas)
+        try:
+            health = client.get("/health", timeout=30)
+            status = health.status_code
+            replicas = [r for rs in health.json().get("models", {}).values() for r in rs]
+        except (httpx.HTTPError, ValueError, AttributeError):
+            status, replicas = 0, []
+    health_ok = (status == 200 and bool(replicas)
                  and all(r["state"] == "up" and r["restarts"] == 0 for r in replicas))
     return {"cases": cases, "server_errors": server_errors, "resets": resets,
             "bad_error_shape": bad_shape, "health_ok": health_ok,

@@ -19,6 +19,7 @@ def _fuzz(*args: str) -> tuple[int, dict[str, object], str]:
     done = subprocess.run([sys.executable, "-m", "fineslab.bench.fuzz", "--json", *args],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     out = done.stdout + done.stderr
+    assert done.stdout.strip(), f"the bench printed nothing (rc {done.returncode}):\n{out[-3000:]}"
     return done.returncode, json.loads(done.stdout.strip().splitlines()[-1]), out
 
 
