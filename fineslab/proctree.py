@@ -47,20 +47,24 @@ def is_leftover_name(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in LEFTOVER_PATTERNS)
 
 
+def stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat after the command name (0: state, 1: ppid, 2: pgrp, 11-12: utime and
+    stime in clock ticks); empty when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def tree_pids_of_group(pgid: int) -> list[int]:
     """Live (non-zombie) processes whose process group is `pgid`, read from /proc."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # Fields after the parenthesised command name: state ppid pgrp ...
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
+        fields = stat_fields(int(entry))
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
             pids.append(int(entry))
     return pids
 

@@ -35,7 +35,13 @@ from pathlib import Path
 
 from fineslab import cpu_mode
 from fineslab.errors import EnvironmentSetupError
-from fineslab.proctree import remove_files, stop_group, tree_pids_of_group, tree_shm_files
+from fineslab.proctree import (
+    remove_files,
+    stat_fields,
+    stop_group,
+    tree_pids_of_group,
+    tree_shm_files,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -206,11 +212,12 @@ class ServerProcess:
 
     def cpu_ticks(self) -> dict[int, int]:
         """CPU time (clock ticks, user + system) each live process of the tree has used."""
-        return {pid: _stat_fields(pid, (11, 12)) for pid in self.tree_pids()}
+        ticks = {pid: stat_fields(pid) for pid in self.tree_pids()}
+        return {pid: int(f[11]) + int(f[12]) for pid, f in ticks.items() if len(f) > 12}
 
     def stopped(self) -> bool:
         """Whether a process of the tree is stopped (SIGSTOP, a debugger)."""
-        return any(_state(pid) in ("T", "t") for pid in self.tree_pids())
+        return any(stat_fields(pid)[:1] in (["T"], ["t"]) for pid in self.tree_pids())
 
     def record_shm(self) -> None:
         """Note the SGLang shm files the live tree uses, to remove them after it is gone."""
@@ -221,7 +228,7 @@ class ServerProcess:
         remove the tree's SGLang shm files."""
         pgid = self.proc.pid
         self.record_shm()
-        if self.proc.poll() is None or _pids_in_group(pgid):
+        if self.proc.poll() is None or tree_pids_of_group(pgid):
             stop_group(pgid, grace_s, reap=self.proc.poll)
         try:
             self.proc.wait(timeout=10)
@@ -229,34 +236,10 @@ class ServerProcess:
             logger.error("SGLang server %d did not exit after SIGKILL", pgid)
         if self._log is not subprocess.DEVNULL:
             self._log.close()  # type: ignore[union-attr]
-        if not _pids_in_group(pgid):
+        if not tree_pids_of_group(pgid):
             removed = remove_files(self.shm_files)
             if removed:
                 logger.info("removed %d SGLang shm file(s) of server %d", len(removed), pgid)
-
-
-def _stat_after_name(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
-
-
-def _state(pid: int) -> str:
-    fields = _stat_after_name(pid)
-    return fields[0] if fields else "X"
-
-
-def _stat_fields(pid: int, indexes: tuple[int, ...]) -> int:
-    """The sum of /proc/<pid>/stat fields at `indexes`, counted after the command name
-    (0 is the state; 11 and 12 are utime and stime)."""
-    fields = _stat_after_name(pid)
-    return sum(int(fields[i]) for i in indexes) if len(fields) > max(indexes) else 0
-
-
-def _pids_in_group(pgid: int) -> list[int]:
-    return tree_pids_of_group(pgid)
 
 
 def start_server(spec: ServerSpec, log_path: Path | None = None,
