@@ -3,8 +3,9 @@
     profile_schema, kv_format, curves    profiles: schema, loader, KV block bytes, tables
     devices, roofline                    analytical profiles (python -m fineslab.profile)
     predictors                           chunked-prefill TTFT predictor, throughput helpers
-    local/                               batch policies: adaptive (Algorithm 2), fcfs,
-                                         moore-hodgson; get_batch_policy(name)
+    local/                               batch policies: adaptive (Algorithm 2),
+                                         adaptive-early-shed, fcfs, moore-hodgson;
+                                         get_batch_policy(name)
     placement/                           placers: mme, mme-exact (Algorithm 1), kvpr, static;
                                          get_placement_policy(name, config); colocation
 

@@ -10,7 +10,7 @@ rules that span fields (unique names, KV dtype vs activation dtype, precision pe
                                     #               kv_arena_mib: 256}, {name: "cuda:0", ...}]
     kv_pool: arena                  # "sglang": runtimes keep SGLang's own pool (no plugin)
     placement: mme                  # global placer (fineslab.scheduler.placement)
-    batch_policy: adaptive          # local scheduler (fineslab.scheduler.local)
+    batch_policy: adaptive-early-shed  # or adaptive (Algorithm 2 as written), fcfs, ...
     router: {host: 127.0.0.1, port: 8000, api_key_env: null, on_drop: reject,
              drop_status: 429, retry_after_s: 1, max_running_requests: 32,
              upstream_timeout_s: 600, max_body_mib: 4}
@@ -229,7 +229,7 @@ class _Fleet(_Strict):
     devices: Literal["auto"] | list[_Device] = "auto"
     kv_pool: Literal["arena", "sglang"] = "arena"
     placement: str = "mme"
-    batch_policy: str = "adaptive"
+    batch_policy: str = "adaptive-early-shed"
     router: _Router = Field(default_factory=_Router)
     models: list[_Model] = Field(min_length=1)
     profile_dirs: list[str] = Field(default_factory=list)

@@ -60,7 +60,7 @@ class RouterSettings:
     on_drop: str = "reject"
     drop_status: int = 429
     retry_after_s: int = 1
-    batch_policy: str = "adaptive"
+    batch_policy: str = "adaptive-early-shed"
     #: How often a queue re-decides when nothing happens (deadlines move with the clock).
     tick_s: float = 0.05
     #: Longest wait for a runtime's next bytes (response head or stream chunk) before the

@@ -7,7 +7,9 @@ round (on an arrival, a completion, a replica change, or every `tick_s`) the dis
        (max_running - inflight), and KV room  T_max = min(max_batched_tokens, KV free tokens of
        the emptiest replica, from the slab table);
     2. asks the batch policy for a decision on a `QueueSnapshot` (arrival times on the router's
-       monotonic clock, the model's TTFT SLO, the chunked-prefill TTFT predictor);
+       monotonic clock, the model's TTFT SLO, the chunked-prefill TTFT predictor, and a
+       forecast of when each slot frees: leased time + the mean slot hold measured here, an
+       EWMA; `adaptive-early-shed` drops with it what will not get a slot in time);
     3. admitted: hands each ticket the least-loaded up replica (a lease, inflight += 1);
        dropped: rejects the ticket with the policy's reason (-> 429/503 + Retry-After), or with
        `on_drop: best_effort` moves it to a FIFO served from the slots left after admission;
@@ -42,6 +44,11 @@ from fineslab.scheduler.local import BatchLimits, BatchPolicy, QueueSnapshot, Wa
 
 logger = logging.getLogger(__name__)
 
+#: Weight of the newest slot hold in the mean service time, and how many requests are served
+#: before the queue forecasts slots (the early-shed policy reads the forecast).
+SERVICE_EWMA = 0.2
+MIN_SERVED = 3
+
 
 class RequestDropped(TransientError):
     """The local scheduler dropped the request: it cannot meet its TTFT deadline."""
@@ -60,6 +67,7 @@ class Ticket:
     request: WaitingRequest
     future: asyncio.Future[Replica]
     best_effort: bool = False
+    leased_s: float = 0.0
 
 
 @dataclass
@@ -69,6 +77,9 @@ class Lease:
     replica: Replica
     arrival_s: float
     best_effort: bool
+    #: The request's id in its queue, and when the scheduler handed it the slot.
+    request_id: str = ""
+    leased_s: float = 0.0
     released: bool = field(default=False)
 
 
@@ -82,6 +93,11 @@ class ModelQueue:
         self._best_effort: deque[Ticket] = deque()
         self._ids = itertools.count()
         self._wake = asyncio.Event()
+        #: When each slot held now was handed out (request id -> leased_s), and the mean time
+        #: a request holds its slot (EWMA over released leases; None until MIN_SERVED).
+        self._held: dict[str, float] = {}
+        self._served = 0
+        self.mean_service_s: float | None = None
 
     def __len__(self) -> int:
         return len(self._waiting) + len(self._best_effort)
@@ -118,15 +134,47 @@ class ModelQueue:
         self.wake()
         try:
             replica = await ticket.future
+        except asyncio.CancelledError:
+            future = ticket.future
+            if future.done() and not future.cancelled() and future.exception() is None:
+                # Leased in the instant its client left: give the slot back.
+                self.release(self._lease_of(ticket, future.result()), served=False)
+            raise
         finally:
             self._waiting.pop(request.request_id, None)
-        return Lease(replica, now_s, ticket.best_effort)
+        return self._lease_of(ticket, replica)
 
-    def release(self, lease: Lease) -> None:
+    @staticmethod
+    def _lease_of(ticket: Ticket, replica: Replica) -> Lease:
+        return Lease(replica, ticket.request.arrival_s, ticket.best_effort,
+                     ticket.request.request_id, ticket.leased_s)
+
+    def release(self, lease: Lease, served: bool = True) -> None:
         if not lease.released:
             lease.released = True
             lease.replica.inflight -= 1
+            self._held.pop(lease.request_id, None)
+            if served:
+                self._note_service(self.clock() - lease.leased_s)
             self.wake()
+
+    def _note_service(self, held_s: float) -> None:
+        """One more measured slot hold: the mean the early shed forecasts with."""
+        self._served += 1
+        if self.mean_service_s is None:
+            self.mean_service_s = held_s
+        else:
+            self.mean_service_s += SERVICE_EWMA * (held_s - self.mean_service_s)
+
+    def slot_forecast(self, up: list[Replica], now_s: float) -> tuple[float, ...]:
+        """Seconds until each slot of the up replicas frees (0 when free), ascending; empty
+        until MIN_SERVED requests were served (no estimate to make)."""
+        mean_s = self.mean_service_s
+        if mean_s is None or self._served < MIN_SERVED or not up:
+            return ()
+        free = sum(max(0, self.route.max_running_requests - r.inflight) for r in up)
+        busy = [max(0.0, leased_s + mean_s - now_s) for leased_s in self._held.values()]
+        return tuple(sorted([0.0] * free + busy))
 
     async def run(self) -> None:
         """The dispatcher loop; runs until cancelled."""
@@ -159,8 +207,10 @@ class ModelQueue:
         return BatchLimits(max(1, free_slots), max(1, max_tokens))
 
     def _decide(self, live: list[Ticket], up: list[Replica], free_slots: int) -> None:
-        snapshot = QueueSnapshot(tuple(t.request for t in live), self.clock(),
-                                 self.route.ttft_slo_s, self._limits(up, free_slots))
+        now_s = self.clock()
+        snapshot = QueueSnapshot(tuple(t.request for t in live), now_s,
+                                 self.route.ttft_slo_s, self._limits(up, free_slots),
+                                 self.slot_forecast(up, now_s), self.mean_service_s or 0.0)
         decision = self.policy.decide(snapshot, self.route.predictor)
         by_id = {t.request.request_id: t for t in live}
         if free_slots > 0:
@@ -191,6 +241,8 @@ class ModelQueue:
             return False
         replica = min(candidates, key=lambda r: r.inflight)
         replica.inflight += 1
+        ticket.leased_s = self.clock()
+        self._held[ticket.request.request_id] = ticket.leased_s
         ticket.future.set_result(replica)
         self.metrics.admitted(self.route.name, ticket.best_effort)
         return True

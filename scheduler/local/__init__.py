@@ -1,6 +1,6 @@
 """Local scheduler: per-model batch policies chosen by name.
 
-    policy = get_batch_policy("adaptive")      # or "fcfs", "moore-hodgson"
+    policy = get_batch_policy("adaptive")      # or "adaptive-early-shed", "fcfs", "moore-hodgson"
     decision = policy.decide(QueueSnapshot(...), ChunkedPrefillPredictor.from_profile(p))
 """
 
@@ -19,11 +19,13 @@ from fineslab.scheduler.local.base import (
     WaitingRequest,
 )
 from fineslab.scheduler.local.baselines import FcfsBatchPolicy, MooreHodgsonBatchPolicy
+from fineslab.scheduler.local.early_shed import EarlyShedBatchPolicy
 
 from fineslab.errors import ConfigError
 
 BATCH_POLICIES: dict[str, Callable[[], BatchPolicy]] = {
     AdaptiveBatchPolicy.name: AdaptiveBatchPolicy,
+    EarlyShedBatchPolicy.name: EarlyShedBatchPolicy,
     FcfsBatchPolicy.name: FcfsBatchPolicy,
     MooreHodgsonBatchPolicy.name: MooreHodgsonBatchPolicy,
 }
@@ -39,6 +41,6 @@ def get_batch_policy(name: str) -> BatchPolicy:
 
 __all__ = [
     "BATCH_POLICIES", "AdaptiveBatchPolicy", "BatchDecision", "BatchLimits", "BatchPolicy",
-    "DroppedRequest", "FcfsBatchPolicy", "MooreHodgsonBatchPolicy", "QueueSnapshot",
-    "TtftPredictor", "WaitingRequest", "get_batch_policy",
+    "DroppedRequest", "EarlyShedBatchPolicy", "FcfsBatchPolicy", "MooreHodgsonBatchPolicy",
+    "QueueSnapshot", "TtftPredictor", "WaitingRequest", "get_batch_policy",
 ]

@@ -50,6 +50,11 @@ class QueueSnapshot:
     now_s: float
     ttft_slo_s: float
     limits: BatchLimits
+    #: Seconds until each busy request slot is expected to free, ascending, from the caller's
+    #: measured service times; empty when it has none (Algorithm 2 does not read it).
+    slot_free_in_s: tuple[float, ...] = ()
+    #: The caller's mean seconds a request holds its slot (0 when unknown).
+    mean_service_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ttft_slo_s <= 0:
