@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import yaml
 
-from fineslab.proctree import FLEET_MARKER, stop_group, tree_pids_of_group
+from fineslab.proctree import FLEET_MARKER, stat_fields, stop_group, tree_pids_of_group
 from fineslab.runtime import free_port
 from fineslab.slabs.shm import ArenaPaths, default_shm_dir
 
@@ -40,12 +40,10 @@ def fleet_processes(fleet_id: str) -> list[int]:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 if marker not in f.read().split(b"\0"):
                     continue
-            with open(f"/proc/{entry}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    continue
         except OSError:
             continue
-        found.append(int(entry))
+        if stat_fields(int(entry))[:1] not in ([], ["Z"]):  # gone, or a zombie
+            found.append(int(entry))
     return found
 
 

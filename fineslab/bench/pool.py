@@ -99,7 +99,10 @@ def _arena_for(cfg: BenchConfig, device: str) -> tuple[SlabArena, ArenaJoin]:
     fmt = fit_format(shape, SLAB_BYTES, [cfg.page_size])
     if fmt is None:
         raise ValueError(f"page size {cfg.page_size} does not fit a {SLAB_BYTES} B slab")
-    num_slabs = -(-(cfg.capacity_tokens + cfg.page_size) * fmt.token_stride_bytes // SLAB_BYTES)
+    # The stock pool's capacity plus its padding page, in slabs, plus slab 0 (the arena keeps
+    # it as the padding slab and never hands it out).
+    num_slabs = 1 + -(-(cfg.capacity_tokens + cfg.page_size) * fmt.token_stride_bytes
+                      // SLAB_BYTES)
     fleet = f"bench{uuid.uuid4().hex[:8]}"
     spec = ArenaSpec(fleet, device, num_slabs * SLAB_BYTES, SLAB_BYTES,
                      fmt.blocks_per_slab(SLAB_BYTES))

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from fineslab.proctree import tree_pids_of_group
 from fineslab.runtime import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,16 +48,7 @@ class LaunchedFleet:
 
 def group_alive(pgid: int) -> bool:
     """Whether any non-zombie process of process group `pgid` is left."""
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False
+    return bool(tree_pids_of_group(pgid))
 
 
 def shm_files(fleet_id: str) -> list[str]:
@@ -66,8 +58,10 @@ def shm_files(fleet_id: str) -> list[str]:
 
 def launch(example: str, folder: Path, model_cache: Path, fleet_id: str,
            timeout_s: float = START_TIMEOUT_S, models: tuple[str, ...] | None = None,
-           port: int | None = None, name: str = "launch") -> tuple[LaunchedFleet, float]:
-    """Start `examples/<example>` under `fleet_id` (only `models`, when given); return the
+           port: int | None = None, name: str = "launch",
+           log_dir: bool = True) -> tuple[LaunchedFleet, float]:
+    """Start `examples/<example>` under `fleet_id` (only `models`, when given; runtime logs in
+    `folder/logs`, or without `log_dir` in the launcher's own temporary folder); return the
     fleet and its start seconds."""
     config = yaml.safe_load((REPO / "examples" / example).read_text())
     config["fleet_id"] = fleet_id
@@ -80,10 +74,11 @@ def launch(example: str, folder: Path, model_cache: Path, fleet_id: str,
     env = dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache))
     start_s = time.monotonic()
     with open(output, "wb") as out:
+        logs = ["--log-dir", str(folder / "logs")] if log_dir else []
         proc = subprocess.Popen(
             [sys.executable, "-m", "fineslab.launch", "--config", str(folder / "fleet.yaml"),
-             "--log-dir", str(folder / "logs")], stdout=out, stderr=subprocess.STDOUT, env=env,
-            cwd=REPO, start_new_session=True)
+             *logs], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+            start_new_session=True)
     fleet = LaunchedFleet(proc, f"http://127.0.0.1:{port}", fleet_id, output, model_cache)
     deadline = start_s + timeout_s
     while b"\nready\n" not in output.read_bytes():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -96,7 +97,9 @@ def test_killing_the_launcher_takes_its_runtimes_and_shared_memory_with_it(
 def test_a_relaunch_after_a_killed_launcher_serves_and_ctrl_c_stops_it_fast(
         first: LaunchedFleet, folder: Path, model_cache: Path, fleet_id: str) -> None:
     fleet, _ = launch("cpu-demo.yaml", folder, model_cache, fleet_id, models=MODELS,
-                      name="relaunch")
+                      name="relaunch", log_dir=False)
+    logs = re.search(r"logs in (\S+)\)", fleet.output.read_text())
+    assert logs and Path(logs.group(1)).is_dir(), fleet.output.read_text()[-3000:]
     try:
         assert fleet.health().json()["status"] == "ok"
         groups = list(fleet.runtime_pids().values())
@@ -113,3 +116,5 @@ def test_a_relaunch_after_a_killed_launcher_serves_and_ctrl_c_stops_it_fast(
     out = fleet.output.read_text()
     assert "stopping 1 runtime(s)" in out and "runtime llama-bf16-r0 stopped after" in out, out
     assert stop_s < 15, f"Ctrl-C took {stop_s:.1f} s"
+    # Defect 11: the launcher's temporary log folder was left in /tmp after a clean stop.
+    assert not Path(logs.group(1)).exists(), f"{logs.group(1)} left after a clean stop"

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from fineslab.proctree import stat_fields
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,12 +28,12 @@ def _descendants(root: int) -> dict[int, str]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
+        fields = stat_fields(int(entry))
         try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
-        except (OSError, IndexError):
+        except OSError:
             continue
-        if fields[0] != "Z":
+        if fields and fields[0] != "Z":
             parents[int(entry)] = int(fields[1])
             commands[int(entry)] = cmdline.decode(errors="replace")
     found, frontier = {}, [root]
@@ -70,7 +72,4 @@ def test_fidelity_killed_by_sigterm_leaves_no_sglang_process(tmp_path: Path) -> 
 
 
 def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    return stat_fields(pid)[:1] not in ([], ["Z"])
