@@ -23,7 +23,7 @@ import httpx
 import yaml
 
 from fineslab.proctree import FLEET_MARKER, stat_fields, stop_group, tree_pids_of_group
-from fineslab.runtime import free_port
+from fineslab.runtime import free_port, lifeline_read_fd
 from fineslab.slabs.shm import ArenaPaths, default_shm_dir
 
 READY_TIMEOUT_S = 900.0
@@ -70,10 +70,12 @@ class ChaosFleet:
         path.write_text(yaml.safe_dump(config))
         output = folder / f"{name}.out"
         with open(output, "wb") as out:
+            # --stop-with-fd: the fleet stops when this bench dies, even by kill -9.
             proc = subprocess.Popen(
                 [sys.executable, "-m", "fineslab.launch", "--config", str(path), "--log-dir",
-                 str(folder / f"{name}-logs")], stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True)
+                 str(folder / f"{name}-logs"), "--stop-with-fd", str(lifeline_read_fd())],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                pass_fds=(lifeline_read_fd(),))
         deadline = time.monotonic() + READY_TIMEOUT_S
         while b"\nready\n" not in output.read_bytes():
             if proc.poll() is not None or time.monotonic() > deadline:

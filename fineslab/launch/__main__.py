@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -23,16 +25,38 @@ def _progress(message: str) -> None:
     print(message, flush=True)
 
 
-def run_fleet(plan: FleetPlan, port: int | None = None, log_dir: str | None = None) -> int:
+def stop_with_fd(fd: int) -> None:
+    """SIGTERM this process (a clean stop) once `fd` reads EOF: the process holding the pipe's
+    write end is gone, however it went (a test harness or tool killed with -9)."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        raise FatalError(f"--stop-with-fd {fd}: no such open file descriptor") from None
+
+    def watch() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(fd, 1):
+                pass
+        logger.warning("the process holding --stop-with-fd %d is gone; stopping the fleet", fd)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="stop-with-fd", daemon=True).start()
+
+
+def run_fleet(plan: FleetPlan, port: int | None = None, log_dir: str | None = None,
+              stop_fd: int | None = None) -> int:
     """Start the fleet, serve until SIGINT/SIGTERM, stop everything (whatever phase it is in).
 
-    Both signals raise KeyboardInterrupt in the main thread; the `finally` stops the router,
-    every runtime's process group and the arenas, with further signals ignored meanwhile.
+    Both signals raise KeyboardInterrupt in the main thread (EOF on `stop_fd` sends SIGTERM);
+    the `finally` stops the router, every runtime's process group and the arenas, with further
+    signals ignored meanwhile.
     """
     from fineslab.launch.fleet import Fleet
 
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
+    if stop_fd is not None:
+        stop_with_fd(stop_fd)
     fleet = Fleet(plan, port, log_dir, _progress)
     try:
         fleet.start()
@@ -57,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-dir", default=None,
                         help="runtime logs (default: a temporary folder, printed at start)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--stop-with-fd", type=int, default=None, metavar="FD",
+                        help="stop the fleet when this inherited pipe reads EOF (its writer, "
+                             "e.g. a test harness, is gone)")
     return parser
 
 
@@ -69,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         print(plan.describe(), flush=True)
         if args.dry_run:
             return 0
-        return run_fleet(plan, port=args.port, log_dir=args.log_dir)
+        return run_fleet(plan, port=args.port, log_dir=args.log_dir,
+                         stop_fd=args.stop_with_fd)
     except FatalError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ import httpx
 import yaml
 
 from fineslab.proctree import tree_pids_of_group
-from fineslab.runtime import free_port
+from fineslab.runtime import free_port, lifeline_read_fd
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 900.0
@@ -75,10 +75,12 @@ def launch(example: str, folder: Path, model_cache: Path, fleet_id: str,
     start_s = time.monotonic()
     with open(output, "wb") as out:
         logs = ["--log-dir", str(folder / "logs")] if log_dir else []
+        # --stop-with-fd: the fleet stops when pytest dies, even by kill -9.
         proc = subprocess.Popen(
             [sys.executable, "-m", "fineslab.launch", "--config", str(folder / "fleet.yaml"),
-             *logs], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-            start_new_session=True)
+             *logs, "--stop-with-fd", str(lifeline_read_fd())], stdout=out,
+            stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
+            pass_fds=(lifeline_read_fd(),))
     fleet = LaunchedFleet(proc, f"http://127.0.0.1:{port}", fleet_id, output, model_cache)
     deadline = start_s + timeout_s
     while b"\nready\n" not in output.read_bytes():

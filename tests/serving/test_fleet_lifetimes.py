@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from fleet_support import REPO, LaunchedFleet, group_alive, launch, shm_files
 
+from fineslab.bench.chaos_fleet import fleet_processes
+from fineslab.proctree import stat_fields
 from fineslab.runtime import free_port
 
 pytestmark = pytest.mark.slow
@@ -118,3 +120,58 @@ def test_a_relaunch_after_a_killed_launcher_serves_and_ctrl_c_stops_it_fast(
     assert stop_s < 15, f"Ctrl-C took {stop_s:.1f} s"
     # Defect 11: the launcher's temporary log folder was left in /tmp after a clean stop.
     assert not Path(logs.group(1)).exists(), f"{logs.group(1)} left after a clean stop"
+
+
+HARNESS = """
+import os, subprocess, sys, time
+read_end, _ = os.pipe()
+with open(sys.argv[2], "wb") as out:
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "fineslab.launch", "--config", sys.argv[1],
+         "--stop-with-fd", str(read_end)], pass_fds=(read_end,), stdout=out,
+        stderr=subprocess.STDOUT, start_new_session=True)
+print(launcher.pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_harness_killed_mid_start_takes_the_fleet_it_started_with_it(
+        folder: Path, model_cache: Path) -> None:
+    # The test suite's own launchers were orphaned when pytest was killed: --stop-with-fd.
+    import yaml
+
+    fleet_id = f"harness-{os.getpid()}"
+    config = yaml.safe_load((REPO / "examples" / "cpu-demo.yaml").read_text())
+    config.update(fleet_id=fleet_id, models=config["models"][:1])
+    config["router"]["port"] = free_port()
+    path, output = folder / "harness.yaml", folder / "harness.out"
+    path.write_text(yaml.safe_dump(config))
+    harness = subprocess.Popen([sys.executable, "-c", HARNESS, str(path), str(output)],
+                               stdout=subprocess.PIPE, cwd=REPO, start_new_session=True,
+                               env=dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache)))
+    try:
+        assert harness.stdout is not None
+        launcher = int(harness.stdout.readline())
+        deadline = time.monotonic() + 300
+        while not fleet_processes(fleet_id) or b"starting 1 runtimes" not in output.read_bytes():
+            assert time.monotonic() < deadline, output.read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(2)  # the runtime is starting: SGLang is importing
+        os.kill(harness.pid, signal.SIGKILL)
+        harness.wait(30)
+        deadline = time.monotonic() + 90
+        while fleet_processes(fleet_id) or shm_files(fleet_id):
+            assert time.monotonic() < deadline, (
+                f"left after 90 s: {fleet_processes(fleet_id)}, {shm_files(fleet_id)}\n"
+                + output.read_text()[-3000:])
+            time.sleep(0.5)
+    finally:
+        for pid in fleet_processes(fleet_id):
+            os.kill(pid, signal.SIGKILL)
+        harness.kill()
+    out = output.read_text()
+    assert "stopping the fleet" in out and "fleet stopped" in out, out[-3000:]
+    deadline = time.monotonic() + 30
+    while stat_fields(launcher)[:1] not in ([], ["Z"]):
+        assert time.monotonic() < deadline, "the launcher did not exit after its fleet stopped"
+        time.sleep(0.2)
