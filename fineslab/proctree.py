@@ -17,7 +17,8 @@ server's. They can by use: while a process of the tree lives, it maps them (sema
 snapshot are mmap'd) or holds them open. `tree_shm_files(pids)` reads that from /proc;
 `ServerProcess` records it once the server is healthy (and again on each stop), and the
 lifeline wrapper (`fineslab.lifeline`) records it while it waits, so either can remove the files
-after the tree is gone, even when it was killed with SIGKILL.
+after the tree is gone, even when it was killed with SIGKILL. An in-process `sglang.Engine`
+leaves the same two files at `shutdown()`: `fineslab.runtime.shutdown_engine` removes them.
 
 Only names matching `LEFTOVER_PATTERNS` are ever removed: fineslab's own arena files
 (`fineslab-*`), which every runtime maps, are the launcher's to remove.
@@ -55,6 +56,22 @@ def stat_fields(pid: int) -> list[str]:
             return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return []
+
+
+def descendant_pids(root: int) -> list[int]:
+    """Live (non-zombie) descendants of `root` at any depth, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = stat_fields(int(entry))
+            if len(fields) > 1 and fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
 
 
 def tree_pids_of_group(pgid: int) -> list[int]:

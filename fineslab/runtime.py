@@ -36,6 +36,7 @@ from pathlib import Path
 from fineslab import cpu_mode
 from fineslab.errors import EnvironmentSetupError
 from fineslab.proctree import (
+    descendant_pids,
     remove_files,
     stat_fields,
     stop_group,
@@ -292,7 +293,21 @@ def cpu_engine_kwargs(extra: Mapping[str, object] | None = None) -> dict[str, ob
     return kwargs
 
 
+def shutdown_engine(engine: object) -> list[Path]:
+    """`engine.shutdown()` for an in-process `sglang.Engine`, then remove the shared-memory
+    files its processes held (SGLang leaves `sglang_loads_*.shm` and a `sem.mp-*` per engine;
+    see fineslab.proctree). Returns the files removed."""
+    held = tree_shm_files(descendant_pids(os.getpid()))
+    try:
+        engine.shutdown()  # type: ignore[attr-defined]
+    finally:
+        # Files still in use here or by another engine's processes stay.
+        in_use = tree_shm_files([os.getpid(), *descendant_pids(os.getpid())])
+        removed = remove_files(held - in_use)
+    return removed
+
+
 __all__: Sequence[str] = [
-    "PortInUse", "ServerProcess", "ServerSpec", "cpu_engine_kwargs", "free_port", "start_server",
-    "wait_until_up",
+    "PortInUse", "ServerProcess", "ServerSpec", "cpu_engine_kwargs", "free_port",
+    "shutdown_engine", "start_server", "wait_until_up",
 ]

@@ -17,7 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from fineslab.runtime import ServerSpec, cpu_engine_kwargs, free_port, start_server
+from fineslab.runtime import (
+    ServerSpec,
+    cpu_engine_kwargs,
+    free_port,
+    shutdown_engine,
+    start_server,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +51,9 @@ def _hf_greedy(model_dir: Path, dtype: str) -> tuple[list[list[int]], list[list[
     return prompts_ids, outputs
 
 
-def _sglang_greedy(model_dir: Path, dtype: str, prompts_ids: list[list[int]]) -> list[list[int]]:
+def _sglang_greedy(model_dir: Path, dtype: str, prompts_ids: list[list[int]],
+                   removed: list[Path] | None = None) -> list[list[int]]:
+    """Greedy outputs of an in-process engine; `removed` gets the shm files it left."""
     import sglang
 
     engine = sglang.Engine(**cpu_engine_kwargs({
@@ -56,8 +64,18 @@ def _sglang_greedy(model_dir: Path, dtype: str, prompts_ids: list[list[int]]) ->
         outs = engine.generate(input_ids=prompts_ids, sampling_params={
             "temperature": 0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True})
     finally:
-        engine.shutdown()
+        (removed if removed is not None else []).extend(shutdown_engine(engine))
     return [o["output_ids"] for o in outs]
+
+
+def test_an_in_process_engine_leaves_no_shared_memory_files(model_cache: Path) -> None:
+    # Issue #15: sglang.Engine.shutdown() leaves sglang_loads_*.shm and a sem.mp-* in
+    # /dev/shm; shutdown_engine finds them (held by the engine's processes) and removes them.
+    removed: list[Path] = []
+    _sglang_greedy(model_cache / "llama-tiny", "float32", [[1, 2, 3]], removed)
+    names = sorted(p.name for p in removed)
+    assert any(n.startswith("sglang_loads_") for n in names), names
+    assert not [p for p in removed if p.exists()]
 
 
 def _is_bf16_tie(model_dir: Path, prefix: list[int], a: int, b: int) -> tuple[bool, str]:

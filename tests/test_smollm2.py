@@ -11,7 +11,7 @@ import pytest
 
 from fineslab.env import FineslabEnv
 from fineslab.models import smollm2
-from fineslab.runtime import cpu_engine_kwargs
+from fineslab.runtime import cpu_engine_kwargs, shutdown_engine
 
 MODEL_DIR = smollm2.find(Path(FineslabEnv.from_environ().model_cache_dir))
 pytestmark = [
@@ -33,5 +33,5 @@ def test_sglang_serves_smollm2_with_a_correct_answer() -> None:
     try:
         out = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 16})
     finally:
-        engine.shutdown()
+        shutdown_engine(engine)
     assert "Paris" in out["text"], f"real weights answer a fact correctly, got {out['text']!r}"

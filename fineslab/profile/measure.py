@@ -35,7 +35,7 @@ from typing import Any
 
 from fineslab import cpu_mode
 from fineslab.models.generate import ensure_model
-from fineslab.runtime import cpu_engine_kwargs
+from fineslab.runtime import cpu_engine_kwargs, shutdown_engine
 from fineslab.scheduler.curves import PiecewiseLinear
 from fineslab.scheduler.kv_format import kv_token_bytes
 from fineslab.scheduler.profile_schema import (
@@ -172,7 +172,7 @@ def run_measure(config: MeasureConfig) -> Path:
         tables = _measure_tables(_Timer(engine, shape.vocab_size, config.repeats, config.seed),
                                  config)
     finally:
-        engine.shutdown()
+        shutdown_engine(engine)
     profile = _build_profile(config, shape, kv_dtype, weights_bytes, tables,
                              sglang_version=str(getattr(sglang, "__version__", "?")))
     return save_profile(profile, config.out_dir)

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from fineslab.runtime import shutdown_engine
+
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -47,7 +49,7 @@ def _engine_logprobs(model: Path, **kwargs: Any) -> list[float]:
         out = engine.generate(TEXT, {"max_new_tokens": 1, "temperature": 0},
                               return_logprob=True, logprob_start_len=0)
     finally:
-        engine.shutdown()
+        shutdown_engine(engine)
     return [float(lp) for lp, *_ in out["meta_info"]["input_token_logprobs"][1:]]
 
 

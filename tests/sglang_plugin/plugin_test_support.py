@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import httpx
 import torch
 
-from fineslab.runtime import cpu_engine_kwargs
+from fineslab.runtime import cpu_engine_kwargs, shutdown_engine
 from fineslab.sglang_plugin import ArenaJoin
 from fineslab.slabs import ArenaSpec, KVDtype, KVShape, RuntimeSlabs, SlabArena, snapshot
 from fineslab.slabs.formats import BlockFormat
@@ -139,7 +139,7 @@ def engine_outputs(model_path: Path, input_ids: list[list[int]], *, page_size: i
         out = engine.generate(input_ids=input_ids, sampling_params={
             "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True})
     finally:
-        engine.shutdown()
+        shutdown_engine(engine)
     return [o["output_ids"] for o in out]
 
 

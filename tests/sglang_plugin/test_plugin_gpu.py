@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from plugin_test_support import joined, prompts, whole_page_chunk
 
+from fineslab.runtime import shutdown_engine
 from fineslab.sglang_plugin import ArenaJoin
 from fineslab.slabs import ArenaSpec, KVDtype, KVShape, SlabArena
 from fineslab.slabs.sizing import fit_format
@@ -39,7 +40,7 @@ def _outputs(model_path: Path, backend: str, kv_cache_dtype: str, page_size: int
         out = engine.generate(input_ids=input_ids, sampling_params={
             "temperature": 0, "max_new_tokens": 24, "ignore_eos": True})
     finally:
-        engine.shutdown()
+        shutdown_engine(engine)
     return [o["output_ids"] for o in out]
 
 
