@@ -1,0 +1,108 @@
+"""WeightRegion (issue #16): a runtime's weights in whole arena slabs at a fixed address.
+
+Real shared memory, real mmap: bytes written through the region land in the arena at the slabs
+the table says, the region survives unback/back onto other slabs at the same address, and the
+table shows the weights as an owner of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from slab_constants import FMT_A
+
+from fineslab.errors import ArenaExhausted, ConfigError
+from fineslab.slabs.arena import ArenaSpec, SlabArena
+from fineslab.slabs.integrity import check_integrity, snapshot
+from fineslab.slabs.table import SlabState
+from fineslab.slabs.weights import WeightRegion
+
+SLAB = 16 * 1024
+SLABS = 8
+
+
+@pytest.fixture
+def arena(tmp_path: Path) -> Iterator[SlabArena]:
+    spec = ArenaSpec("w", "cpu0", SLABS * SLAB, SLAB, 32, max_runtimes=8)
+    with SlabArena.create(spec, shm_dir=tmp_path) as created:
+        yield created
+
+
+def _arena_bytes(arena: SlabArena, slab: int) -> torch.Tensor:
+    return arena.tensor()[slab * SLAB:(slab + 1) * SLAB]  # type: ignore[index]
+
+
+def test_weights_written_through_the_region_live_in_the_arena_slabs(arena: SlabArena) -> None:
+    region = WeightRegion(arena.table, arena.paths.data, "m-r0", 2 * SLAB + 100)
+    slabs = region.back()
+    assert slabs.size == 3 and region.num_slabs == 3
+    view = region.tensor()
+    assert view.numel() == 2 * SLAB + 100
+    view.copy_(torch.arange(view.numel()) % 251)
+    for i, slab in enumerate(slabs.tolist()):
+        got = _arena_bytes(arena, slab)[: min(SLAB, view.numel() - i * SLAB)]
+        assert torch.equal(got, view[i * SLAB: i * SLAB + got.numel()]), f"slab {slab}"
+    owners = {o.runtime_id: o for o in snapshot(arena.table).owners}
+    assert owners["m-r0:w"].num_slabs == 3, owners
+    assert all(arena.table.state[s] == SlabState.FULL for s in slabs.tolist())
+    check_integrity(arena.table)
+    region.close()
+
+
+def test_unback_returns_the_slabs_and_back_maps_other_ones_at_the_same_address(
+        arena: SlabArena) -> None:
+    region = WeightRegion(arena.table, arena.paths.data, "m-r0", 2 * SLAB)
+    first = region.back().copy()
+    base, view = region.base, region.tensor()
+    saved = (torch.arange(view.numel()) % 7).to(torch.uint8)
+    view.copy_(saved)
+    region.unback()
+    assert not region.backed
+    assert all(arena.table.state[s] == SlabState.FREE for s in first.tolist())
+    # Another runtime takes the freed slabs: the wake must land elsewhere.
+    kv = arena.client("other", FMT_A)
+    kv.alloc(2 * FMT_A.blocks_per_slab(SLAB))
+    second = region.back()
+    assert not set(first.tolist()) & set(second.tolist()), (first, second)
+    assert region.base == base, "the tensors built over the region never move"
+    view.copy_(saved)  # the wake's restore, through the same tensor
+    for i, slab in enumerate(second.tolist()):
+        assert torch.equal(_arena_bytes(arena, slab), saved[i * SLAB:(i + 1) * SLAB])
+    check_integrity(arena.table)
+    region.close()
+    kv.close()
+
+
+def test_back_is_all_or_nothing_when_the_arena_is_short(arena: SlabArena) -> None:
+    kv = arena.client("other", FMT_A)
+    kv.alloc((SLABS - 2) * FMT_A.blocks_per_slab(SLAB))
+    region = WeightRegion(arena.table, arena.paths.data, "m-r0", 3 * SLAB)
+    free_before = int(np.count_nonzero(arena.table.state == SlabState.FREE))
+    with pytest.raises(ArenaExhausted):
+        region.back()
+    assert not region.backed
+    assert int(np.count_nonzero(arena.table.state == SlabState.FREE)) == free_before
+    check_integrity(arena.table)
+    region.close()
+    kv.close()
+
+
+def test_a_dead_runtimes_weight_slabs_are_reclaimed(arena: SlabArena) -> None:
+    region = WeightRegion(arena.table, arena.paths.data, "m-r0", SLAB)
+    slab = int(region.back()[0])
+    arena.table.rt_pid[region.slot] = 2 ** 22 + 12345  # no such process: the owner is dead
+    assert "m-r0:w" in arena.table.reclaim_dead_owners()
+    assert arena.table.state[slab] == SlabState.FREE
+
+
+def test_bad_sizes_are_refused(arena: SlabArena, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="positive size"):
+        WeightRegion(arena.table, arena.paths.data, "m-r0", 0)
+    odd = ArenaSpec("odd", "cpu0", 4 * 6000, 6000, 8, max_runtimes=4)
+    with SlabArena.create(odd, shm_dir=tmp_path) as other, \
+            pytest.raises(ConfigError, match="page size"):
+        WeightRegion(other.table, other.paths.data, "m-r0", 100)
