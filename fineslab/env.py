@@ -31,6 +31,9 @@ KEY_POOL_VAR = "FINESLAB_KEY_POOL"
 #: A fineslab-quantized KV storage format for a runtime that joins an arena: "int4" (KV4) or
 #: "fp8_e4m3" (FP8 with per-layer scales, the CPU path). Unset: SGLang's own KV dtype.
 KV_FORMAT_VAR = "FINESLAB_KV_FORMAT"
+#: "1": this runtime moves its weights into whole slabs of the arena once SGLang has loaded
+#: them (fineslab.slabs.weights; CPU only), so they show in the slab table and can sleep.
+WEIGHTS_IN_ARENA_VAR = "FINESLAB_WEIGHTS_IN_ARENA"
 #: FP8 KV only: the per-layer scales file (SGLang's `--quantization-param-path` JSON).
 KV_SCALES_VAR = "FINESLAB_KV_SCALES"
 
@@ -56,6 +59,7 @@ class FineslabEnv:
     key_pool: bool = False
     kv_format: str | None = None
     kv_scales_path: str | None = None
+    weights_in_arena: bool = False
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> FineslabEnv:
@@ -69,4 +73,6 @@ class FineslabEnv:
             key_pool=bool(_parse_tristate(KEY_POOL_VAR, env.get(KEY_POOL_VAR))),
             kv_format=env.get(KV_FORMAT_VAR) or None,
             kv_scales_path=env.get(KV_SCALES_VAR) or None,
+            weights_in_arena=bool(_parse_tristate(WEIGHTS_IN_ARENA_VAR,
+                                                  env.get(WEIGHTS_IN_ARENA_VAR))),
         )

@@ -2,8 +2,9 @@
 
 The one configuration channel is the environment of the SGLang processes: the launcher sets
 `FINESLAB_ARENA` (the arena's name) and `FINESLAB_RUNTIME_ID` (this model replica's id in the
-slab table), and `FINESLAB_KEY_POOL=1` when the runtime shares its block size's slabs with
-other runtimes on the device (a key pool). The first two unset: the plugin stays out of the
+slab table), `FINESLAB_KEY_POOL=1` when the runtime shares its block size's slabs with
+other runtimes on the device (a key pool), and `FINESLAB_WEIGHTS_IN_ARENA=1` when its weights
+go into the arena too. The first two unset: the plugin stays out of the
 way. One without the other is an error, never a silent fallback to SGLang's own pool.
 """
 
@@ -11,7 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fineslab.env import ARENA_VAR, KEY_POOL_VAR, RUNTIME_ID_VAR, FineslabEnv
+from fineslab.env import (
+    ARENA_VAR,
+    KEY_POOL_VAR,
+    RUNTIME_ID_VAR,
+    WEIGHTS_IN_ARENA_VAR,
+    FineslabEnv,
+)
 from fineslab.errors import ConfigError
 
 #: The SGLang release whose hook targets and signatures this plugin was written and tested on.
@@ -25,6 +32,8 @@ class ArenaJoin:
     arena_name: str
     runtime_id: str
     key_pool: bool = False
+    #: Move the loaded weights into slabs of the arena (`FINESLAB_WEIGHTS_IN_ARENA=1`).
+    weights_in_arena: bool = False
 
     def __post_init__(self) -> None:
         if not self.arena_name:
@@ -42,11 +51,13 @@ class ArenaJoin:
             missing = ARENA_VAR if env.arena_name is None else RUNTIME_ID_VAR
             raise ConfigError(
                 f"{ARENA_VAR} and {RUNTIME_ID_VAR} go together; {missing} is not set")
-        return cls(env.arena_name, env.runtime_id, env.key_pool)
+        return cls(env.arena_name, env.runtime_id, env.key_pool, env.weights_in_arena)
 
     def environ(self) -> dict[str, str]:
         """The variables a launcher puts in a runtime's environment to make it join."""
         variables = {ARENA_VAR: self.arena_name, RUNTIME_ID_VAR: self.runtime_id}
         if self.key_pool:
             variables[KEY_POOL_VAR] = "1"
+        if self.weights_in_arena:
+            variables[WEIGHTS_IN_ARENA_VAR] = "1"
         return variables

@@ -95,6 +95,7 @@ _REGISTRY = "sglang.srt.plugins.hook_registry"
 _ALLOCATOR = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
 _BUDGET = "sglang.srt.mem_cache.prefill_budget.PrefillBudget"
 _POOL = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"
+_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 
 _METHOD, _ATTRIBUTE = Kind.METHOD, Kind.ATTRIBUTE
 
@@ -107,6 +108,9 @@ def _members(owner: str, kind: Kind, names: Iterable[str], why: str,
 
 
 _HOOKS = (
+    Contact(f"{_RUNNER}.initialize", _METHOD,
+            "after SGLang loaded the model and before it builds the KV pool: moves the weights "
+            "into the arena when FINESLAB_WEIGHTS_IN_ARENA=1", hook="initialize_model"),
     Contact(f"{_CONFIGURATOR}._profile_available_bytes", _METHOD,
             "joins the arena and returns its capacity as the KV budget instead of profiling "
             "device memory", ("pre_model_load_memory",), hook="profile_available_bytes"),
@@ -135,6 +139,13 @@ _REGISTRY_CONTACTS = (
     Contact(f"{_REGISTRY}.HookRegistry._patched", _ATTRIBUTE,
             "read to prove every hook was applied (SGLang only logs a hook that fails)"),
     Contact(f"{_REGISTRY}.HookType.AROUND", _ATTRIBUTE, "the hook type of every hook"),
+)
+
+_RUNNER_STATE = (
+    Contact(f"{_RUNNER}.model", _ATTRIBUTE, "the loaded model whose weights move to the arena",
+            in_source_of=("load_model",)),
+    *_members(_RUNNER, _ATTRIBUTE, ("device", "gpu_id"), "the arena device of the weights",
+              in_source_of=("__init__",)),
 )
 
 _SCHEDULER_STATE = (
@@ -268,7 +279,8 @@ _POOL_CONTACTS = (
 
 #: Every SGLang name the plugin relies on; `contact_check.check_contacts` checks them all.
 CONTACTS: tuple[Contact, ...] = (
-    *_HOOKS, *_REGISTRY_CONTACTS, *_SCHEDULER_STATE, *_ALLOCATOR_CONTACTS, *_POOL_CONTACTS)
+    *_HOOKS, *_REGISTRY_CONTACTS, *_RUNNER_STATE, *_SCHEDULER_STATE, *_ALLOCATOR_CONTACTS,
+    *_POOL_CONTACTS)
 
 #: The rows the plugin wraps with AROUND hooks, in the order SGLang calls them.
 HOOK_TARGETS: tuple[Contact, ...] = tuple(c for c in CONTACTS if c.hook is not None)

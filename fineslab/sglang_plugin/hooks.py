@@ -4,6 +4,7 @@ A `PluginSession` holds one runtime's link to the arena; its methods are install
 hooks (`contact.HOOK_TARGETS` lists the targets). In a scheduler process the calls come in this
 order:
 
+    ModelRunner.initialize    -> after loading: the weights into arena slabs (when asked)
     _profile_available_bytes  -> join the arena, refuse what cannot work, report its capacity
     _resolve_kv_pool_class    -> SlabKVPool over the arena views (kind "mha")
     _build_token_to_kv_pool_allocator -> SlabAllocator over this runtime's blocks
@@ -32,7 +33,9 @@ from fineslab.sglang_plugin.link import ArenaLink, arena_device, join_arena
 from fineslab.sglang_plugin.pool import SlabKVPool
 from fineslab.sglang_plugin.refusals import refuse_unsupported, settings_of
 from fineslab.sglang_plugin.starvation import DecodeShortfall, StarvedRequestPolicy
+from fineslab.sglang_plugin.weights import place_weights
 from fineslab.slabs.formats import KVDtype, KVShape
+from fineslab.slabs.weights import WeightRegion
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +89,16 @@ class PluginSession:
         self._opener = opener
         self.starvation = starvation or StarvedRequestPolicy()
         self.link: ArenaLink | None = None
+        self.weights: WeightRegion | None = None
+
+    def initialize_model(self, original: Callable[..., Any], runner: Any,
+                         *args: Any, **kwargs: Any) -> Any:
+        """SGLang's model set-up, then (with `weights_in_arena`) the weights into the arena."""
+        result = original(runner, *args, **kwargs)
+        if self.join.weights_in_arena and self.weights is None:
+            device = arena_device(str(runner.device), runner.gpu_id)
+            self.weights = place_weights(self.join, runner.model, device)
+        return result
 
     def _require_link(self) -> ArenaLink:
         if self.link is None:

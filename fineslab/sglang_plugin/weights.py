@@ -118,3 +118,36 @@ def move_into_region(model: torch.nn.Module,
     logger.info("weights in the arena: %d B in %d storages (%d tensors)", moved.num_bytes,
                 moved.num_storages, moved.num_tensors)
     return region, moved
+
+
+def place_weights(join: Any, model: torch.nn.Module, device: str) -> Any:
+    """The runtime's weights into a `WeightRegion` of the arena `join` names on `device`.
+
+    Raises ConfigError (the runtime stops at start) when there is no such arena or it has too
+    few free slabs: a runtime told to keep its weights in the arena never keeps them elsewhere.
+    """
+    from fineslab.errors import ArenaExhausted
+    from fineslab.slabs.shm import ArenaPaths
+    from fineslab.slabs.table import SlabTable
+    from fineslab.slabs.weights import WeightRegion
+
+    paths = ArenaPaths.of(join.arena_name, device)
+    try:
+        table = SlabTable.open(paths.table)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"no arena {join.arena_name!r} on {device} for the weights of "
+                          f"{join.runtime_id!r}: the launcher creates it first ({exc})") from exc
+
+    def make_region(nbytes: int) -> WeightRegion:
+        region = WeightRegion(table, paths.data, join.runtime_id, nbytes)
+        try:
+            region.back()
+        except ArenaExhausted as exc:
+            region.close()
+            raise ConfigError(f"the weights of {join.runtime_id!r} ({nbytes} B, "
+                              f"{region.num_slabs} slabs) do not fit the arena on {device}: "
+                              f"{exc}") from exc
+        return region
+
+    region, _ = move_into_region(model, make_region)
+    return region

@@ -102,7 +102,7 @@ def slab_allocator(arena: ScratchArena, source: RuntimeSlabs, fmt: BlockFormat, 
 @contextlib.contextmanager
 def joined(join: ArenaJoin | None) -> Iterator[None]:
     """The join variables in os.environ while an Engine spawns its scheduler."""
-    saved = {k: os.environ.get(k) for k in ArenaJoin("a", "b").environ()}
+    saved = {k: os.environ.get(k) for k in ArenaJoin("a", "b", True, True).environ()}
     if join is not None:
         os.environ.update(join.environ())
     try:
