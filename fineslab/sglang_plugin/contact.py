@@ -108,6 +108,10 @@ def _members(owner: str, kind: Kind, names: Iterable[str], why: str,
 
 
 _HOOKS = (
+    Contact("sglang.srt.utils.torch_memory_saver_adapter.TorchMemorySaverAdapter.create",
+            _METHOD, "returns the ArenaMemorySaver: /release_memory_occupation and "
+            "/resume_memory_occupation put the weights to sleep and wake them",
+            ("enable",), hook="memory_saver"),
     Contact(f"{_RUNNER}.initialize", _METHOD,
             "after SGLang loaded the model and before it builds the KV pool: moves the weights "
             "into the arena when FINESLAB_WEIGHTS_IN_ARENA=1", hook="initialize_model"),

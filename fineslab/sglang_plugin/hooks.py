@@ -4,6 +4,7 @@ A `PluginSession` holds one runtime's link to the arena; its methods are install
 hooks (`contact.HOOK_TARGETS` lists the targets). In a scheduler process the calls come in this
 order:
 
+    TorchMemorySaverAdapter.create -> ArenaMemorySaver: sleep and wake (memory_saver.py)
     ModelRunner.initialize    -> after loading: the weights into arena slabs (when asked)
     _profile_available_bytes  -> join the arena, refuse what cannot work, report its capacity
     _resolve_kv_pool_class    -> SlabKVPool over the arena views (kind "mha")
@@ -30,6 +31,7 @@ from fineslab.errors import ConfigError
 from fineslab.sglang_plugin.allocator import SlabAllocator, needs_zeroed_pages
 from fineslab.sglang_plugin.config import ArenaJoin
 from fineslab.sglang_plugin.link import ArenaLink, arena_device, join_arena
+from fineslab.sglang_plugin.memory_saver import ArenaMemorySaver, WeightSleeper, host_copy_path
 from fineslab.sglang_plugin.pool import SlabKVPool
 from fineslab.sglang_plugin.refusals import refuse_unsupported, settings_of
 from fineslab.sglang_plugin.starvation import DecodeShortfall, StarvedRequestPolicy
@@ -90,6 +92,16 @@ class PluginSession:
         self.starvation = starvation or StarvedRequestPolicy()
         self.link: ArenaLink | None = None
         self.weights: WeightRegion | None = None
+        self.sleeper: WeightSleeper | None = None
+        self._memory_saver: ArenaMemorySaver | None = None
+
+    def memory_saver(self, original: Callable[..., Any], *args: Any, **kwargs: Any
+                     ) -> ArenaMemorySaver:
+        """SGLang's memory-saver factory: one `ArenaMemorySaver` per process, whatever
+        `enable_memory_saver` says (sleep and wake act on the arena; memory_saver.py)."""
+        if self._memory_saver is None:
+            self._memory_saver = ArenaMemorySaver(self)
+        return self._memory_saver
 
     def initialize_model(self, original: Callable[..., Any], runner: Any,
                          *args: Any, **kwargs: Any) -> Any:
@@ -98,6 +110,8 @@ class PluginSession:
         if self.join.weights_in_arena and self.weights is None:
             device = arena_device(str(runner.device), runner.gpu_id)
             self.weights = place_weights(self.join, runner.model, device)
+            self.sleeper = WeightSleeper(
+                self.weights, host_copy_path(self.join.arena_name, self.join.runtime_id))
         return result
 
     def _require_link(self) -> ArenaLink:

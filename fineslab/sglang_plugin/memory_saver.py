@@ -1,0 +1,148 @@
+"""Sleep and wake through SGLang's own API: the memory-saver adapter of a runtime in an arena.
+
+SGLang's `POST /release_memory_occupation` and `/resume_memory_occupation` (tags `weights`,
+`kv_cache`) end in `pause(tag)` / `resume(tag)` on the scheduler's memory-saver adapter, which
+SGLang gets from `TorchMemorySaverAdapter.create` (CUDA's torch_memory_saver, or a no-op). The
+plugin wraps that factory (an AROUND hook; a contact row) to return `ArenaMemorySaver` in every
+process of a runtime that joins an arena, whatever `enable_memory_saver` says:
+
+    pause("weights")    the weights' host copy is written once (a file in region layout), then
+                        the weight slabs go back to the arena (`WeightRegion.unback`): FREE
+                        in the table, still resident, so a neighbour or the wake reuses them
+                        at memcpy speed
+    resume("weights")   take free slabs (any), map them at the same addresses, copy the host
+                        copy in (one sequential read of an mmap'd file)
+    "kv_cache"          nothing: SGLang flushes the cache right after pause("kv_cache"), which
+                        gives every KV page back to the arena through the SlabAllocator
+    region(), cuda_graph(), disable(), configure_subprocess()   no-ops (CPU allocations cannot
+                        be captured; the weights are moved after loading instead)
+
+What SGLang does around these calls, and what the caller must do (docs/elastic.md): release
+asserts the scheduler is idle and the whole server dies when it is not, so release only after
+`/pause_generation {"mode": "retract"}`; resume of a tag that was not released dies too
+(KeyError); nothing stops generation while weights are released. The router's sleep and wake
+follow that order.
+
+    asleep:  the runtime holds 0 weight slabs and 0 KV pages; its host copy file exists
+    awake:   weights bit-identical to before the sleep (the host copy is those bytes)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fineslab.errors import ArenaExhausted
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_TAG = "weights"
+
+
+def host_copy_path(arena_name: str, runtime_id: str) -> Path:
+    """Where a runtime's weights wait while it sleeps (the launcher removes its fleet's at stop).
+    """
+    folder = Path(os.environ.get("FINESLAB_WEIGHTS_DIR") or tempfile.gettempdir())
+    return folder / f"fineslab-{arena_name}-{runtime_id}.weights"
+
+
+class WeightSleeper:
+    """Sleep and wake of one runtime's `WeightRegion`, with its host copy."""
+
+    def __init__(self, region: Any, path: Path) -> None:
+        self.region, self.path = region, path
+        self._written = False
+
+    @property
+    def asleep(self) -> bool:
+        return not self.region.backed
+
+    def sleep(self) -> float:
+        """Give the weight slabs back; returns the seconds it took."""
+        if self.asleep:
+            return 0.0
+        start_s = time.perf_counter()
+        if not self._written:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_suffix(".partial")
+            self.region.tensor().numpy().tofile(partial)
+            partial.replace(self.path)
+            self._written = True
+        num_slabs = self.region.num_slabs
+        self.region.unback()
+        took_s = time.perf_counter() - start_s
+        logger.info("fineslab: weights of %r asleep: %d slab(s) back to the arena in %.3f s",
+                    self.region.runtime_id, num_slabs, took_s)
+        return took_s
+
+    def wake(self) -> float:
+        """Take slabs and restore the weights; returns the seconds it took. Raises
+        ArenaExhausted (still asleep) when the arena has too few free slabs."""
+        if not self.asleep:
+            return 0.0
+        start_s = time.perf_counter()
+        self.region.back()
+        saved = torch.from_file(str(self.path), shared=False, size=self.region.nbytes,
+                                dtype=torch.uint8)
+        self.region.tensor().copy_(saved)
+        took_s = time.perf_counter() - start_s
+        logger.info("fineslab: weights of %r awake: %d slab(s), %.1f MiB in %.3f s",
+                    self.region.runtime_id, self.region.num_slabs,
+                    self.region.nbytes / 2**20, took_s)
+        return took_s
+
+    def remove_host_copy(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+class ArenaMemorySaver:
+    """SGLang's memory-saver adapter interface, over the session's weights (module doc)."""
+
+    enabled = False  # read by SGLang's CUDA graph backends only
+
+    def __init__(self, session: Any) -> None:
+        self._session = session
+
+    @contextlib.contextmanager
+    def region(self, tag: str | None = None, enable_cpu_backup: bool = False) -> Iterator[None]:
+        yield
+
+    @contextlib.contextmanager
+    def cuda_graph(self, **kwargs: Any) -> Iterator[None]:
+        yield
+
+    @contextlib.contextmanager
+    def disable(self) -> Iterator[None]:
+        yield
+
+    @contextlib.contextmanager
+    def configure_subprocess(self) -> Iterator[None]:
+        yield
+
+    def check_validity(self, caller_name: str) -> None:
+        return None
+
+    def pause(self, tag: str) -> None:
+        sleeper = self._session.sleeper
+        if tag == WEIGHTS_TAG and sleeper is not None:
+            sleeper.sleep()
+
+    def resume(self, tag: str) -> None:
+        sleeper = self._session.sleeper
+        if tag == WEIGHTS_TAG and sleeper is not None:
+            try:
+                sleeper.wake()
+            except ArenaExhausted:
+                # SGLang has no way to refuse a resume: running on with unmapped weights would
+                # fault at the first step. Stop here, loudly; the supervisor restarts it.
+                logger.exception("fineslab: no room in the arena to wake %r; the runtime stops "
+                                 "(make room before waking it)", sleeper.region.runtime_id)
+                raise

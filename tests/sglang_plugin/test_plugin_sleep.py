@@ -1,0 +1,84 @@
+"""Sleep and wake through SGLang's own API (issue #16), on a real CPU server in an arena.
+
+`/pause_generation {"mode":"retract"}`, `/release_memory_occupation {"tags":["weights",
+"kv_cache"]}` puts the runtime to sleep: its weight slabs and KV pages go back to the arena
+(the slab table shows 0 for both) and a neighbour can take them. `/resume_memory_occupation`
+and `/continue_generation` wake it onto other slabs, and greedy output equals what it gave
+before the sleep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from plugin_test_support import ScratchArena, arena_for, generate_http, kv_shape, prompts
+
+from fineslab.runtime import ServerProcess, ServerSpec, free_port
+from fineslab.sglang_plugin.memory_saver import host_copy_path
+from fineslab.slabs import check_integrity, snapshot
+from fineslab.slabs.formats import BlockFormat
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = prompts(2, 20, seed=5)
+NEW_TOKENS = 10
+SLAB = 1 << 20
+TAGS = {"tags": ["weights", "kv_cache"]}
+
+
+@pytest.fixture(scope="module")
+def runtime(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[ServerProcess, ScratchArena]]:
+    arena = arena_for([kv_shape("llama-tiny", "bfloat16", "m")], 16, SLAB, num_slabs=24)
+    join = dataclasses.replace(arena.join("m"), weights_in_arena=True)
+    spec = ServerSpec(str(model_cache / "llama-tiny"), free_port(), extra_args=(
+        "--dtype", "bfloat16", "--page-size", "16", "--log-level", "warning"),
+        env=join.environ())
+    server = ServerProcess(spec, tmp_path_factory.mktemp("sleep") / "m.log")
+    try:
+        server.wait_healthy(300)
+        yield server, arena
+    finally:
+        server.stop()
+        host_copy_path(arena.fleet_id, "m").unlink(missing_ok=True)
+        arena.close()
+
+
+def _post(server: ServerProcess, path: str, body: dict[str, object]) -> None:
+    reply = httpx.post(server.spec.base_url + path, json=body, timeout=120)
+    assert reply.status_code == 200, (path, reply.status_code, reply.text)
+
+
+def _held(arena: ScratchArena) -> dict[str, int]:
+    return {o.runtime_id: o.num_slabs for o in snapshot(arena.arena.table).owners if o.alive}
+
+
+def test_sleep_gives_weights_and_kv_back_and_wake_restores_identical_output(
+        runtime: tuple[ServerProcess, ScratchArena]) -> None:
+    server, arena = runtime
+    before = [generate_http(server.spec.base_url, p, NEW_TOKENS) for p in PROMPTS]
+    awake = _held(arena)
+    assert awake["m:w"] >= 2 and awake["m"] >= 1, awake
+    _post(server, "/pause_generation", {"mode": "retract"})
+    _post(server, "/release_memory_occupation", TAGS)
+    asleep = _held(arena)
+    assert asleep.get("m:w", 0) == 0 and asleep.get("m", 0) == 0, asleep
+    assert host_copy_path(arena.fleet_id, "m").stat().st_size > 0
+    # A neighbour takes the slabs the weights had: the wake must land on others.
+    shape = kv_shape("llama-tiny", "bfloat16", "n")
+    neighbour = arena.arena.client("n", BlockFormat.unpadded(shape, 16))
+    taken = neighbour.alloc(awake["m:w"] * neighbour.blocks_per_slab)
+    try:
+        _post(server, "/resume_memory_occupation", TAGS)
+        _post(server, "/continue_generation", {})
+        assert _held(arena)["m:w"] == awake["m:w"]
+        after = [generate_http(server.spec.base_url, p, NEW_TOKENS) for p in PROMPTS]
+        assert after == before, "greedy output after a wake equals the output before the sleep"
+        check_integrity(arena.arena.table)
+    finally:
+        neighbour.free(taken)
+        neighbour.close()
