@@ -10,8 +10,8 @@ process of a runtime that joins an arena, whatever `enable_memory_saver` says:
                         the weight slabs go back to the arena (`WeightRegion.unback`): FREE
                         in the table, still resident, so a neighbour or the wake reuses them
                         at memcpy speed
-    resume("weights")   take free slabs (any), map them at the same addresses, copy the host
-                        copy in (one sequential read of an mmap'd file)
+    resume("weights")   take free slabs (any), map them at the same addresses, read the host
+                        copy into them (one sequential read)
     "kv_cache"          nothing: SGLang flushes the cache right after pause("kv_cache"), which
                         gives every KV page back to the arena through the SlabAllocator
     region(), cuda_graph(), disable(), configure_subprocess()   no-ops (CPU allocations cannot
@@ -37,8 +37,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from fineslab.errors import ArenaExhausted
 
@@ -90,11 +88,15 @@ class WeightSleeper:
             return 0.0
         start_s = time.perf_counter()
         self.region.back()
-        saved = torch.from_file(str(self.path), shared=False, size=self.region.nbytes,
-                                dtype=torch.uint8)
-        self.region.tensor().copy_(saved)
+        # One sequential read from the page cache straight into the resident slabs (a mapped
+        # file would fault in 4 KiB pages on the source side).
+        with open(self.path, "rb", buffering=0) as f:
+            got = f.readinto(self.region.tensor().numpy())  # type: ignore[attr-defined]
+        if got != self.region.nbytes:
+            self.region.unback()
+            raise OSError(f"host copy {self.path} holds {got} B, not {self.region.nbytes} B")
         took_s = time.perf_counter() - start_s
-        logger.info("fineslab: weights of %r awake: %d slab(s), %.1f MiB in %.3f s",
+        logger.info("fineslab: weights of %r awake: %d slab(s), %.1f MiB in %.5f s",
                     self.region.runtime_id, self.region.num_slabs,
                     self.region.nbytes / 2**20, took_s)
         return took_s
