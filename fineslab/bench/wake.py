@@ -58,7 +58,7 @@ SIZES: dict[str, tuple[str, dict[str, object]]] = {
 }
 SLAB_BYTES = 2 << 20
 KV_SLABS = 16
-TAGS = {"tags": ["weights", "kv_cache"]}
+TAGS: dict[str, object] = {"tags": ["weights", "kv_cache"]}
 PROMPT = list(range(10, 42))
 NEW_TOKENS = 8
 

@@ -91,7 +91,7 @@ class WeightSleeper:
         # One sequential read from the page cache straight into the resident slabs (a mapped
         # file would fault in 4 KiB pages on the source side).
         with open(self.path, "rb", buffering=0) as f:
-            got = f.readinto(self.region.tensor().numpy())  # type: ignore[attr-defined]
+            got = f.readinto(self.region.tensor().numpy())
         if got != self.region.nbytes:
             self.region.unback()
             raise OSError(f"host copy {self.path} holds {got} B, not {self.region.nbytes} B")
