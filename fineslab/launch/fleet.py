@@ -5,8 +5,10 @@
            checkpoints (each model's precision prepared and verified, fineslab.quant.fleet) ->
            arenas (one per device, SlabArena.create) -> runtimes (all at once, each joining its
            device's arena through the plugin env) -> wait until healthy -> router -> supervisor
-    stop:  router (no new requests) -> runtimes (all at once: process groups, SIGTERM then
-           SIGKILL, SGLang's shm files removed) -> arenas (close unlinks
+           -> cache reclaimer (idle runtimes flush their prefix caches when a neighbour
+           needs the arena: fineslab.launch.reclaim)
+    stop:  cache reclaimer -> router (no new requests) -> runtimes (all at once: process
+           groups, SIGTERM then SIGKILL, SGLang's shm files removed) -> arenas (close unlinks
            /dev/shm/fineslab-<fleet>-<device>.{table,arena}) -> the run record
 
 The CLI (`fineslab.launch.__main__`) runs a Fleet until SIGINT or SIGTERM; `Fleet.stop` is safe
@@ -29,6 +31,7 @@ from pathlib import Path
 from fineslab.errors import ConfigError
 from fineslab.launch.leftovers import RunRecord, sweep
 from fineslab.launch.plan import FleetPlan, arena_device
+from fineslab.launch.reclaim import CacheReclaimer
 from fineslab.launch.runtimes import server_spec
 from fineslab.launch.supervisor import SupervisedRuntime, Supervisor
 from fineslab.quant.fleet import PrecisionRuntime, prepare_served_model, verify_runtime
@@ -65,6 +68,7 @@ class Fleet:
         self.arenas: dict[str, SlabArena] = {}
         self.prepared: dict[str, PrecisionRuntime] = {}  # by model name
         self.supervisor: Supervisor | None = None
+        self.reclaimer: CacheReclaimer | None = None
         self.router: Router | None = None
         self.server: RouterServer | None = None
         self.record: RunRecord | None = None
@@ -120,6 +124,13 @@ class Fleet:
         self._router_socket = None  # the server owns it now
         self.server.start()
         self.supervisor.watch()
+        if self.arenas:
+            devices: dict[str, list[str]] = {}
+            for planned in self.plan.runtimes:
+                devices.setdefault(planned.device.name, []).append(planned.runtime_id)
+            self.reclaimer = CacheReclaimer(devices, lambda d: self.slab_snapshots().get(d),
+                                            router.demand, self.runtime_url)
+            self.reclaimer.start()
         self.progress(f"router serving {[m.name for m in config.models]} on "
                       f"{self.server.base_url}/v1")
         self._ready = True
@@ -221,6 +232,9 @@ class Fleet:
     # -- stop -----------------------------------------------------------------------------------
 
     def stop(self) -> None:
+        if self.reclaimer is not None:
+            self.reclaimer.stop()
+            self.reclaimer = None
         if self._router_socket is not None:
             self._router_socket.close()
             self._router_socket = None

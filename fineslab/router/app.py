@@ -174,6 +174,16 @@ class Router:
             for r in replicas:
                 yield name, r.runtime_id, r.up, r.restarts
 
+    def demand(self) -> dict[str, int]:
+        """Per runtime: its requests in flight plus those its model's queue holds (read from
+        any thread; a moment's staleness is fine for the cache reclaimer)."""
+        out: dict[str, int] = {}
+        for name, replicas in list(self.replicas.items()):
+            queued = len(self.queues[name]) if name in self.queues else 0
+            for r in replicas:
+                out[r.runtime_id] = r.inflight + queued
+        return out
+
     def health(self) -> tuple[bool, dict[str, Any]]:
         """The fleet is serving while any model is; `model_status` says which are."""
         models = {name: [r.state() for r in replicas] for name, replicas in self.replicas.items()}
