@@ -34,6 +34,8 @@ KV_FORMAT_VAR = "FINESLAB_KV_FORMAT"
 #: "1": this runtime moves its weights into whole slabs of the arena once SGLang has loaded
 #: them (fineslab.slabs.weights; CPU only), so they show in the slab table and can sleep.
 WEIGHTS_IN_ARENA_VAR = "FINESLAB_WEIGHTS_IN_ARENA"
+#: Where a sleeping runtime's weights wait (its host copy; default: the temp folder).
+WEIGHTS_DIR_VAR = "FINESLAB_WEIGHTS_DIR"
 #: FP8 KV only: the per-layer scales file (SGLang's `--quantization-param-path` JSON).
 KV_SCALES_VAR = "FINESLAB_KV_SCALES"
 

@@ -166,15 +166,14 @@ class ModelQueue:
         else:
             self.mean_service_s += SERVICE_EWMA * (held_s - self.mean_service_s)
 
-    def slot_forecast(self, up: list[Replica], now_s: float) -> tuple[float, ...]:
-        """Seconds until each slot of the up replicas frees (0 when free), ascending; empty
-        until MIN_SERVED requests were served (no estimate to make)."""
+    def slot_forecast(self, free_slots: int, now_s: float) -> tuple[float, ...]:
+        """Seconds until each slot of the up replicas frees (0 for each of the `free_slots`),
+        ascending; empty until MIN_SERVED requests were served (no estimate to make)."""
         mean_s = self.mean_service_s
-        if mean_s is None or self._served < MIN_SERVED or not up:
+        if mean_s is None or self._served < MIN_SERVED:
             return ()
-        free = sum(max(0, self.route.max_running_requests - r.inflight) for r in up)
         busy = [max(0.0, leased_s + mean_s - now_s) for leased_s in self._held.values()]
-        return tuple(sorted([0.0] * free + busy))
+        return tuple(sorted([0.0] * free_slots + busy))
 
     async def run(self) -> None:
         """The dispatcher loop; runs until cancelled."""
@@ -210,7 +209,8 @@ class ModelQueue:
         now_s = self.clock()
         snapshot = QueueSnapshot(tuple(t.request for t in live), now_s,
                                  self.route.ttft_slo_s, self._limits(up, free_slots),
-                                 self.slot_forecast(up, now_s), self.mean_service_s or 0.0)
+                                 self.slot_forecast(free_slots, now_s) if up else (),
+                                 self.mean_service_s or 0.0)
         decision = self.policy.decide(snapshot, self.route.predictor)
         by_id = {t.request.request_id: t for t in live}
         if free_slots > 0:

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from fineslab.env import WEIGHTS_DIR_VAR
 from fineslab.errors import ArenaExhausted
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ WEIGHTS_TAG = "weights"
 def host_copy_path(arena_name: str, runtime_id: str) -> Path:
     """Where a runtime's weights wait while it sleeps (the launcher removes its fleet's at stop).
     """
-    folder = Path(os.environ.get("FINESLAB_WEIGHTS_DIR") or tempfile.gettempdir())
+    folder = Path(os.environ.get(WEIGHTS_DIR_VAR) or tempfile.gettempdir())
     return folder / f"fineslab-{arena_name}-{runtime_id}.weights"
 
 
