@@ -120,11 +120,13 @@ def _body(models: list[str]) -> st.SearchStrategy[dict[str, Any]]:
 
 def _cap(body: dict[str, Any], context: int) -> dict[str, Any]:
     """Keep generation short where the request would be served: a plausible max_tokens above
-    MAX_NEW_TOKENS but within the context becomes MAX_NEW_TOKENS (larger ones stay: refused)."""
+    MAX_NEW_TOKENS but within the context becomes MAX_NEW_TOKENS (larger ones stay: refused).
+    A missing or null max_tokens becomes MAX_NEW_TOKENS too: a chat request without one
+    generates up to the context (found by a long run: minutes-long answers, client timeouts)."""
     value = body.get("max_tokens")
     if isinstance(value, int) and not isinstance(value, bool) and MAX_NEW_TOKENS < value <= context:
         body["max_tokens"] = MAX_NEW_TOKENS
-    if "max_tokens" not in body:
+    if body.get("max_tokens") is None:
         body["max_tokens"] = MAX_NEW_TOKENS
     if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > MAX_NEW_TOKENS:
         body["min_tokens"] = MAX_NEW_TOKENS

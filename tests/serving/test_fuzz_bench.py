@@ -43,3 +43,26 @@ def test_negative_control_a_backend_without_the_router_fails_the_fuzz() -> None:
         backend.wait(10)
     assert code == 1, out
     assert int(result["server_errors"]) > 0 and result["health_ok"] is False, out  # type: ignore[call-overload]
+
+
+def test_every_drawn_body_that_could_be_served_asks_for_a_short_answer() -> None:
+    # A long run's client timeouts were chat bodies with `max_tokens: null`, which a runtime
+    # answers up to the context: minutes of generation on CPU. Every drawn JSON object must
+    # carry a max_tokens that is short, or one the router refuses (wrong type, out of range).
+    from fineslab.bench.fuzz_cases import MAX_NEW_TOKENS, random_cases
+
+    context = 2048
+    bodies = []
+    for _, _, raw in random_cases(["m"], {"m": context}, 400, seed=3):
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(body, dict) and set(body) & {"prompt", "messages"}:
+            bodies.append(body)
+    assert len(bodies) > 200, "most draws are request bodies"
+    long_ones = [b["max_tokens"] for b in bodies
+                 if b.get("max_tokens") is None or (
+                     isinstance(b["max_tokens"], int) and not isinstance(b["max_tokens"], bool)
+                     and MAX_NEW_TOKENS < b["max_tokens"] <= context)]
+    assert long_ones == [], f"bodies that would generate long answers: {long_ones[:5]}"
