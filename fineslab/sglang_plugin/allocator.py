@@ -132,6 +132,7 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
                  page_bytes: torch.Tensor | None = None) -> None:
         # clear() runs inside the base constructor and needs these.
         self._source = source
+        self._keep_freed = False
         self._padding_pages = source.blocks_per_slab
         self._page_bytes = page_bytes
         self._max_pages = size // page_size
@@ -266,12 +267,39 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
 
     def _release_page_ids(self, *page_ids: torch.Tensor) -> None:
         # The base class's free(), free_page_ids() and free_group_end() all end here: pages go
-        # straight back to the block source (no private free list).
+        # straight back to the block source (no private free list), except while SGLang evicts
+        # for an allocation (`evict_to_free_tokens`): then they stay held, in the reserve.
         for ids in page_ids:
             if ids.numel():
                 index = ids.to("cpu", torch.int64)
+                if self._keep_freed:
+                    self._reserved += index.tolist()
+                    continue
                 self._unmark_held(index)
                 self._source.free(index.tolist())
+
+    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> Any:
+        """SGLang evicts its prefix cache right before an allocation (`alloc_for_extend`,
+        `alloc_for_decode`, `check_decode_capacity`) when the allocation would come up short.
+        The pages that frees stay this runtime's, in the reserve, with what the arena has now:
+        given back to the arena, a neighbour could take them in the moment before the
+        allocation, which then fails and kills the runtime ("Prefill out of memory", found by
+        the long fuzz run against the demo fleet).
+
+        Nothing happens when the allocation fits already (SGLang's own rule): each decode step
+        asks for a page per request whether or not it opens one, and reserving that page every
+        step would draw it from the shared table and give it back each time.
+        """
+        if self.available_size() >= num_tokens:
+            return super().evict_to_free_tokens(tree_cache, num_tokens)
+        self.reserve_tokens(num_tokens)  # what the arena has, before a neighbour takes it
+        self._keep_freed = True
+        try:
+            result = super().evict_to_free_tokens(tree_cache, num_tokens)
+        finally:
+            self._keep_freed = False
+        self.reserve_tokens(num_tokens)
+        return result
 
     # -- SGLang's allocator interface -------------------------------------------------------
 

@@ -228,3 +228,69 @@ def test_pages_are_zeroed_as_sglang_gets_them_where_asked(setup: tuple) -> None:
         "zeroed on GPUs, whose kernels may read a page's unwritten tail; not on CPU, where "
         "torch_native gathers only written slots")
 
+
+class _EvictingCache:
+    """What SGLang's eviction does to the allocator: its cached pages are freed through it."""
+
+    def __init__(self, allocator: SlabAllocator, cached: torch.Tensor) -> None:
+        self.allocator, self.cached = allocator, cached
+
+    def supports_prefix_sharing(self) -> bool:
+        return True
+
+    def evict_for_alloc(self, params: object) -> None:
+        pages, self.cached = self.cached, self.cached[:0]
+        if pages.numel():
+            self.allocator.free(pages)
+
+
+def test_pages_an_eviction_frees_for_an_allocation_are_not_lost_to_a_neighbour(
+        setup: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found by the long fuzz run (issue #15): SGLang evicts its prefix cache right before
+    # alloc_extend; the freed pages went back to the arena and a neighbour's prefill took them
+    # in between, so the alloc failed ("Prefill out of memory") and the runtime died. Here the
+    # neighbour takes whatever the arena has the moment anything is given back to it.
+    allocator, source, neighbour, _ = setup
+    cached = allocator.alloc(2 * BPS * PAGE)  # two slabs of this runtime's cached prefixes
+    assert cached is not None
+    grabbed = neighbour.alloc(neighbour.available_blocks())  # the rest of the arena
+    real_free = source.free
+
+    def free_then_neighbour_grabs(block_ids: list[int]) -> None:
+        real_free(block_ids)
+        grabbed.extend(neighbour.alloc(neighbour.available_blocks()))
+
+    monkeypatch.setattr(source, "free", free_then_neighbour_grabs)
+    cache = _EvictingCache(allocator, cached)  # token locations, as SGLang frees them
+    allocator.evict_to_free_tokens(cache, BPS * PAGE)
+    out = allocator.alloc(BPS * PAGE)
+    assert out is not None, "the evicted pages must serve the allocation they were evicted for"
+    monkeypatch.setattr(source, "free", real_free)
+    allocator.free(out)
+    neighbour.free(grabbed)
+    _check(allocator, source)
+
+
+def test_an_allocation_that_fits_draws_nothing_before_it(
+        setup: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    # SGLang calls evict_to_free_tokens before every decode step with a page per request,
+    # whether or not the step opens a page. When that fits, nothing may be drawn from the shared
+    # table ahead of the allocation (a first version of the fix above reserved, and gave back,
+    # a page every step).
+    allocator, source, _, _ = setup
+    held = allocator.alloc(2 * PAGE)
+    assert held is not None
+    drawn: list[int] = []
+    real_alloc = source.alloc
+
+    def counting_alloc(num_blocks: int) -> list[int]:
+        drawn.append(num_blocks)
+        return real_alloc(num_blocks)
+
+    monkeypatch.setattr(source, "alloc", counting_alloc)
+    cache = _EvictingCache(allocator, held[:0])
+    allocator.evict_to_free_tokens(cache, 3 * PAGE)
+    assert drawn == [], f"an allocation that fits drew {drawn} blocks before it ran"
+    monkeypatch.setattr(source, "alloc", real_alloc)
+    allocator.free(held)
+    _check(allocator, source)
