@@ -101,7 +101,9 @@ def test_engine_matches_transformers_exactly_in_float32(model_cache: Path, prese
     assert got == expected, "SGLang on CPU must reproduce transformers' greedy tokens"
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny"])
+# Qwen2 only (its attention biases): Llama's bf16 path is compared with SGLang's own pool by
+# the plugin's identity tests, and both models match transformers exactly in float32 above.
+@pytest.mark.parametrize("preset", ["qwen2-tiny"])
 def test_engine_matches_transformers_in_bfloat16_up_to_ties(model_cache: Path,
                                                             preset: str) -> None:
     prompts_ids, expected = _hf_greedy(model_cache / preset, "bfloat16")

@@ -126,6 +126,16 @@ def engine_outputs(model_path: Path, input_ids: list[list[int]], *, page_size: i
                    max_new_tokens: int = 16, extra: dict[str, object] | None = None
                    ) -> list[list[int]]:
     """Greedy outputs of an in-process SGLang Engine (plugin when `join` is given)."""
+    return engine_batches(model_path, [(input_ids, max_new_tokens)], page_size=page_size,
+                          dtype=dtype, join=join, extra=extra)[0]
+
+
+def engine_batches(model_path: Path, jobs: list[tuple[list[list[int]], int]], *, page_size: int,
+                   dtype: str = "bfloat16", join: ArenaJoin | None = None,
+                   extra: dict[str, object] | None = None) -> list[list[list[int]]]:
+    """`engine_outputs` of several (prompts, new tokens) batches, one after the other in one
+    engine (an engine start costs more than most batches); the prefix cache is flushed between
+    batches, so each is computed as by an engine of its own."""
     import sglang
 
     kwargs: dict[str, object] = dict(model_path=str(model_path), dtype=dtype, log_level="error",
@@ -135,12 +145,16 @@ def engine_outputs(model_path: Path, input_ids: list[list[int]], *, page_size: i
     kwargs.update(whole_page_chunk(page_size), **(extra or {}))
     with joined(join):
         engine = sglang.Engine(**kwargs)
+    outputs = []
     try:
-        out = engine.generate(input_ids=input_ids, sampling_params={
-            "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True})
+        for input_ids, max_new_tokens in jobs:
+            engine.flush_cache()
+            out = engine.generate(input_ids=input_ids, sampling_params={
+                "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True})
+            outputs.append([o["output_ids"] for o in out])
     finally:
         shutdown_engine(engine)
-    return [o["output_ids"] for o in out]
+    return outputs
 
 
 def generate_http(base_url: str, input_ids: list[int], max_new_tokens: int,

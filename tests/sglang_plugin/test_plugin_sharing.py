@@ -96,9 +96,10 @@ def references(stock_outputs: Reference) -> Reference:
     """Every stand-alone output these tests compare with, computed before any server starts:
     an in-process Engine's shutdown kills every child process of the test process, servers
     included."""
-    for rid in MODELS:
-        reference(stock_outputs, rid, SMALL[rid], 24)
-        reference(stock_outputs, rid, LOADS[rid], NEW_TOKENS[rid])
+    for rid, (model, dtype) in MODELS.items():  # one engine per model
+        stock_outputs.prefetch(model, PAGE, dtype, [  # type: ignore[attr-defined]
+            (tuple(tuple(p) for p in SMALL[rid]), 24),
+            (tuple(tuple(p) for p in LOADS[rid]), NEW_TOKENS[rid])])
     return stock_outputs
 
 
