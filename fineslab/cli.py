@@ -4,6 +4,7 @@
     fineslab slabs ...                                 same as python -m fineslab.slabs
     fineslab models ...                                same as python -m fineslab.models
     fineslab profile ...                               same as python -m fineslab.profile
+    fineslab ctl list|sleep MODEL|wake MODEL           same as python -m fineslab.ctl
 
 Each subcommand hands the rest of the command line to that module's `main`, imported only when
 chosen (so `fineslab models list` never imports SGLang or torch).
@@ -20,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "slabs": ("fineslab.slabs.inspector", "inspect a device's slab table"),
     "models": ("fineslab.models.__main__", "generate or list the built-in models"),
     "profile": ("fineslab.profile.__main__", "write measured or analytical profiles"),
+    "ctl": ("fineslab.ctl", "list, sleep and wake the models of a running fleet"),
 }
 
 

@@ -93,6 +93,14 @@ class ModelConfig:
     max_running_requests: int | None
     extra_args: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
+    #: Elastic models (either field set) keep their weights in the arena and can sleep: an
+    #: idle one sleeps after `idle_timeout_s`; a pinned one sleeps only when asked (`ctl`).
+    idle_timeout_s: float | None = None
+    pinned: bool = False
+
+    @property
+    def elastic(self) -> bool:
+        return self.idle_timeout_s is not None or self.pinned
 
     @property
     def activation_dtype(self) -> str:
@@ -206,12 +214,17 @@ class _Model(_Strict):
     max_running_requests: int | None = Field(default=None, ge=1)
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
+    idle_timeout_s: float | None = Field(default=None, gt=0, le=7 * 86400)
+    pinned: bool = False
 
     @model_validator(mode="after")
     def _one_source(self) -> _Model:
         if (self.path is None) == (self.preset is None):
             raise ValueError("give exactly one of `path` (a model folder) or `preset` "
                              "(a generated model: llama-tiny, qwen2-tiny, llama-small)")
+        if self.pinned and self.idle_timeout_s is not None:
+            raise ValueError("a pinned model never sleeps when idle: give `pinned` or "
+                             "`idle_timeout_s`, not both")
         return self
 
 
@@ -252,7 +265,8 @@ def _to_dataclasses(fleet: _Fleet, source: str, base_dir: Path) -> FleetConfig:
     models = tuple(
         ModelConfig(m.name, _resolve_path(m.path, base_dir), m.preset, m.precision, m.kv_dtype,
                     m.tp, m.ttft_slo_s, m.request_rate_per_s, m.replicas, m.profile,
-                    m.max_running_requests, tuple(m.extra_args), tuple(sorted(m.env.items())))
+                    m.max_running_requests, tuple(m.extra_args), tuple(sorted(m.env.items())),
+                    m.idle_timeout_s, m.pinned)
         for m in fleet.models)
     r = fleet.router
     router = RouterConfig(r.host, r.port, r.api_key_env, r.on_drop, r.drop_status,
@@ -305,6 +319,13 @@ def _model_problems(model: ModelConfig, config: FleetConfig) -> list[str]:
     names = sorted(k for k, _ in model.env if k.startswith(RESERVED_ENV_PREFIXES))
     if names:
         problems.append(f"env may not set {names}: the launcher sets them")
+    if model.elastic:
+        if config.kv_pool != "arena":
+            problems.append("an elastic model (idle_timeout_s or pinned) keeps its weights in "
+                            "the slab arena; use kv_pool: arena")
+        if (model.replicas or 1) > 1:
+            problems.append("an elastic model (idle_timeout_s or pinned) runs one replica in "
+                            "this version; set replicas: 1")
     return problems
 
 

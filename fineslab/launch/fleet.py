@@ -17,6 +17,7 @@ to call from any phase of `start` (it stops what exists).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -28,15 +29,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from fineslab.env import WEIGHTS_DIR_VAR
 from fineslab.errors import ConfigError
 from fineslab.launch.leftovers import RunRecord, sweep
-from fineslab.launch.plan import FleetPlan, arena_device
+from fineslab.launch.plan import FleetPlan, RuntimePlan, arena_device
 from fineslab.launch.reclaim import CacheReclaimer
 from fineslab.launch.runtimes import server_spec
 from fineslab.launch.supervisor import SupervisedRuntime, Supervisor
 from fineslab.quant.fleet import PrecisionRuntime, prepare_served_model, verify_runtime
 from fineslab.router import ModelRoute, ReplicaRoute, Router, RouterServer, RouterSettings
+from fineslab.router.elastic import ArenaView, Elastic, ElasticSpec
 from fineslab.router.server import bind_router_socket
+from fineslab.runtime import ServerSpec
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
 from fineslab.slabs import ArenaSpec, SlabArena, TableSnapshot, snapshot
 
@@ -75,6 +79,8 @@ class Fleet:
         self._router_socket: socket.socket | None = None
         self._snapshots: tuple[float, dict[str, TableSnapshot]] = (0.0, {})
         self._snapshot_lock = threading.Lock()
+        #: Elastic runtimes' host copies of their weights while asleep (removed at stop).
+        self.weights_dir: Path | None = None
 
     def __enter__(self) -> Fleet:
         try:
@@ -104,10 +110,10 @@ class Fleet:
             self.progress(f"arena {config.fleet_id}/{arena_plan.device.name}: "
                           f"{spec.num_slabs} slabs of {spec.slab_bytes} B")
         self.progress(f"starting {len(self.plan.runtimes)} runtimes (logs in {self.log_dir})")
-        runtimes = [SupervisedRuntime(r, server_spec(
-            r, self.prepared[r.model.name], config.fleet_id, config.kv_pool == "arena",
-            max_running_requests=config.router.max_running_requests),
-            self.log_dir / f"{r.runtime_id}.log") for r in self.plan.runtimes]
+        if any(r.weights_in_arena for r in self.plan.runtimes):
+            self.weights_dir = Path(tempfile.mkdtemp(prefix=f"fineslab-{config.fleet_id}-weights-"))
+        runtimes = [SupervisedRuntime(r, self._server_spec(r), self.log_dir / f"{r.runtime_id}.log")
+                    for r in self.plan.runtimes]
         self.supervisor = Supervisor(runtimes, on_down=self._runtime_down,
                                      on_up=self._runtime_up, reclaim=self._reclaim,
                                      progress=self.progress, policy=config.supervision)
@@ -116,7 +122,7 @@ class Fleet:
             self._note_runtime(r.plan.runtime_id)
         # Routes only now: a runtime whose port was taken at start-up runs on a fresh one.
         router = self.router = Router(self._routes(runtimes), self._settings(),
-                                      slabs=self.slab_snapshots)
+                                      slabs=self.slab_snapshots, elastic=self._elastic())
         for r in runtimes:
             router.mark_up(r.plan.runtime_id, self.supervisor.pid_of(r.plan.runtime_id))
         self.server = RouterServer(router, config.router.host, self.port,
@@ -134,6 +140,43 @@ class Fleet:
         self.progress(f"router serving {[m.name for m in config.models]} on "
                       f"{self.server.base_url}/v1")
         self._ready = True
+
+    def _server_spec(self, r: RuntimePlan) -> ServerSpec:
+        config = self.plan.config
+        spec = server_spec(r, self.prepared[r.model.name], config.fleet_id,
+                           config.kv_pool == "arena",
+                           max_running_requests=config.router.max_running_requests)
+        if r.weights_in_arena and self.weights_dir is not None:
+            spec = dataclasses.replace(spec, env={**spec.env,
+                                                  WEIGHTS_DIR_VAR: str(self.weights_dir)})
+        return spec
+
+    def _elastic(self) -> Elastic | None:
+        """The elastic models' manager (fineslab.router.elastic), None when there are none."""
+        specs = [ElasticSpec(r.model.name, r.runtime_id, r.device.name, r.model.idle_timeout_s,
+                             r.model.pinned) for r in self.plan.runtimes if r.weights_in_arena]
+        if not specs:
+            return None
+        return Elastic(specs, ArenaView(self._free_slabs, self._weight_slabs, self._set_asleep),
+                       retry_after_s=max(1, self.plan.config.router.retry_after_s))
+
+    def _free_slabs(self, device: str) -> int | None:
+        arena = self.arenas.get(device)
+        return snapshot(arena.table).free_slabs if arena is not None else None
+
+    def _weight_slabs(self, runtime_id: str) -> int | None:
+        """The weight slabs a runtime holds now (its owner `<runtime id>:w` in the table)."""
+        runtime = next(r for r in self.plan.runtimes if r.runtime_id == runtime_id)
+        arena = self.arenas.get(runtime.device.name)
+        if arena is None:
+            return None
+        owner = next((o for o in snapshot(arena.table).owners
+                      if o.runtime_id == f"{runtime_id}:w"), None)
+        return owner.num_slabs if owner is not None else None
+
+    def _set_asleep(self, runtime_id: str, asleep: bool) -> None:
+        if self.supervisor is not None:
+            self.supervisor.set_asleep(runtime_id, asleep)
 
     def prepare(self) -> None:
         """Each model's checkpoint in its precision (reused when already prepared), verified
@@ -252,6 +295,9 @@ class Fleet:
             except Exception:
                 logger.exception("closing the arena of %s failed", device)
         self.arenas.clear()
+        if self.weights_dir is not None:
+            shutil.rmtree(self.weights_dir, ignore_errors=True)
+            self.weights_dir = None
         if self.record is not None:
             self.record.remove()
             self.record = None

@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 MIB = float(1 << 20)
 ARENA_FRACTION_OF_FREE = 0.9
+#: An elastic runtime's weight slabs: its checkpoint's bytes plus this share, and one slab.
+WEIGHT_MARGIN = 0.02
 #: SGLang picks its prefill chunk by device memory, 2048 to 16384 tokens, all multiples of 2048,
 #: and asserts that the chunk is a whole number of pages.
 SGLANG_SMALLEST_DEFAULT_CHUNK = 2048
@@ -64,6 +66,11 @@ class RuntimePlan:
     device: DeviceConfig
     page_size: int | None  # the arena block's tokens; None on SGLang's own pool
     key_pool: bool = False  # shares its block stride's slabs with other runtimes on the device
+
+    @property
+    def weights_in_arena(self) -> bool:
+        """An elastic model's weights live in weight slabs of the arena (docs/elastic.md)."""
+        return self.model.elastic
 
     @property
     def prepare_device(self) -> str:
@@ -122,15 +129,24 @@ class FleetPlan:
         rows = [[r.runtime_id, r.model.name, r.device.name, r.model.precision,
                  r.model.resolved_kv_dtype, r.page_size or "-", *self._block_cells(r),
                  "key pool" if r.key_pool else "own" if r.page_size else "-",
-                 f"{self.profiles[r.model.name].source}", r.serving, r.model_dir]
+                 f"{self.profiles[r.model.name].source}", r.serving, _sleeps(r.model),
+                 r.model_dir]
                 for r in self.runtimes]
         text += ["runtimes", format_table(
             ["runtime", "model", "device", "precision", "kv", "page", "block_B", "padding",
-             "slabs", "profile", "serves", "path"], rows)]
+             "slabs", "profile", "serves", "sleeps", "path"], rows)]
         if any(r.serving != "source ckpt" for r in self.runtimes):
             text.append(f"quantized checkpoints and KV scales: prepared at start in "
                         f"{self.prepared_dir} (reused while the source is unchanged)")
         return "\n".join(text)
+
+
+def _sleeps(model: ModelConfig) -> str:
+    """When a model sleeps, for the runtimes table: never (weights outside the arena), only
+    when asked (pinned), or after its idle timeout."""
+    if model.pinned:
+        return "pinned"
+    return "never" if model.idle_timeout_s is None else f"idle {model.idle_timeout_s:g} s"
 
 
 def arena_device(device: DeviceConfig) -> str:
@@ -219,13 +235,31 @@ def device_slab_plan(shapes: list[KVShape], budget_bytes: int,
         return plan_slabs(shapes, page_sizes=page_sizes)
 
 
+def checkpoint_bytes(model_dir: Path) -> int:
+    """The bytes of a checkpoint's weight files: what its parameters take, about (the weight
+    region adds alignment; quantized checkpoints prepared from it are smaller)."""
+    return sum(f.stat().st_size for pattern in ("*.safetensors", "*.bin")
+               for f in model_dir.glob(pattern))
+
+
+def weight_slabs(model_dir: Path, slab_bytes: int) -> int:
+    """Weight slabs the arena sets aside for an elastic runtime of this checkpoint: its bytes
+    with WEIGHT_MARGIN for the region's alignment, whole slabs, and one more."""
+    return -(-int(checkpoint_bytes(model_dir) * (1 + WEIGHT_MARGIN)) // slab_bytes) + 1
+
+
 def _arena_for(device: DeviceConfig, runtimes: list[RuntimePlan], fixed_bytes: int,
                page_sizes: tuple[int, ...]) -> tuple[ArenaPlan, dict[str, int]]:
+    """The arena of one device: the KV budget (`kv_arena_mib`, else ARENA_FRACTION_OF_FREE of
+    what the placement leaves), plus the weight slabs of its elastic runtimes, whose weights
+    the placement counted in the fixed footprint and which now live in the arena."""
     shapes = [_kv_shape(r.runtime_id, r.model, Path(r.model_dir)) for r in runtimes]
     budget = device.kv_arena_bytes or int((device.memory_bytes - fixed_bytes)
                                           * ARENA_FRACTION_OF_FREE)
     slab_plan = device_slab_plan(shapes, budget, page_sizes)
-    arena_bytes = budget // slab_plan.slab_bytes * slab_plan.slab_bytes
+    weights = sum(weight_slabs(Path(r.model_dir), slab_plan.slab_bytes)
+                  for r in runtimes if r.weights_in_arena)
+    arena_bytes = (budget // slab_plan.slab_bytes + weights) * slab_plan.slab_bytes
     if arena_bytes < slab_plan.slab_bytes * len(runtimes):
         raise ConfigError(f"device {device.name}: a {budget} B arena holds fewer than one "
                           f"{slab_plan.slab_bytes} B slab per runtime; raise kv_arena_mib")
@@ -309,6 +343,10 @@ def make_plan(config: FleetConfig, cache_dir: str | None = None, *,
         index = sum(1 for r in runtimes if r.model.name == model.name)
         runtimes.append(RuntimePlan(f"{model.name}-r{index}", model,
                                     str(model_dirs[model.name]), index, device, None))
+    for model in config.models:
+        if model.elastic and sum(r.model.name == model.name for r in runtimes) > 1:
+            raise ConfigError(f"model {model.name}: the placer gave an elastic model several "
+                              "replicas; elastic models run one in this version (replicas: 1)")
     plan = FleetPlan(config, devices, profiles, placement, (), tuple(runtimes),
                      str(prepared_dir or Path(cache_dir) / "prepared"))
     return _with_arenas(plan, page_sizes)

@@ -86,6 +86,8 @@ class Supervisor:
         self.policy = policy or SupervisionPolicy()
         self.poll_s = poll_s
         self._lock = threading.Lock()
+        #: Runtimes asleep (elastic models): paused, so they are not probed (a probe generates).
+        self._asleep: set[str] = set()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []  # restarts, joined at stop
         self._watchers: list[threading.Thread] = []  # watch and probe loops, daemons
@@ -129,6 +131,12 @@ class Supervisor:
             self.progress(f"runtime {r.plan.runtime_id}: port {old_port} was taken during "
                           f"start-up; started it again on port {r.spec.port}")
 
+    def set_asleep(self, runtime_id: str, asleep: bool) -> None:
+        """An elastic model's runtime sleeps (not probed; its process is still watched) or
+        wakes."""
+        with self._lock:
+            (self._asleep.add if asleep else self._asleep.discard)(runtime_id)
+
     def pid_of(self, runtime_id: str) -> int | None:
         process = self.runtimes[runtime_id].process
         return process.proc.pid if process is not None else None
@@ -163,7 +171,7 @@ class Supervisor:
         failures, cpu_at_first = 0, dict[int, int]()
         while not self._stopping.wait(self.policy.probe_interval_s):
             process = r.process
-            if r.restarting or process is None:
+            if r.restarting or process is None or r.plan.runtime_id in self._asleep:
                 failures = 0
                 continue
             if self._probe(process.spec.base_url):

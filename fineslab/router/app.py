@@ -5,6 +5,11 @@
 
     GET  /health/{model}   one model: 200 while it has a live runtime, else 503
 
+    GET  /admin/models               elastic models: state, idle time, weight slabs, counts
+    POST /admin/models/{model}/sleep put an elastic model to sleep now (409 while it is busy)
+    POST /admin/models/{model}/wake  wake it now (503 + Retry-After when nothing makes room)
+    (behind the API key when one is set; `fineslab ctl` calls them; elastic.py)
+
 Status codes: 400 malformed body, out-of-range field or over-long prompt (validation.py),
 401 missing/wrong API key, 404 unknown model or path, 405 wrong method, 413 body over
 `max_body_bytes`, 429/503 + Retry-After when the local scheduler drops a request
@@ -40,6 +45,7 @@ from starlette.responses import JSONResponse, Response
 
 from fineslab.router.attribution import CrashAttribution, fingerprint
 from fineslab.router.config import ModelRoute, RouterSettings
+from fineslab.router.elastic import CannotWake, Elastic, NotElastic
 from fineslab.router.metrics import LiveCollector, RouterMetrics
 from fineslab.router.proxy import error_body, forward
 from fineslab.router.queues import ModelQueue, NoLiveRuntime, RequestDropped
@@ -73,8 +79,9 @@ class Router:
     """Routes, replicas and queues of one node; all mutation happens on the app's loop."""
 
     def __init__(self, routes: Sequence[ModelRoute], settings: RouterSettings,
-                 slabs: SlabSource | None = None) -> None:
+                 slabs: SlabSource | None = None, elastic: Elastic | None = None) -> None:
         self.routes = {r.name: r for r in routes}
+        self.elastic = elastic
         self.settings = settings
         self.metrics = RouterMetrics()
         self.metrics.register_live(LiveCollector(self, self.metrics, slabs or dict))
@@ -102,6 +109,8 @@ class Router:
         for apply, args in self._pending_state:
             apply(*args)
         self._pending_state.clear()
+        if self.elastic is not None:
+            self.elastic.start(self)
 
     def _client(self, base_url: str) -> aiohttp.ClientSession:
         # aiohttp, not httpx: about 3x less CPU per proxied request (measured with the bench).
@@ -111,6 +120,8 @@ class Router:
                                      connector=aiohttp.TCPConnector(limit=0, force_close=False))
 
     async def stop(self) -> None:
+        if self.elastic is not None:
+            await self.elastic.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -162,6 +173,8 @@ class Router:
                 self._tasks.append(asyncio.create_task(old.close()))
             replica.mark_up()
             replica.pid = pid if pid is not None else replica.pid
+            if self.elastic is not None:
+                self.elastic.runtime_restarted(runtime_id)
             self.queues[name].wake()
 
     # -- LiveState for the metrics collector ----------------------------------------------------
@@ -173,6 +186,12 @@ class Router:
         for name, replicas in self.replicas.items():
             for r in replicas:
                 yield name, r.runtime_id, r.up, r.restarts
+
+    def model_states(self) -> dict[str, str]:
+        """Elastic models' states (awake, sleeping, asleep, waking)."""
+        if self.elastic is None:
+            return {}
+        return {name: m.state.value for name, m in self.elastic.models.items()}
 
     def demand(self) -> dict[str, int]:
         """Per runtime: its requests in flight plus those its model's queue holds (read from
@@ -191,8 +210,9 @@ class Router:
         all_up = all(r.up for replicas in self.replicas.values() for r in replicas)
         any_serving = any(serving.values())
         status = "ok" if all_up else ("degraded" if any_serving else "unavailable")
+        states = self.model_states()
         return any_serving, {"status": status, "models": models,
-                             "model_status": {n: "serving" if up else "down"
+                             "model_status": {n: (states.get(n, "serving") if up else "down")
                                               for n, up in serving.items()}}
 
     def model_health(self, name: str) -> tuple[int, dict[str, Any]]:
@@ -202,8 +222,11 @@ class Router:
                                    "invalid_request_error", "model_not_found")
         live = sum(r.up for r in replicas)
         status = "ok" if live == len(replicas) else ("degraded" if live else "down")
-        return (200 if live else 503), {"model": name, "status": status,
-                                        "replicas": [r.state() for r in replicas]}
+        body = {"model": name, "status": status, "replicas": [r.state() for r in replicas]}
+        state = self.model_states().get(name)
+        if state is not None:
+            body["state"] = state  # an asleep model is healthy: a request wakes it
+        return (200 if live else 503), body
 
     # -- one request ----------------------------------------------------------------------------
 
@@ -223,9 +246,22 @@ class Router:
         if self.attribution.is_poison(key):
             return self.attribution.refuse(route.name)
         queue = self.queues[route.name]
-        return await self.attribution.serve(route.name, key,
-                                            lambda: self._attempt(queue, parsed, path),
-                                            queue.can_take_soon)
+        if self.elastic is None:
+            return await self.attribution.serve(route.name, key,
+                                                lambda: self._attempt(queue, parsed, path),
+                                                queue.can_take_soon)
+        try:
+            async with self.elastic.use(route.name):
+                return await self.attribution.serve(route.name, key,
+                                                    lambda: self._attempt(queue, parsed, path),
+                                                    queue.can_take_soon)
+        except CannotWake as exc:
+            return self.cannot_wake(exc)
+
+    def cannot_wake(self, exc: CannotWake) -> JSONResponse:
+        retry_s = self.elastic.retry_after_s if self.elastic is not None else 1
+        return JSONResponse(error_body(str(exc), "runtime_unavailable", "model_asleep"), 503,
+                            headers={"Retry-After": str(retry_s)})
 
     async def _attempt(self, queue: ModelQueue, parsed: ParsedRequest,
                        path: str) -> tuple[Response, bool]:
@@ -333,6 +369,38 @@ def create_app(router: Router) -> FastAPI:
     async def model_health(model: str) -> Response:
         status, body = router.model_health(model)
         return JSONResponse(body, status)
+
+    @app.get("/admin/models")
+    async def admin_models(request: Request) -> Response:
+        if not _authorized(request, router.settings.api_key):
+            return JSONResponse(unauthorized, 401)
+        elastic = router.elastic.describe() if router.elastic is not None else []
+        listed = {m["model"] for m in elastic}
+        fixed = [{"model": name, "state": "serving", "elastic": False}
+                 for name in router.routes if name not in listed]
+        return JSONResponse({"models": [{**m, "elastic": True} for m in elastic] + fixed})
+
+    @app.post("/admin/models/{model}/{action}")
+    async def admin_action(model: str, action: str, request: Request) -> Response:
+        if not _authorized(request, router.settings.api_key):
+            return JSONResponse(unauthorized, 401)
+        if action not in ("sleep", "wake"):
+            return JSONResponse(error_body(f"no such action {action!r:.40}: sleep or wake",
+                                           "invalid_request_error", "not_found"), 404)
+        if model not in router.routes:
+            return JSONResponse(error_body(f"model {model!r:.80} is not served here",
+                                           "invalid_request_error", "model_not_found"), 404)
+        if router.elastic is None:
+            return JSONResponse(error_body(f"model {model} is not elastic: it never sleeps",
+                                           "invalid_request_error", "not_elastic"), 409)
+        try:
+            done = await (router.elastic.sleep(model) if action == "sleep"
+                          else router.elastic.wake(model))
+        except NotElastic as exc:
+            return JSONResponse(error_body(str(exc), "invalid_request_error", "conflict"), 409)
+        except CannotWake as exc:
+            return router.cannot_wake(exc)
+        return JSONResponse(done.describe(router.elastic.clock()))
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -18,6 +18,10 @@ request path never pays for them.
                                                  are shared: they are in fineslab_slabs by key)
     fineslab_slab_owner_used_bytes{device,owner} bytes of blocks in use by each runtime
     fineslab_arena_free_bytes{device}
+    fineslab_model_state{model,state}            1 for an elastic model's state (awake, asleep,
+                                                 sleeping, waking), 0 for the others
+    fineslab_sleep_seconds{model}, fineslab_wake_seconds{model}   an elastic model's transitions
+    fineslab_evictions_total{model}              sleeps to make room for another model's wake
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from prometheus_client.registry import Collector
 from fineslab.slabs import TableSnapshot
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+MODEL_STATES = ("awake", "sleeping", "asleep", "waking")
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -41,6 +46,8 @@ class LiveState(Protocol):
     def queue_lengths(self) -> dict[str, int]: ...
 
     def replica_states(self) -> Iterable[tuple[str, str, bool, int]]: ...
+
+    def model_states(self) -> dict[str, str]: ...
 
 
 class LiveCollector(Collector):
@@ -68,6 +75,12 @@ class LiveCollector(Collector):
             restarts.add_metric([model, runtime], num_restarts)
         yield up
         yield restarts
+        states = GaugeMetricFamily("fineslab_model_state", "1 for an elastic model's state",
+                                   labels=["model", "state"])
+        for model, state in self.live.model_states().items():
+            for name in MODEL_STATES:
+                states.add_metric([model, name], 1.0 if name == state else 0.0)
+        yield states
         yield from _slab_metrics(self.slabs())
 
 
@@ -114,6 +127,12 @@ class RouterMetrics:
                                 ["model"], registry=r)
         self._measured = Counter("fineslab_ttft_measured", "Requests whose TTFT was measured",
                                  ["model"], registry=r)
+        self._sleep = Histogram("fineslab_sleep_seconds", "An elastic model's sleep",
+                                ["model"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self._wake = Histogram("fineslab_wake_seconds", "An elastic model's wake",
+                               ["model"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self._evictions = Counter("fineslab_evictions", "Sleeps to make room for a wake",
+                                  ["model"], registry=r)
         #: model -> (met, measured), for the attainment gauge.
         self.slo_counts: dict[str, tuple[int, int]] = {}
 
@@ -148,6 +167,13 @@ class RouterMetrics:
         if within:
             self._slo_met.labels(model).inc()
         self.slo_counts[model] = (met + int(within), measured + 1)
+
+    def elastic_event(self, model: str, event: str, seconds: float | None) -> None:
+        """A sleep or wake (with its seconds) or an eviction of an elastic model."""
+        if event == "eviction":
+            self._evictions.labels(model).inc()
+        elif seconds is not None:
+            (self._sleep if event == "sleep" else self._wake).labels(model).observe(seconds)
 
     def observe_tpot(self, model: str, tpot_s: float) -> None:
         self._tpot.labels(model).observe(tpot_s)

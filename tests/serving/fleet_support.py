@@ -13,9 +13,10 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -59,16 +60,19 @@ def shm_files(fleet_id: str) -> list[str]:
 def launch(example: str, folder: Path, model_cache: Path, fleet_id: str,
            timeout_s: float = START_TIMEOUT_S, models: tuple[str, ...] | None = None,
            port: int | None = None, name: str = "launch",
-           log_dir: bool = True) -> tuple[LaunchedFleet, float]:
+           log_dir: bool = True, edit: Callable[[dict[str, Any]], None] | None = None,
+           ) -> tuple[LaunchedFleet, float]:
     """Start `examples/<example>` under `fleet_id` (only `models`, when given; runtime logs in
     `folder/logs`, or without `log_dir` in the launcher's own temporary folder); return the
-    fleet and its start seconds."""
+    fleet and its start seconds. `edit` may change the config first."""
     config = yaml.safe_load((REPO / "examples" / example).read_text())
     config["fleet_id"] = fleet_id
     port = port or free_port()
     config["router"]["port"] = port
     if models is not None:
         config["models"] = [m for m in config["models"] if m["name"] in models]
+    if edit is not None:
+        edit(config)
     (folder / "fleet.yaml").write_text(yaml.safe_dump(config))
     output = folder / f"{name}.out"
     env = dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache))
@@ -92,10 +96,11 @@ def launch(example: str, folder: Path, model_cache: Path, fleet_id: str,
 
 @contextlib.contextmanager
 def launched(example: str, folder: Path, model_cache: Path, fleet_id: str,
-             stop_signal: int) -> Iterator[tuple[LaunchedFleet, float]]:
+             stop_signal: int, edit: Callable[[dict[str, Any]], None] | None = None,
+             ) -> Iterator[tuple[LaunchedFleet, float]]:
     """`launch`, and at exit `stop_signal` to a launcher still running (a shutdown test that
     did not run or failed leaves it up)."""
-    fleet, start_s = launch(example, folder, model_cache, fleet_id)
+    fleet, start_s = launch(example, folder, model_cache, fleet_id, edit=edit)
     try:
         yield fleet, start_s
     finally:

@@ -14,7 +14,12 @@ import yaml
 
 from fineslab.errors import ConfigError
 from fineslab.launch.config import fleet_from_dict, load_fleet_config
-from fineslab.launch.plan import device_slab_plan, make_plan, prefill_chunk_args
+from fineslab.launch.plan import (
+    checkpoint_bytes,
+    device_slab_plan,
+    make_plan,
+    prefill_chunk_args,
+)
 from fineslab.launch.profiles import find_profile
 from fineslab.launch.runtimes import server_spec
 from fineslab.quant.fleet import PrecisionRuntime
@@ -216,3 +221,40 @@ def test_server_spec_passes_a_whole_page_chunk_for_a_page_sglang_would_refuse() 
     args = list(server_spec(runtime, prepared, "f", use_arena=True).extra_args)
     assert args[args.index("--page-size") + 1] == "20"
     assert args[args.index("--chunked-prefill-size") + 1] == "4080"
+
+
+def test_elastic_fields_are_checked_and_set_the_weights_in_arena() -> None:
+    data = _demo()
+    data["models"][0]["idle_timeout_s"] = 30
+    data["models"][1]["pinned"] = True
+    config = fleet_from_dict(data, "test.yaml")
+    assert [m.elastic for m in config.models] == [True, True, False]
+    data["models"][2].update(pinned=True, idle_timeout_s=5)
+    assert "not both" in _error_of(data)
+    data["models"][2].update(pinned=False, idle_timeout_s=0)
+    assert "idle_timeout_s" in _error_of(data)
+    data["models"][2].update(idle_timeout_s=5, replicas=2)
+    assert "one replica" in _error_of(data)
+    data["models"][2].pop("replicas")
+    data["kv_pool"] = "sglang"
+    assert "use kv_pool: arena" in _error_of(data)
+
+
+def test_an_elastic_runtime_keeps_its_weights_in_an_arena_sized_for_them() -> None:
+    plain = make_plan(fleet_from_dict(_demo(), "test.yaml"))
+    data = _demo()
+    data["models"][0]["idle_timeout_s"] = 30
+    plan = make_plan(fleet_from_dict(data, "test.yaml"))
+    elastic = plan.runtimes_of(data["models"][0]["name"])[0]
+    assert elastic.weights_in_arena and not plan.runtimes_of(data["models"][1]["name"])[0] \
+        .weights_in_arena
+    slab = plan.arenas[0].slab_plan.slab_bytes
+    assert slab == plain.arenas[0].slab_plan.slab_bytes
+    added = plan.arenas[0].arena_bytes - plain.arenas[0].arena_bytes
+    assert checkpoint_bytes(Path(elastic.model_dir)) < added <= \
+        checkpoint_bytes(Path(elastic.model_dir)) * 1.02 + 2 * slab
+    prepared = PrecisionRuntime(elastic.model.name, "bf16", Path(elastic.model_dir),
+                                KVDtype.BF16, ())
+    spec = server_spec(elastic, prepared, "f", True)
+    assert spec.env.get("FINESLAB_WEIGHTS_IN_ARENA") == "1"
+    assert "idle 30 s" in plan.describe()

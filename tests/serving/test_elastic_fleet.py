@@ -1,0 +1,203 @@
+"""Elastic models end to end (issue #16): `examples/cpu-elastic.yaml` launched for real, three
+SGLang runtimes with their weights in one slab arena, the router's admin API and `fineslab ctl`.
+
+    llama-a       idle_timeout_s 3   (sleeps on its own during the tests)
+    qwen-b        idle_timeout_s 600 (sleeps only when asked or evicted)
+    llama-pinned  pinned             (never idles to sleep, never evicted)
+
+Arena pressure comes from the test itself: a `WeightRegion` of the test process (a real owner in
+the fleet's slab table) takes every free slab, the way another model's weights would. The checks
+run in file order against one fleet; the last one stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fleet_support import REPO, LaunchedFleet, group_alive, launched, shm_files
+
+from fineslab.slabs import SlabArena, snapshot
+from fineslab.slabs.weights import WeightRegion
+
+pytestmark = pytest.mark.slow
+
+IDLE_S = 3.0
+
+
+def _edit(config: dict[str, Any]) -> None:
+    for model in config["models"]:
+        if model["name"] == "llama-a":
+            model["idle_timeout_s"] = IDLE_S
+        elif model["name"] == "qwen-b":
+            model["idle_timeout_s"] = 600
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[LaunchedFleet]:
+    folder = tmp_path_factory.mktemp("elastic-fleet")
+    with launched("cpu-elastic.yaml", folder, model_cache, f"elastic-{os.getpid()}",
+                  signal.SIGTERM, edit=_edit) as (running, _):
+        yield running
+
+
+def _ctl(fleet: LaunchedFleet, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fineslab.ctl", "--url", fleet.base_url, *args],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+def _states(fleet: LaunchedFleet) -> dict[str, dict[str, Any]]:
+    reply = httpx.get(fleet.base_url + "/admin/models", timeout=30)
+    assert reply.status_code == 200, reply.text
+    return {m["model"]: m for m in reply.json()["models"]}
+
+
+def _complete(fleet: LaunchedFleet, model: str) -> httpx.Response:
+    return httpx.post(fleet.base_url + "/v1/completions", timeout=300, json={
+        "model": model, "prompt": "the slab arena", "max_tokens": 8, "temperature": 0})
+
+
+def _text(fleet: LaunchedFleet, model: str) -> str:
+    reply = _complete(fleet, model)
+    assert reply.status_code == 200, reply.text
+    return str(reply.json()["choices"][0]["text"])
+
+
+def _wait_state(fleet: LaunchedFleet, model: str, state: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _states(fleet)[model]["state"] != state:
+        assert time.monotonic() < deadline, f"{model} not {state}: {_states(fleet)[model]}"
+        time.sleep(0.5)
+
+
+def _weight_slabs_held(fleet: LaunchedFleet, runtime_id: str) -> int:
+    with SlabArena.attach(fleet.fleet_id, "cpu:0") as arena:
+        owners = {o.runtime_id: o for o in snapshot(arena.table).owners}
+    owner = owners.get(f"{runtime_id}:w")
+    return owner.num_slabs if owner is not None else 0
+
+
+class Hog:
+    """The free slabs of the fleet's arena but `leave`, held by the test process as weights."""
+
+    def __init__(self, fleet: LaunchedFleet, leave: int = 0) -> None:
+        self.arena = SlabArena.attach(fleet.fleet_id, "cpu:0")
+        take = snapshot(self.arena.table).free_slabs - leave
+        assert take > 0
+        self.region = WeightRegion(self.arena.table, self.arena.paths.data, "test-hog",
+                                   take * self.arena.spec.slab_bytes)
+        self.region.back()
+
+    def close(self) -> None:
+        self.region.close()
+        self.arena.close()
+
+
+def test_an_idle_model_sleeps_and_a_request_wakes_it_with_the_same_output(
+        fleet: LaunchedFleet) -> None:
+    before = _text(fleet, "llama-a")
+    assert _weight_slabs_held(fleet, "llama-a-r0") > 0, "awake: its weights are in the arena"
+    _wait_state(fleet, "llama-a", "asleep", timeout_s=IDLE_S + 30)
+    assert _weight_slabs_held(fleet, "llama-a-r0") == 0, "asleep: its weight slabs are free"
+    assert _text(fleet, "llama-a") == before, "greedy output after the wake equals before"
+    state = _states(fleet)["llama-a"]
+    assert state["state"] == "awake" and state["wakes"] >= 1 and state["sleeps"] >= 1, state
+    metrics = fleet.metrics()
+    assert 'fineslab_model_state{model="llama-a",state="awake"} 1.0' in metrics
+    assert 'fineslab_wake_seconds_count{model="llama-a"}' in metrics
+
+
+def test_a_wake_without_room_puts_the_least_recently_used_idle_model_to_sleep(
+        fleet: LaunchedFleet) -> None:
+    assert _ctl(fleet, "sleep", "llama-a").returncode == 0
+    _text(fleet, "qwen-b")  # awake and idle; the pinned model is never evicted
+    need = _states(fleet)["llama-a"]["weight_slabs"]
+    assert need > 1 and _states(fleet)["qwen-b"]["weight_slabs"] >= 1
+    # One slab short of llama-a's weights: qwen-b's make room.
+    hog = Hog(fleet, leave=need - 1)
+    try:
+        assert _text(fleet, "llama-a"), "served after qwen-b was put to sleep for it"
+        states = _states(fleet)
+        assert states["qwen-b"]["state"] == "asleep" and states["qwen-b"]["evictions"] == 1, \
+            states["qwen-b"]
+        assert states["llama-pinned"]["state"] == "awake", states["llama-pinned"]
+    finally:
+        hog.close()
+
+
+def test_a_wake_with_nothing_to_evict_gets_503_with_the_reason_and_serves_once_room_frees(
+        fleet: LaunchedFleet) -> None:
+    assert _ctl(fleet, "sleep", "llama-a").returncode == 0
+    hog = Hog(fleet)
+    try:
+        reply = _complete(fleet, "qwen-b")
+        assert reply.status_code == 503 and reply.headers.get("retry-after"), reply.text
+        message = reply.json()["error"]["message"]
+        assert "cannot wake" in message and "pinned" in message, message
+        woke = _ctl(fleet, "wake", "qwen-b")
+        assert woke.returncode == 1 and "503" in woke.stderr, woke
+        assert _states(fleet)["qwen-b"]["state"] == "asleep"
+    finally:
+        hog.close()
+    assert _text(fleet, "qwen-b"), "the same request is served once the arena has room"
+
+
+def test_a_pinned_model_stays_awake_when_idle_and_ctl_sleeps_and_wakes_it(
+        fleet: LaunchedFleet) -> None:
+    state = _states(fleet)["llama-pinned"]
+    assert state["state"] == "awake" and state["idle_for_s"] > IDLE_S, state
+    slept = _ctl(fleet, "sleep", "llama-pinned")
+    assert slept.returncode == 0 and "llama-pinned: asleep" in slept.stdout, slept
+    woke = _ctl(fleet, "wake", "llama-pinned")
+    assert woke.returncode == 0 and "llama-pinned: awake" in woke.stdout, woke
+    listed = _ctl(fleet, "list")
+    assert listed.returncode == 0 and "pinned" in listed.stdout, listed
+    unknown = _ctl(fleet, "sleep", "no-such-model")
+    assert unknown.returncode == 1 and "404" in unknown.stderr, unknown
+    bad = httpx.post(fleet.base_url + "/admin/models/qwen-b/explode", timeout=30)
+    assert bad.status_code == 404 and "sleep or wake" in bad.json()["error"]["message"]
+
+
+def test_a_runtime_killed_while_asleep_comes_back_and_serves(fleet: LaunchedFleet) -> None:
+    assert _ctl(fleet, "sleep", "llama-a").returncode == 0
+    pid = fleet.runtime_pids()["llama-a-r0"]
+    os.killpg(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 300
+    while True:
+        reply = _complete(fleet, "llama-a")
+        if reply.status_code == 200:
+            break
+        assert reply.status_code == 503 and time.monotonic() < deadline, reply.text
+        time.sleep(2)
+    assert fleet.runtime_pids()["llama-a-r0"] != pid
+    assert _states(fleet)["llama-a"]["state"] == "awake"
+
+
+def test_dry_run_says_which_models_sleep(fleet: LaunchedFleet) -> None:
+    done = subprocess.run([sys.executable, "-m", "fineslab.launch", "--config",
+                           str(REPO / "examples" / "cpu-elastic.yaml"), "--dry-run"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=dict(os.environ, FINESLAB_MODEL_CACHE=str(fleet.model_cache)))
+    assert done.returncode == 0, done.stderr
+    assert "idle 30 s" in done.stdout and "pinned" in done.stdout, done.stdout
+
+
+def test_shutdown_leaves_no_process_no_shared_memory_and_no_host_copy(
+        fleet: LaunchedFleet) -> None:
+    pids = list(fleet.runtime_pids().values())
+    copies = list(Path(tempfile.gettempdir()).glob(f"fineslab-{fleet.fleet_id}-weights-*"))
+    assert copies, "the fleet keeps its sleeping models' host copies in a folder of its own"
+    os.killpg(fleet.proc.pid, signal.SIGINT)
+    assert fleet.proc.wait(120) == 0
+    assert [p for p in [*pids, fleet.proc.pid] if group_alive(p)] == []
+    assert shm_files(fleet.fleet_id) == []
+    assert [c for c in copies if c.exists()] == [], "host copies are removed at stop"
