@@ -112,6 +112,8 @@ class Fleet:
         self.progress(f"starting {len(self.plan.runtimes)} runtimes (logs in {self.log_dir})")
         if any(r.weights_in_arena for r in self.plan.runtimes):
             self.weights_dir = Path(tempfile.mkdtemp(prefix=f"fineslab-{config.fleet_id}-weights-"))
+            if self.record is not None:
+                self.record.note_folder(self.weights_dir)  # swept if this launcher is killed
         runtimes = [SupervisedRuntime(r, self._server_spec(r), self.log_dir / f"{r.runtime_id}.log")
                     for r in self.plan.runtimes]
         self.supervisor = Supervisor(runtimes, on_down=self._runtime_down,

@@ -2,7 +2,8 @@
 
     /dev/shm/fineslab-<fleet_id>.run     {"launcher": [pid, start_ticks],
                                           "runtimes": {runtime_id: {"pgid": N,
-                                                                    "shm_files": [...]}}}
+                                                                    "shm_files": [...]}},
+                                          "folders": [the elastic models' host-copy folder]}
 
 The launcher writes the record at start and again whenever a runtime (re)starts, and removes it
 on a clean stop. Runtimes die with their launcher on their own (`fineslab.lifeline`); the record
@@ -15,7 +16,8 @@ together with the launcher, files of a tree SIGKILLed whole). At the next launch
 - otherwise every process of a recorded group that carries this fleet's marker in its
   environment (`FINESLAB_FLEET_ID=<fleet_id>`, which the launcher gives every runtime; a pgid
   reused by an unrelated program is never touched) is stopped, the recorded SGLang shm files
-  are removed, and the record goes.
+  are removed, the recorded folders (`$TMPDIR/fineslab-<fleet_id>-weights-*`) too, and the
+  record goes.
 
 Arena files of a dead launcher are reclaimed by `SlabArena.create` itself.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +51,12 @@ class RunRecord:
     path: Path
     launcher: ProcessIdentity = field(default_factory=ProcessIdentity.current)
     runtimes: dict[str, dict[str, object]] = field(default_factory=dict)
+    #: Folders of the fleet's own (elastic models' host copies of their weights).
+    folders: list[str] = field(default_factory=list)
+
+    def note_folder(self, folder: Path) -> None:
+        self.folders.append(str(folder))
+        self.write()
 
     def note_runtime(self, runtime_id: str, pgid: int, shm_files: set[Path]) -> None:
         self.runtimes[runtime_id] = {"pgid": pgid, "shm_files": sorted(map(str, shm_files))}
@@ -55,7 +64,7 @@ class RunRecord:
 
     def write(self) -> None:
         body = {"launcher": [self.launcher.pid, self.launcher.start_ticks],
-                "runtimes": self.runtimes}
+                "runtimes": self.runtimes, "folders": self.folders}
         tmp = self.path.with_suffix(".run.tmp")
         tmp.write_text(json.dumps(body))
         os.replace(tmp, self.path)
@@ -93,6 +102,10 @@ def sweep(fleet_id: str, shm_dir: Path | None = None,
                 f"fleet {fleet_id!r} is already running (launcher pid {launcher.pid}); stop it "
                 "first, or give this fleet another fleet_id")
         _sweep_runtimes(fleet_id, old.get("runtimes", {}), progress)
+        for folder in old.get("folders", []):
+            if Path(folder).name.startswith(f"fineslab-{fleet_id}-") and Path(folder).is_dir():
+                shutil.rmtree(folder, ignore_errors=True)
+                progress(f"swept the folder {folder} a dead launcher of fleet {fleet_id!r} left")
     record = RunRecord(fleet_id, path)
     record.write()
     return record

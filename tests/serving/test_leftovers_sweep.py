@@ -95,3 +95,18 @@ def test_an_unreadable_record_is_replaced(tmp_path: Path) -> None:
     assert isinstance(record, RunRecord)
     record.note_runtime("r0", 1234, set())
     assert json.loads(record.path.read_text())["runtimes"]["r0"]["pgid"] == 1234
+
+
+def test_a_dead_launchers_host_copy_folder_is_removed_and_no_other(tmp_path: Path) -> None:
+    fleet_id = f"folders{os.getpid()}"
+    mine = tmp_path / f"fineslab-{fleet_id}-weights-abc"
+    other = tmp_path / "fineslab-another-weights-abc"  # not this fleet's: a forged record
+    for folder in (mine, other):
+        folder.mkdir()
+        (folder / "m.weights").write_bytes(b"w")
+    path = record_path(fleet_id, tmp_path)
+    _write_record(path, _dead_pid(), [0], [])
+    body = json.loads(path.read_text())
+    path.write_text(json.dumps({**body, "folders": [str(mine), str(other)]}))
+    sweep(fleet_id, tmp_path, progress=lambda _: None)
+    assert not mine.exists() and other.exists()
