@@ -5,6 +5,7 @@
     fineslab models ...                                same as python -m fineslab.models
     fineslab profile ...                               same as python -m fineslab.profile
     fineslab ctl list|sleep MODEL|wake MODEL           same as python -m fineslab.ctl
+    fineslab top [--url URL] [--once]                  same as python -m fineslab.top
 
 Each subcommand hands the rest of the command line to that module's `main`, imported only when
 chosen (so `fineslab models list` never imports SGLang or torch).
@@ -22,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "models": ("fineslab.models.__main__", "generate or list the built-in models"),
     "profile": ("fineslab.profile.__main__", "write measured or analytical profiles"),
     "ctl": ("fineslab.ctl", "list, sleep and wake the models of a running fleet"),
+    "top": ("fineslab.top", "a live view of a running fleet's arenas and models"),
 }
 
 

@@ -6,6 +6,7 @@
     GET  /health/{model}   one model: 200 while it has a live runtime, else 503
 
     GET  /admin/models               elastic models: state, idle time, weight slabs, counts
+    GET  /admin/arenas               each device's slab table (what `fineslab top` shows)
     POST /admin/models/{model}/sleep put an elastic model to sleep now (409 while it is busy)
     POST /admin/models/{model}/wake  wake it now (503 + Retry-After when nothing makes room)
     (behind the API key when one is set; `fineslab ctl` calls them; elastic.py)
@@ -59,6 +60,7 @@ from fineslab.router.requests import (
 )
 from fineslab.scheduler.local import get_batch_policy
 from fineslab.slabs import TableSnapshot
+from fineslab.slabs.inspector import as_dict
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ class Router:
                  slabs: SlabSource | None = None, elastic: Elastic | None = None) -> None:
         self.routes = {r.name: r for r in routes}
         self.elastic = elastic
+        self.slabs: SlabSource = slabs or dict
         self.settings = settings
         self.metrics = RouterMetrics()
         self.metrics.register_live(LiveCollector(self, self.metrics, slabs or dict))
@@ -379,6 +382,13 @@ def create_app(router: Router) -> FastAPI:
         fixed = [{"model": name, "state": "serving", "elastic": False}
                  for name in router.routes if name not in listed]
         return JSONResponse({"models": [{**m, "elastic": True} for m in elastic] + fixed})
+
+    @app.get("/admin/arenas")
+    async def admin_arenas(request: Request) -> Response:
+        if not _authorized(request, router.settings.api_key):
+            return JSONResponse(unauthorized, 401)
+        return JSONResponse({"arenas": {device: as_dict(snap)
+                                        for device, snap in router.slabs().items()}})
 
     @app.post("/admin/models/{model}/{action}")
     async def admin_action(model: str, action: str, request: Request) -> Response:

@@ -167,6 +167,22 @@ def test_a_pinned_model_stays_awake_when_idle_and_ctl_sleeps_and_wakes_it(
     assert bad.status_code == 404 and "sleep or wake" in bad.json()["error"]["message"]
 
 
+def test_top_shows_each_models_state_weights_and_kv(fleet: LaunchedFleet) -> None:
+    assert _ctl(fleet, "sleep", "llama-a").returncode == 0
+    done = subprocess.run([sys.executable, "-m", "fineslab.top", "--url", fleet.base_url,
+                           "--once"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()
+            if line.split() and line.split()[0] in ("llama-a", "llama-pinned", "qwen-b")}
+    assert rows["llama-a"][2] == "asleep" and rows["llama-a"][3:5] == ["0", "B"], done.stdout
+    assert rows["llama-pinned"][2] == "awake" and rows["llama-pinned"][4] == "MiB", done.stdout
+    assert "cpu: arena" in done.stdout and "free" in done.stdout
+    gone = subprocess.run([sys.executable, "-m", "fineslab.top", "--url",
+                           "http://127.0.0.1:9", "--once"], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert gone.returncode == 1 and "cannot reach the router" in gone.stderr, gone
+
+
 def test_a_runtime_killed_while_asleep_comes_back_and_serves(fleet: LaunchedFleet) -> None:
     assert _ctl(fleet, "sleep", "llama-a").returncode == 0
     pid = fleet.runtime_pids()["llama-a-r0"]
