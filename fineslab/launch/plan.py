@@ -344,6 +344,11 @@ def make_plan(config: FleetConfig, cache_dir: str | None = None, *,
         runtimes.append(RuntimePlan(f"{model.name}-r{index}", model,
                                     str(model_dirs[model.name]), index, device, None))
     for model in config.models:
+        if model.elastic and any(r.model.name == model.name and not r.device.is_cpu
+                                 for r in runtimes):
+            raise ConfigError(f"model {model.name}: elastic models (idle_timeout_s, pinned) run "
+                              "on CPU devices only in this version: the CUDA path that loads "
+                              "weights into the arena is not built (docs/elastic.md)")
         if model.elastic and sum(r.model.name == model.name for r in runtimes) > 1:
             raise ConfigError(f"model {model.name}: the placer gave an elastic model several "
                               "replicas; elastic models run one in this version (replicas: 1)")

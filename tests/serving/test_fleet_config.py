@@ -258,3 +258,14 @@ def test_an_elastic_runtime_keeps_its_weights_in_an_arena_sized_for_them() -> No
     spec = server_spec(elastic, prepared, "f", True)
     assert spec.env.get("FINESLAB_WEIGHTS_IN_ARENA") == "1"
     assert "idle 30 s" in plan.describe()
+
+
+def test_an_elastic_model_on_a_gpu_is_refused_until_the_cuda_weight_path_exists() -> None:
+    data = _demo()
+    data["devices"] = [{"name": "cuda:0", "kind": "h100", "memory_gib": 80}]
+    data["models"] = [dict(data["models"][0], idle_timeout_s=30,
+                           profile=str(REPO / "profiles" / "llama-3.1-8b--fp16--h100.json"))]
+    with pytest.raises(ConfigError, match="CPU devices only"):
+        make_plan(fleet_from_dict(data, "test.yaml"))
+    data["models"][0].pop("idle_timeout_s")
+    assert make_plan(fleet_from_dict(data, "test.yaml")).runtimes, "the same model, not elastic"
