@@ -72,6 +72,9 @@ class DeviceConfig:
     kind: str
     memory_bytes: int
     kv_arena_bytes: int | None
+    #: Room in the arena for elastic models' weights; None: all of them, awake at once. Less
+    #: over-commits the device: the models that do not fit start asleep (plan.py).
+    weights_arena_bytes: int | None = None
 
     @property
     def is_cpu(self) -> bool:
@@ -186,6 +189,7 @@ class _Device(_Strict):
     kind: str = Field(min_length=1)
     memory_gib: float = Field(gt=0)
     kv_arena_mib: float | None = Field(default=None, gt=0)
+    weights_arena_mib: float | None = Field(default=None, ge=0)
 
 
 class _Router(_Strict):
@@ -260,7 +264,8 @@ def _format_errors(exc: ValidationError, source: str) -> str:
 def _to_dataclasses(fleet: _Fleet, source: str, base_dir: Path) -> FleetConfig:
     devices = None if fleet.devices == "auto" else tuple(
         DeviceConfig(d.name, d.kind.lower(), int(d.memory_gib * GIB),
-                     None if d.kv_arena_mib is None else int(d.kv_arena_mib * MIB))
+                     None if d.kv_arena_mib is None else int(d.kv_arena_mib * MIB),
+                     None if d.weights_arena_mib is None else int(d.weights_arena_mib * MIB))
         for d in fleet.devices)
     models = tuple(
         ModelConfig(m.name, _resolve_path(m.path, base_dir), m.preset, m.precision, m.kv_dtype,

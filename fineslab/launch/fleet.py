@@ -26,19 +26,21 @@ import socket
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 from fineslab.env import WEIGHTS_DIR_VAR
-from fineslab.errors import ConfigError
+from fineslab.errors import ConfigError, EnvironmentSetupError
 from fineslab.launch.leftovers import RunRecord, sweep
-from fineslab.launch.plan import FleetPlan, RuntimePlan, arena_device
+from fineslab.launch.plan import FleetPlan, RuntimePlan, arena_device, weight_slabs
 from fineslab.launch.reclaim import CacheReclaimer
 from fineslab.launch.runtimes import server_spec
 from fineslab.launch.supervisor import SupervisedRuntime, Supervisor
 from fineslab.quant.fleet import PrecisionRuntime, prepare_served_model, verify_runtime
 from fineslab.router import ModelRoute, ReplicaRoute, Router, RouterServer, RouterSettings
-from fineslab.router.elastic import ArenaView, Elastic, ElasticSpec
+from fineslab.router.elastic import CONTROL_TIMEOUT_S, SLEEP_CALLS, ArenaView, Elastic, ElasticSpec
 from fineslab.router.server import bind_router_socket
 from fineslab.runtime import ServerSpec
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
@@ -119,12 +121,14 @@ class Fleet:
         self.supervisor = Supervisor(runtimes, on_down=self._runtime_down,
                                      on_up=self._runtime_up, reclaim=self._reclaim,
                                      progress=self.progress, policy=config.supervision)
-        self.supervisor.start_all()
+        self.supervisor.start_all([r.runtime_id for r in self.plan.runtimes
+                                   if not r.starts_asleep])
+        asleep = self._start_asleep([r for r in self.plan.runtimes if r.starts_asleep])
         for r in runtimes:
             self._note_runtime(r.plan.runtime_id)
         # Routes only now: a runtime whose port was taken at start-up runs on a fresh one.
         router = self.router = Router(self._routes(runtimes), self._settings(),
-                                      slabs=self.slab_snapshots, elastic=self._elastic())
+                                      slabs=self.slab_snapshots, elastic=self._elastic(asleep))
         for r in runtimes:
             router.mark_up(r.plan.runtime_id, self.supervisor.pid_of(r.plan.runtime_id))
         self.server = RouterServer(router, config.router.host, self.port,
@@ -153,14 +157,57 @@ class Fleet:
                                                   WEIGHTS_DIR_VAR: str(self.weights_dir)})
         return spec
 
-    def _elastic(self) -> Elastic | None:
-        """The elastic models' manager (fineslab.router.elastic), None when there are none."""
+    def _elastic(self, asleep: dict[str, int]) -> Elastic | None:
+        """The elastic models' manager (fineslab.router.elastic), None when there are none;
+        `asleep`: the runtimes that started asleep, with their weight slabs."""
         specs = [ElasticSpec(r.model.name, r.runtime_id, r.device.name, r.model.idle_timeout_s,
                              r.model.pinned) for r in self.plan.runtimes if r.weights_in_arena]
         if not specs:
             return None
         return Elastic(specs, ArenaView(self._free_slabs, self._weight_slabs, self._set_asleep),
-                       retry_after_s=max(1, self.plan.config.router.retry_after_s))
+                       retry_after_s=max(1, self.plan.config.router.retry_after_s),
+                       asleep=asleep)
+
+    def _start_asleep(self, plans: list[RuntimePlan]) -> dict[str, int]:
+        """Start the runtimes an over-committed device does not hold awake, in waves that fit
+        its free slabs, each put to sleep once healthy; their weight slabs by runtime id."""
+        assert self.supervisor is not None
+        slabs: dict[str, int] = {}
+        waiting = list(plans)
+        while waiting:
+            wave: list[RuntimePlan] = []
+            free = {d: self._free_slabs(d) or 0 for d in self.arenas}
+            for r in waiting:
+                need = weight_slabs(Path(r.model_dir), self.arenas[r.device.name].spec.slab_bytes)
+                if not wave or need <= free[r.device.name]:
+                    wave.append(r)
+                    free[r.device.name] -= need
+            waiting = [r for r in waiting if r not in wave]
+            self.progress(f"starting {[r.runtime_id for r in wave]}, to sleep once loaded "
+                          "(the arena does not hold every model awake)")
+            self.supervisor.start_all([r.runtime_id for r in wave])
+            for r in wave:
+                slabs[r.runtime_id] = self._put_to_sleep(r.runtime_id)
+        return slabs
+
+    def _put_to_sleep(self, runtime_id: str) -> int:
+        """SGLang's safe order (fineslab.router.elastic): pause, then release; the weight slabs
+        it gave back."""
+        held = self._weight_slabs(runtime_id) or 0
+        self._set_asleep(runtime_id, True)
+        url = self.runtime_url(runtime_id)
+        for path, body in SLEEP_CALLS:
+            request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=CONTROL_TIMEOUT_S) as reply:
+                    reply.read()
+            except (urllib.error.URLError, OSError) as exc:
+                raise EnvironmentSetupError(
+                    f"runtime {runtime_id} did not go to sleep after its start ({path}: {exc}); "
+                    f"log: {self.log_dir / (runtime_id + '.log')}") from exc
+        self.progress(f"runtime {runtime_id} asleep: {held} weight slab(s) back to the arena")
+        return held
 
     def _free_slabs(self, device: str) -> int | None:
         arena = self.arenas.get(device)

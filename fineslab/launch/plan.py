@@ -66,6 +66,9 @@ class RuntimePlan:
     device: DeviceConfig
     page_size: int | None  # the arena block's tokens; None on SGLang's own pool
     key_pool: bool = False  # shares its block stride's slabs with other runtimes on the device
+    #: An elastic runtime the device's weight room does not hold awake with the others: the
+    #: launcher starts it after them and puts it to sleep at once.
+    starts_asleep: bool = False
 
     @property
     def weights_in_arena(self) -> bool:
@@ -129,7 +132,7 @@ class FleetPlan:
         rows = [[r.runtime_id, r.model.name, r.device.name, r.model.precision,
                  r.model.resolved_kv_dtype, r.page_size or "-", *self._block_cells(r),
                  "key pool" if r.key_pool else "own" if r.page_size else "-",
-                 f"{self.profiles[r.model.name].source}", r.serving, _sleeps(r.model),
+                 f"{self.profiles[r.model.name].source}", r.serving, _sleeps_cell(r),
                  r.model_dir]
                 for r in self.runtimes]
         text += ["runtimes", format_table(
@@ -147,6 +150,10 @@ def _sleeps(model: ModelConfig) -> str:
     if model.pinned:
         return "pinned"
     return "never" if model.idle_timeout_s is None else f"idle {model.idle_timeout_s:g} s"
+
+
+def _sleeps_cell(runtime: RuntimePlan) -> str:
+    return _sleeps(runtime.model) + (", starts asleep" if runtime.starts_asleep else "")
 
 
 def arena_device(device: DeviceConfig) -> str:
@@ -249,22 +256,59 @@ def weight_slabs(model_dir: Path, slab_bytes: int) -> int:
 
 
 def _arena_for(device: DeviceConfig, runtimes: list[RuntimePlan], fixed_bytes: int,
-               page_sizes: tuple[int, ...]) -> tuple[ArenaPlan, dict[str, int]]:
+               page_sizes: tuple[int, ...]) -> tuple[ArenaPlan, dict[str, int], set[str]]:
     """The arena of one device: the KV budget (`kv_arena_mib`, else ARENA_FRACTION_OF_FREE of
-    what the placement leaves), plus the weight slabs of its elastic runtimes, whose weights
-    the placement counted in the fixed footprint and which now live in the arena."""
+    what the placement leaves), plus room for the weights of its elastic runtimes, whose
+    weights the placement counted in the fixed footprint and which now live in the arena.
+    Returns the plan, each runtime's page, and the runtimes that start asleep."""
     shapes = [_kv_shape(r.runtime_id, r.model, Path(r.model_dir)) for r in runtimes]
     budget = device.kv_arena_bytes or int((device.memory_bytes - fixed_bytes)
                                           * ARENA_FRACTION_OF_FREE)
     slab_plan = device_slab_plan(shapes, budget, page_sizes)
-    weights = sum(weight_slabs(Path(r.model_dir), slab_plan.slab_bytes)
-                  for r in runtimes if r.weights_in_arena)
-    arena_bytes = (budget // slab_plan.slab_bytes + weights) * slab_plan.slab_bytes
-    if arena_bytes < slab_plan.slab_bytes * len(runtimes):
+    slab = slab_plan.slab_bytes
+    room, asleep = _weight_room(device, [r for r in runtimes if r.weights_in_arena], slab,
+                                budget // slab)
+    arena_bytes = (budget // slab + room) * slab
+    if arena_bytes < slab * len(runtimes):
         raise ConfigError(f"device {device.name}: a {budget} B arena holds fewer than one "
-                          f"{slab_plan.slab_bytes} B slab per runtime; raise kv_arena_mib")
+                          f"{slab} B slab per runtime; raise kv_arena_mib")
     pages = {r.runtime_id: slab_plan.format_of(r.runtime_id).tokens_per_block for r in runtimes}
-    return ArenaPlan(device, slab_plan, arena_bytes), pages
+    return ArenaPlan(device, slab_plan, arena_bytes), pages, asleep
+
+
+def _weight_room(device: DeviceConfig, elastic: list[RuntimePlan], slab_bytes: int,
+                 kv_slabs: int) -> tuple[int, set[str]]:
+    """Slabs for elastic weights on a device, and the runtimes that start asleep.
+
+    Without `weights_arena_mib`, room for all of them. With it, the device is over-committed:
+    pinned models are awake (they must fit), then the others in config order while they fit;
+    the rest start asleep. Each of those starts after the awake ones, loads into the free
+    slabs (the KV budget is empty then) and sleeps at once, so it must fit there."""
+    need = {r.runtime_id: weight_slabs(Path(r.model_dir), slab_bytes) for r in elastic}
+    if device.weights_arena_bytes is None:
+        return sum(need.values()), set()
+    room = device.weights_arena_bytes // slab_bytes
+    awake, asleep, used = [], set(), 0
+    for r in sorted(elastic, key=lambda r: not r.model.pinned):  # stable: config order
+        if used + need[r.runtime_id] <= room:
+            awake.append(r)
+            used += need[r.runtime_id]
+        elif r.model.pinned:
+            raise ConfigError(
+                f"device {device.name}: pinned model {r.model.name} needs {need[r.runtime_id]} "
+                f"weight slab(s) but weights_arena_mib leaves {room - used} after the other "
+                "pinned models; raise weights_arena_mib or unpin a model")
+        else:
+            asleep.add(r.runtime_id)
+    free_at_start = kv_slabs + room - used
+    too_big = sorted(f"{r.model.name} ({need[r.runtime_id]})" for r in elastic
+                     if r.runtime_id in asleep and need[r.runtime_id] > free_at_start)
+    if too_big:
+        raise ConfigError(
+            f"device {device.name}: models that start asleep load first into the free slabs "
+            f"({free_at_start} once the awake models are loaded); too few for {too_big} "
+            "weight slabs; raise kv_arena_mib or weights_arena_mib")
+    return room, asleep
 
 
 def prefill_chunk_args(runtime_id: str, page_size: int, extra_args: tuple[str, ...]
@@ -360,17 +404,20 @@ def make_plan(config: FleetConfig, cache_dir: str | None = None, *,
 def _with_arenas(plan: FleetPlan, page_sizes: tuple[int, ...]) -> FleetPlan:
     if plan.config.kv_pool == "sglang":
         return plan
-    arenas, pages, pooled = [], {}, set()
+    arenas, pages, pooled, asleep = [], {}, set(), set()
     for gpu_id, device in enumerate(plan.devices):
         on_device = [r for r in plan.runtimes if r.device.name == device.name]
         if on_device:
-            arena, device_pages = _arena_for(device, on_device,
-                                             plan.placement.fixed_bytes_on(gpu_id), page_sizes)
+            arena, device_pages, device_asleep = _arena_for(
+                device, on_device, plan.placement.fixed_bytes_on(gpu_id), page_sizes)
             arenas.append(arena)
             pages.update(device_pages)
             pooled |= key_pooled(arena.slab_plan)
+            asleep |= device_asleep
     paged = tuple(dataclasses.replace(r, page_size=pages[r.runtime_id],
-                                      key_pool=r.runtime_id in pooled) for r in plan.runtimes)
+                                      key_pool=r.runtime_id in pooled,
+                                      starts_asleep=r.runtime_id in asleep)
+                  for r in plan.runtimes)
     for r in paged:  # a chunk SGLang would refuse at start is a config error now
         prefill_chunk_args(r.runtime_id, pages[r.runtime_id], r.model.extra_args)
     return dataclasses.replace(plan, arenas=tuple(arenas), runtimes=paged)

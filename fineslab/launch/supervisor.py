@@ -34,7 +34,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -86,6 +86,7 @@ class Supervisor:
         self.policy = policy or SupervisionPolicy()
         self.poll_s = poll_s
         self._lock = threading.Lock()
+        self._started = 0  # runtimes start_all brought up (for its progress lines)
         #: Runtimes asleep (elastic models): paused, so they are not probed (a probe generates).
         self._asleep: set[str] = set()
         self._stopping = threading.Event()
@@ -94,13 +95,18 @@ class Supervisor:
 
     # -- start ----------------------------------------------------------------------------------
 
-    def start_all(self) -> None:
-        """Start every runtime at once, then wait for each to be healthy, reporting progress."""
+    def start_all(self, only: Collection[str] | None = None) -> None:
+        """Start every runtime (or those in `only`) at once, then wait for each to be healthy,
+        reporting progress."""
+        wave = [r for r in self.runtimes.values()
+                if (only is None or r.plan.runtime_id in only) and r.process is None]
         with self._lock:
-            for r in self.runtimes.values():
+            for r in wave:
                 r.process = ServerProcess(r.spec, r.log_path)
         start_s = time.monotonic()
-        for i, r in enumerate(self.runtimes.values(), start=1):
+        for r in wave:
+            self._started += 1
+            i = self._started
             try:
                 self._wait_healthy(r)
             except EnvironmentSetupError as exc:

@@ -123,8 +123,11 @@ class Elastic:
     """The elastic models of a router (module doc); `Router` calls `use`, `start`, `stop`."""
 
     def __init__(self, specs: list[ElasticSpec], arenas: ArenaView,
-                 retry_after_s: int = 5, clock: Callable[[], float] = time.monotonic) -> None:
+                 retry_after_s: int = 5, clock: Callable[[], float] = time.monotonic,
+                 asleep: dict[str, int] | None = None) -> None:
         self.specs = {s.name: s for s in specs}
+        #: Runtimes the launcher started asleep, with the weight slabs they gave back.
+        self.started_asleep = dict(asleep or {})
         self.arenas, self.retry_after_s, self.clock = arenas, retry_after_s, clock
         self.models: dict[str, ElasticModel] = {}
         self.router: Router | None = None
@@ -136,6 +139,10 @@ class Elastic:
         self.router = router
         self.models = {name: ElasticModel(spec, last_used_s=self.clock())
                        for name, spec in self.specs.items()}
+        for model in self.models.values():
+            if model.spec.runtime_id in self.started_asleep:
+                model.state = ModelState.ASLEEP
+                model.weight_slabs = self.started_asleep[model.spec.runtime_id]
         self._task = asyncio.create_task(self._idle_loop())
 
     async def stop(self) -> None:

@@ -2,7 +2,8 @@
 SGLang runtimes with their weights in one slab arena, the router's admin API and `fineslab ctl`.
 
     llama-a       idle_timeout_s 3   (sleeps on its own during the tests)
-    qwen-b        idle_timeout_s 600 (sleeps only when asked or evicted)
+    qwen-b        idle_timeout_s 600 (starts asleep: the device's weights_arena_mib holds two
+                                      models awake; then sleeps only when asked or evicted)
     llama-pinned  pinned             (never idles to sleep, never evicted)
 
 Arena pressure comes from the test itself: a `WeightRegion` of the test process (a real owner in
@@ -100,6 +101,18 @@ class Hog:
     def close(self) -> None:
         self.region.close()
         self.arena.close()
+
+
+def test_a_model_the_arena_does_not_hold_awake_starts_asleep_and_its_first_request_wakes_it(
+        fleet: LaunchedFleet) -> None:
+    out = fleet.output.read_text()
+    assert "runtime qwen-b-r0 asleep:" in out, out[-3000:]
+    state = _states(fleet)["qwen-b"]
+    assert state["state"] == "asleep" and state["weight_slabs"] >= 1, state
+    assert _states(fleet)["llama-a"]["state"] == "awake"
+    assert _weight_slabs_held(fleet, "qwen-b-r0") == 0
+    assert _text(fleet, "qwen-b")
+    assert _states(fleet)["qwen-b"]["state"] == "awake"
 
 
 def test_an_idle_model_sleeps_and_a_request_wakes_it_with_the_same_output(
@@ -205,6 +218,7 @@ def test_dry_run_says_which_models_sleep(fleet: LaunchedFleet) -> None:
                           env=dict(os.environ, FINESLAB_MODEL_CACHE=str(fleet.model_cache)))
     assert done.returncode == 0, done.stderr
     assert "idle 30 s" in done.stdout and "pinned" in done.stdout, done.stdout
+    assert "idle 30 s, starts asleep" in done.stdout, done.stdout
 
 
 def test_shutdown_leaves_no_process_no_shared_memory_and_no_host_copy(

@@ -269,3 +269,20 @@ def test_an_elastic_model_on_a_gpu_is_refused_until_the_cuda_weight_path_exists(
         make_plan(fleet_from_dict(data, "test.yaml"))
     data["models"][0].pop("idle_timeout_s")
     assert make_plan(fleet_from_dict(data, "test.yaml")).runtimes, "the same model, not elastic"
+
+
+def test_an_over_committed_device_starts_the_models_it_does_not_hold_asleep() -> None:
+    data = yaml.safe_load((REPO / "examples" / "cpu-elastic.yaml").read_text())
+    plan = make_plan(fleet_from_dict(data, "test.yaml"))
+    asleep = {r.model.name for r in plan.runtimes if r.starts_asleep}
+    assert asleep == {"qwen-b"}, "pinned first, then config order while the room lasts"
+    assert "starts asleep" in plan.describe()
+    data["devices"][0].pop("weights_arena_mib")
+    assert not any(r.starts_asleep for r in make_plan(fleet_from_dict(data, "t.yaml")).runtimes)
+    data["devices"][0]["weights_arena_mib"] = 4  # less than the pinned model's weights
+    with pytest.raises(ConfigError, match="pinned model llama-pinned needs"):
+        make_plan(fleet_from_dict(data, "t.yaml"))
+    data["devices"][0].update(weights_arena_mib=0, kv_arena_mib=4)
+    data["models"] = [m for m in data["models"] if not m.get("pinned")]
+    with pytest.raises(ConfigError, match="models that start asleep load first"):
+        make_plan(fleet_from_dict(data, "t.yaml"))
