@@ -313,12 +313,14 @@ class Elastic:
         """Sleep least recently used idle models of the device until the weights fit."""
         need = model.weight_slabs or 0
         device = model.spec.device
+        tried: set[str] = set()  # a victim whose sleep failed is not asked again in this wake
         while True:
             free = self.arenas.free_slabs(device)
             if free is None or free >= need:
                 return
             victims = sorted((m for m in self.models.values()
                               if m is not model and m.spec.device == device
+                              and m.spec.name not in tried
                               and m.state is ModelState.AWAKE and not m.spec.pinned
                               and not m.lock.locked() and self.busy(m) == 0),
                              key=lambda m: m.last_used_s)
@@ -329,6 +331,7 @@ class Elastic:
                     "idle model there can be put to sleep (the others are busy or pinned); "
                     "retry later")
             victim = victims[0]
+            tried.add(victim.spec.name)
             async with victim.lock:
                 if victim.state is ModelState.AWAKE and self.busy(victim) == 0 and \
                         await self._sleep(victim, f"evicted to wake {model.spec.name}"):

@@ -178,3 +178,31 @@ def test_a_client_that_leaves_mid_wake_does_not_leave_the_model_half_awake(
     assert manager.models["a"].state.value == "awake"
     assert [p for _, p in calls].count("/resume_memory_occupation") == 1, "one wake, shared"
     assert manager.models["a"].entering == 0
+
+
+def test_a_victim_whose_sleep_fails_is_not_asked_again_and_the_wake_gets_its_503(
+        monkeypatch: pytest.MonkeyPatch, calls: list[tuple[str, str]]) -> None:
+    # Found in review: a victim whose runtime is down stays awake and idle, so the eviction
+    # loop picked it again and again without ever yielding the event loop.
+    arena = Arena(free=0, weights={"a-r0": 4, "b-r0": 2})
+    manager, _ = _setup(monkeypatch, calls, arena, [_spec("a"), _spec("b")], [100.0])
+    real_call = elastic._call
+
+    async def failing_for_b(replica: FakeReplica, path: str, body: dict[str, object]) -> None:
+        if replica.runtime_id == "b-r0" and path == "/release_memory_occupation":
+            calls.append((replica.runtime_id, path))
+            raise elastic.RuntimeControlFailed("b-r0 refused")
+        await real_call(replica, path, body)
+
+    monkeypatch.setattr(elastic, "_call", failing_for_b)
+
+    async def run() -> None:
+        await manager.sleep("a")
+        arena.free = 0
+        with pytest.raises(CannotWake, match="no idle model there"):
+            await asyncio.wait_for(manager.wake("a"), timeout=5)
+
+    asyncio.run(run())
+    releases = [rid for rid, path in calls if path == "/release_memory_occupation"]
+    assert releases == ["a-r0", "b-r0"], "b was asked once"
+    assert manager.models["b"].state.value == "awake"
