@@ -31,13 +31,17 @@ class CtlError(Exception):
 
 def request(url: str, method: str, path: str, api_key: str | None) -> Any:
     """One admin call; the decoded JSON answer, or CtlError with the router's message."""
-    req = urllib.request.Request(url.rstrip("/") + path, method=method,
-                                 data=b"" if method == "POST" else None)
+    try:
+        req = urllib.request.Request(url.rstrip("/") + path, method=method,
+                                     data=b"" if method == "POST" else None)
+    except ValueError:
+        raise CtlError(f"--url {url!r} is not an http:// URL") from None
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
     try:
         with urllib.request.urlopen(req, timeout=TIMEOUT_S) as reply:
-            return json.loads(reply.read())
+            body = reply.read()
+        return json.loads(body)
     except urllib.error.HTTPError as exc:
         try:
             message = json.loads(exc.read())["error"]["message"]
@@ -49,6 +53,8 @@ def request(url: str, method: str, path: str, api_key: str | None) -> Any:
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise CtlError(f"cannot reach the router at {url}: {reason}") from None
+    except ValueError:
+        raise CtlError(f"{url}{path} did not answer JSON: is it a fineslab router?") from None
 
 
 def _table(models: list[dict[str, Any]]) -> str:
@@ -93,6 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                      if args.command == "wake" and done.get("last_wake_s") else ""))
     except CtlError as exc:
         print(f"fineslab ctl: {exc}", file=sys.stderr)
+        return 1
+    except (KeyError, TypeError):
+        print(f"fineslab ctl: {args.url} did not answer as a fineslab router does",
+              file=sys.stderr)
         return 1
     return 0
 

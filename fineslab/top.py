@@ -94,6 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CtlError as exc:
         print(f"fineslab top: {exc}", file=sys.stderr)
         return 1
+    except (KeyError, TypeError):
+        print(f"fineslab top: {args.url} did not answer as a fineslab router does",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 0
 

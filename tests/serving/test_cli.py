@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_usage_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for name in ("launch", "slabs", "models", "profile"):
+    for name in ("launch", "slabs", "models", "profile", "ctl", "top"):
         assert name in out
 
 
@@ -37,3 +37,35 @@ def test_console_script_runs_launch_dry_run() -> None:
                              "--dry-run"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert "placement by mme" in result.stdout
+
+
+@pytest.mark.parametrize("tool", ["ctl", "top"])
+def test_ctl_and_top_refuse_a_bad_url_or_a_server_that_is_not_a_router(
+        tool: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import http.server
+    import threading
+
+    class NotARouter(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"status": "ok"}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotARouter)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    args = ["list"] if tool == "ctl" else ["--once"]
+    try:
+        for url, said in (("notaurl", "not an http:// URL"),
+                          ("http://127.0.0.1:9", "cannot reach the router"),
+                          (f"http://127.0.0.1:{server.server_port}", "as a fineslab router")):
+            assert main([tool, "--url", url, *args]) == 1, url
+            err = capsys.readouterr().err
+            assert said in err and "Traceback" not in err, err
+    finally:
+        server.shutdown()
