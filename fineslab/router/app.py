@@ -200,8 +200,11 @@ class Router:
         """Per runtime: its requests in flight plus those its model's queue holds (read from
         any thread; a moment's staleness is fine for the cache reclaimer)."""
         out: dict[str, int] = {}
+        waking = self.elastic.models if self.elastic is not None else {}
         for name, replicas in list(self.replicas.items()):
             queued = len(self.queues[name]) if name in self.queues else 0
+            if name in waking:
+                queued += waking[name].entering  # waiting for its wake: room is wanted
             for r in replicas:
                 out[r.runtime_id] = r.inflight + queued
         return out

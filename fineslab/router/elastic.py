@@ -49,6 +49,11 @@ logger = logging.getLogger(__name__)
 IDLE_CHECK_S = 1.0
 #: Longest a runtime may take to answer one sleep or wake call.
 CONTROL_TIMEOUT_S = 120.0
+#: How long a wake with nothing left to evict waits for free slabs before its 503: the cache
+#: reclaimer (fineslab.launch.reclaim) flushes idle runtimes' prefix caches within about 1-2 s
+#: once it sees the waiting request (Router.demand counts it).
+ROOM_WAIT_S = 3.0
+ROOM_POLL_S = 0.25
 ControlCall = tuple[str, dict[str, object]]
 SLEEP_CALLS: tuple[ControlCall, ...] = (
     ("/pause_generation", {"mode": "retract"}),
@@ -314,6 +319,7 @@ class Elastic:
         need = model.weight_slabs or 0
         device = model.spec.device
         tried: set[str] = set()  # a victim whose sleep failed is not asked again in this wake
+        give_up_s = time.monotonic() + ROOM_WAIT_S
         while True:
             free = self.arenas.free_slabs(device)
             if free is None or free >= need:
@@ -324,6 +330,9 @@ class Elastic:
                               and m.state is ModelState.AWAKE and not m.spec.pinned
                               and not m.lock.locked() and self.busy(m) == 0),
                              key=lambda m: m.last_used_s)
+            if not victims and time.monotonic() < give_up_s:
+                await asyncio.sleep(ROOM_POLL_S)  # idle prefix caches may be flushed meanwhile
+                continue
             if not victims:
                 raise CannotWake(
                     f"model {model.spec.name} is asleep and cannot wake now: its weights need "

@@ -75,6 +75,8 @@ def _setup(monkeypatch: pytest.MonkeyPatch, calls: list[tuple[str, str]], arena:
             arena.held[replica.runtime_id] = need
 
     monkeypatch.setattr(elastic, "_call", fake_call)
+    monkeypatch.setattr(elastic, "ROOM_WAIT_S", 0.3)
+    monkeypatch.setattr(elastic, "ROOM_POLL_S", 0.05)
     router = FakeRouter({s.name: [FakeReplica(s.runtime_id)] for s in specs})
     manager = Elastic(specs, arena.view(), retry_after_s=7, clock=lambda: clock[0])
     manager.router = router  # type: ignore[assignment]
@@ -206,3 +208,28 @@ def test_a_victim_whose_sleep_fails_is_not_asked_again_and_the_wake_gets_its_503
     releases = [rid for rid, path in calls if path == "/release_memory_occupation"]
     assert releases == ["a-r0", "b-r0"], "b was asked once"
     assert manager.models["b"].state.value == "awake"
+
+
+def test_a_wake_with_nothing_to_evict_waits_a_moment_for_room_freed_elsewhere(
+        monkeypatch: pytest.MonkeyPatch, calls: list[tuple[str, str]]) -> None:
+    # Idle prefix caches of models that never sleep can hold the arena; the cache reclaimer
+    # flushes them once it sees the waiting request, within a second or two. The wake waits
+    # ROOM_WAIT_S for that before its 503.
+    arena = Arena(free=0, weights={"a-r0": 4})
+    manager, _ = _setup(monkeypatch, calls, arena, [_spec("a")], [100.0])
+    monkeypatch.setattr(elastic, "ROOM_WAIT_S", 5.0)
+
+    async def run() -> None:
+        await manager.sleep("a")
+        arena.free = 0
+
+        async def reclaimer() -> None:
+            await asyncio.sleep(0.3)
+            arena.free = 6
+
+        freeing = asyncio.ensure_future(reclaimer())
+        await asyncio.wait_for(manager.wake("a"), timeout=5)
+        await freeing
+
+    asyncio.run(run())
+    assert manager.models["a"].state.value == "awake"
