@@ -17,7 +17,7 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fineslab.bench.report import format_table
@@ -80,31 +80,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_client(prog: str, url: str, api_key_env: str | None,
+               work: Callable[[str | None], int]) -> int:
+    """A command-line client of the admin API (`ctl`, `top`): the API key from `api_key_env`
+    (2 when that variable is unset), then `work(api_key)`; the router's refusals and answers
+    that are not a router's are one line on stderr and exit status 1."""
+    api_key = os.environ.get(api_key_env) if api_key_env else None
+    if api_key_env and not api_key:
+        print(f"{prog}: {api_key_env} is not set", file=sys.stderr)
+        return 2
+    try:
+        return work(api_key)
+    except CtlError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+    except (KeyError, TypeError):
+        print(f"{prog}: {url} did not answer as a fineslab router does", file=sys.stderr)
+    return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    api_key = None
-    if args.api_key_env:
-        api_key = os.environ.get(args.api_key_env)
-        if not api_key:
-            print(f"fineslab ctl: {args.api_key_env} is not set", file=sys.stderr)
-            return 2
-    try:
+
+    def work(api_key: str | None) -> int:
         if args.command == "list":
             print(_table(request(args.url, "GET", "/admin/models", api_key)["models"]))
-        else:
-            path = f"/admin/models/{urllib.parse.quote(args.model, safe='')}/{args.command}"
-            done = request(args.url, "POST", path, api_key)
-            print(f"{done['model']}: {done['state']}"
-                  + (f" (woke in {done['last_wake_s']:.3f} s)"
-                     if args.command == "wake" and done.get("last_wake_s") else ""))
-    except CtlError as exc:
-        print(f"fineslab ctl: {exc}", file=sys.stderr)
-        return 1
-    except (KeyError, TypeError):
-        print(f"fineslab ctl: {args.url} did not answer as a fineslab router does",
-              file=sys.stderr)
-        return 1
-    return 0
+            return 0
+        path = f"/admin/models/{urllib.parse.quote(args.model, safe='')}/{args.command}"
+        done = request(args.url, "POST", path, api_key)
+        print(f"{done['model']}: {done['state']}"
+              + (f" (woke in {done['last_wake_s']:.3f} s)"
+                 if args.command == "wake" and done.get("last_wake_s") else ""))
+        return 0
+
+    return run_client("fineslab ctl", args.url, args.api_key_env, work)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,13 @@ and `/admin/arenas`; `--once` prints one frame and exits (for scripts). Ctrl-C q
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from fineslab.bench.report import format_table
-from fineslab.ctl import CtlError, request
+from fineslab.ctl import request, run_client
 from fineslab.slabs.inspector import human_bytes
 
 CLEAR = "\x1b[H\x1b[2J"
@@ -78,29 +77,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.interval <= 0:
         print("fineslab top: --interval must be positive", file=sys.stderr)
         return 2
-    api_key = os.environ.get(args.api_key_env) if args.api_key_env else None
-    if args.api_key_env and not api_key:
-        print(f"fineslab top: {args.api_key_env} is not set", file=sys.stderr)
-        return 2
-    try:
-        while True:
-            text = frame(args.url, api_key)
-            if args.once:
-                print(text)
-                return 0
-            sys.stdout.write(CLEAR + text + "\n")
-            sys.stdout.flush()
-            time.sleep(args.interval)
-    except CtlError as exc:
-        print(f"fineslab top: {exc}", file=sys.stderr)
-        return 1
-    except (KeyError, TypeError):
-        print(f"fineslab top: {args.url} did not answer as a fineslab router does",
-              file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 0
 
+    def work(api_key: str | None) -> int:
+        try:
+            while True:
+                text = frame(args.url, api_key)
+                if args.once:
+                    print(text)
+                    return 0
+                sys.stdout.write(CLEAR + text + "\n")
+                sys.stdout.flush()
+                time.sleep(args.interval)
+        except KeyboardInterrupt:
+            return 0
+
+    return run_client("fineslab top", args.url, args.api_key_env, work)
 
 if __name__ == "__main__":
     sys.exit(main())

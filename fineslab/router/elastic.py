@@ -193,10 +193,9 @@ class Elastic:
 
     def busy(self, model: ElasticModel) -> int:
         """Requests arriving, queued or in flight for the model."""
-        assert self.router is not None
         name = model.spec.name
-        replicas = self.router.replicas.get(name, [])
-        queued = len(self.router.queues[name]) if name in self.router.queues else 0
+        replicas = self._live.replicas.get(name, [])
+        queued = len(self._live.queues[name]) if name in self._live.queues else 0
         return model.entering + queued + sum(r.inflight for r in replicas)
 
     # -- operator commands (ctl) ----------------------------------------------------------------
@@ -277,7 +276,7 @@ class Elastic:
         model.state = ModelState.ASLEEP
         model.sleeps += 1
         model.last_sleep_s = time.perf_counter() - start_s
-        self._observe("sleep", model)
+        self._live.metrics.observe_sleep(model.spec.name, model.last_sleep_s)
         logger.info("model %s asleep (%s): %s weight slab(s) back to the arena of %s in %.3f s",
                     model.spec.name, why, model.weight_slabs, model.spec.device,
                     model.last_sleep_s)
@@ -311,7 +310,7 @@ class Elastic:
         model.wakes += 1
         model.last_wake_s = time.perf_counter() - start_s
         model.last_used_s = self.clock()
-        self._observe("wake", model)
+        self._live.metrics.observe_wake(model.spec.name, model.last_wake_s)
         logger.info("model %s awake in %.3f s", model.spec.name, model.last_wake_s)
 
     async def _make_room(self, model: ElasticModel) -> None:
@@ -345,16 +344,15 @@ class Elastic:
                 if victim.state is ModelState.AWAKE and self.busy(victim) == 0 and \
                         await self._sleep(victim, f"evicted to wake {model.spec.name}"):
                     victim.evictions += 1
-                    self._observe("eviction", victim)
+                    self._live.metrics.evicted(victim.spec.name)
+
+    @property
+    def _live(self) -> Router:
+        assert self.router is not None, "Elastic.start was not called"
+        return self.router
 
     def _replica(self, model: ElasticModel) -> Replica:
-        assert self.router is not None
-        return self.router.replicas[model.spec.name][0]
-
-    def _observe(self, event: str, model: ElasticModel) -> None:
-        if self.router is not None:
-            self.router.metrics.elastic_event(model.spec.name, event, {
-                "sleep": model.last_sleep_s, "wake": model.last_wake_s}.get(event))
+        return self._live.replicas[model.spec.name][0]
 
     async def _idle_loop(self) -> None:
         while True:

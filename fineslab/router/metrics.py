@@ -168,12 +168,15 @@ class RouterMetrics:
             self._slo_met.labels(model).inc()
         self.slo_counts[model] = (met + int(within), measured + 1)
 
-    def elastic_event(self, model: str, event: str, seconds: float | None) -> None:
-        """A sleep or wake (with its seconds) or an eviction of an elastic model."""
-        if event == "eviction":
-            self._evictions.labels(model).inc()
-        elif seconds is not None:
-            (self._sleep if event == "sleep" else self._wake).labels(model).observe(seconds)
+    def observe_sleep(self, model: str, seconds: float) -> None:
+        self._sleep.labels(model).observe(seconds)
+
+    def observe_wake(self, model: str, seconds: float) -> None:
+        self._wake.labels(model).observe(seconds)
+
+    def evicted(self, model: str) -> None:
+        """An elastic model was put to sleep to make room for another one's wake."""
+        self._evictions.labels(model).inc()
 
     def observe_tpot(self, model: str, tpot_s: float) -> None:
         self._tpot.labels(model).observe(tpot_s)

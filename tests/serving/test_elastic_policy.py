@@ -28,8 +28,14 @@ class FakeReplica:
 class FakeMetrics:
     events: list[tuple[str, str]] = field(default_factory=list)
 
-    def elastic_event(self, model: str, event: str, seconds: float | None) -> None:
-        self.events.append((model, event))
+    def observe_sleep(self, model: str, seconds: float) -> None:
+        self.events.append((model, "sleep"))
+
+    def observe_wake(self, model: str, seconds: float) -> None:
+        self.events.append((model, "wake"))
+
+    def evicted(self, model: str) -> None:
+        self.events.append((model, "eviction"))
 
 
 @dataclass
