@@ -137,6 +137,7 @@ class RuntimeSlabs(SlabClient):
         self._mine = np.zeros(table.dims.num_slabs, dtype=bool)
         self._partial: list[int] = []
         self._num_free = 0
+        self._num_slabs = 0  # == count(_mine): the KV limit check reads it per call
 
     # -- allocation -----------------------------------------------------------------------------
 
@@ -193,6 +194,7 @@ class RuntimeSlabs(SlabClient):
 
     def _adopt(self, slabs: np.ndarray) -> None:
         self._mine[slabs] = True
+        self._num_slabs += slabs.size
         for slab in slabs.tolist():
             bisect.insort(self._partial, slab)
         self._num_free += slabs.size * self.blocks_per_slab
@@ -279,6 +281,7 @@ class RuntimeSlabs(SlabClient):
         for slab in slabs:
             self._partial.remove(slab)
             self._mine[slab] = False
+        self._num_slabs -= len(slabs)
         self._num_free -= len(slabs) * self.blocks_per_slab
 
     # -- accounting -----------------------------------------------------------------------------
@@ -287,8 +290,13 @@ class RuntimeSlabs(SlabClient):
         return self._num_free
 
     def available_blocks(self) -> int:
-        """Own free blocks plus what the free slabs would give this runtime now (lock-free)."""
+        """Own free blocks plus what the free slabs would give this runtime now (lock-free),
+        within its KV limit when one is set."""
         free_slabs = int(np.count_nonzero(self.table.state == SlabState.FREE))
+        limit = self.table.kv_limit(self.slot)
+        if limit is not None:
+            room = max(0, limit // self.table.dims.slab_bytes - self._num_slabs)
+            free_slabs = min(free_slabs, room)
         return self._num_free + free_slabs * self.blocks_per_slab
 
     def num_used_blocks(self) -> int:
@@ -304,7 +312,7 @@ class RuntimeSlabs(SlabClient):
         """The table's invariants, exact for this runtime's slabs, plus this runtime's own."""
         check_integrity(self.table, exact_owners=[self.slot])
         owned = np.flatnonzero(self.table.owner == self.slot)
-        if not np.array_equal(owned, np.flatnonzero(self._mine)):
+        if not np.array_equal(owned, np.flatnonzero(self._mine)) or owned.size != self._num_slabs:
             raise IntegrityError(f"{self.runtime_id}: local slab set differs from the table's")
         used = self.table.used[owned].astype(np.int64)
         if self._num_free != int((self.blocks_per_slab - used).sum()):
@@ -316,5 +324,5 @@ class RuntimeSlabs(SlabClient):
     # -- lifetime -------------------------------------------------------------------------------
     def _forget(self) -> None:
         """After close: every slab it held went back to the free space (its blocks died)."""
-        self._partial, self._num_free = [], 0
+        self._partial, self._num_free, self._num_slabs = [], 0, 0
         self._mine[:] = False

@@ -43,9 +43,11 @@ def render(path: Path, snap: TableSnapshot) -> str:
     lines += [format_table(["key (block B)", "state", "slabs", "bytes"], rows), ""]
     owner_rows = [[o.runtime_id, o.pid, "yes" if o.alive else "DEAD", o.key,
                    "key pool" if o.pooled else "own", o.num_slabs, o.used_blocks,
-                   o.free_blocks, human_bytes(o.used_bytes)] for o in snap.owners]
+                   o.free_blocks, human_bytes(o.used_bytes),
+                   "-" if o.kv_limit_bytes is None else human_bytes(o.kv_limit_bytes)]
+                  for o in snap.owners]
     lines.append(format_table(["runtime", "pid", "alive", "block B", "slabs of", "slabs",
-                               "used blocks", "free blocks", "used"], owner_rows)
+                               "used blocks", "free blocks", "used", "KV limit"], owner_rows)
                  if owner_rows else "no runtimes attached")
     return "\n".join(lines)
 
@@ -58,7 +60,8 @@ def as_dict(snap: TableSnapshot) -> dict[str, object]:
                                for (k, s), c in sorted(snap.slabs_by_key_state.items())],
         "owners": [{"runtime_id": o.runtime_id, "pid": o.pid, "alive": o.alive, "key": o.key,
                     "pooled": o.pooled, "slabs": o.num_slabs, "used_blocks": o.used_blocks,
-                    "free_blocks": o.free_blocks, "used_bytes": o.used_bytes}
+                    "free_blocks": o.free_blocks, "used_bytes": o.used_bytes,
+                    "kv_limit_bytes": o.kv_limit_bytes}
                    for o in snap.owners],
     }
 

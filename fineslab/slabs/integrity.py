@@ -29,6 +29,7 @@ class OwnerUsage:
     used_blocks: int
     free_blocks: int  # free blocks it can take without carving: its slabs', or its key pool's
     pooled: bool = False
+    kv_limit_bytes: int | None = None  # `fineslab ctl limit`; None: uncapped
 
     @property
     def used_bytes(self) -> int:
@@ -173,5 +174,6 @@ def snapshot(table: SlabTable) -> TableSnapshot:
             num_slabs, used_blocks = int(mine.sum()), int(used[mine].sum())
             free_blocks = int((bps[mine] - used[mine]).sum())
         owners.append(OwnerUsage(name, identity.pid, identity.is_alive(), slot_key, num_slabs,
-                                 used_blocks, free_blocks, bool(table.rt_pooled[slot])))
+                                 used_blocks, free_blocks, bool(table.rt_pooled[slot]),
+                                 table.kv_limit(slot)))
     return TableSnapshot(table.dims.slab_bytes, table.dims.num_slabs, counts, tuple(owners))

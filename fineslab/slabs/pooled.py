@@ -61,6 +61,7 @@ class PooledSlabs(SlabClient):
         super().__init__(table, runtime_id, fmt, owns_table)
         self.key = fmt.block_stride_bytes
         self.mark = self.slot + 1  # this runtime's value in block_owner
+        self._num_held = 0  # blocks it holds: the KV limit check reads it per call
 
     # -- allocation -----------------------------------------------------------------------------
     def alloc_array(self, num_blocks: int, near_block: int | None = None) -> np.ndarray:
@@ -71,6 +72,11 @@ class PooledSlabs(SlabClient):
             return np.empty(0, dtype=np.int64)
         bps = self.blocks_per_slab
         with self.table.lock():
+            room = self._limit_room()
+            if room is not None and num_blocks > room:
+                raise ArenaExhausted(
+                    f"{self.runtime_id}: {num_blocks} block(s) wanted beyond its KV limit of "
+                    f"{self.table.kv_limit(self.slot)} B ({self._num_held} held)")
             partial = self._pool_partial()
             pool_free = int(bps * partial.size - self.table.used[partial].sum())
             whole = 0 if near_block is not None else num_blocks // bps
@@ -81,7 +87,14 @@ class PooledSlabs(SlabClient):
             near = near_block // bps if near_block is not None else None
             if near is not None and _contains(partial, near):
                 first.append(near)
-            return self._take(first, partial, num_blocks)
+            taken = self._take(first, partial, num_blocks)
+            self._num_held += num_blocks
+            return taken
+
+    def _limit_room(self) -> int | None:
+        """Blocks it may still take under its KV limit (None: no limit)."""
+        limit = self.table.kv_limit(self.slot)
+        return None if limit is None else max(0, limit // self.key - self._num_held)
 
     def _pool_partial(self) -> np.ndarray:
         """The pool's slabs with a free block, ascending."""
@@ -159,6 +172,7 @@ class PooledSlabs(SlabClient):
                     t.release_locked(slab)
                 else:
                     t.state[slab] = _PARTIAL
+            self._num_held -= ids.size
 
     def _validate_free(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         self._check_range(ids)
@@ -187,7 +201,9 @@ class PooledSlabs(SlabClient):
     def available_blocks(self) -> int:
         """Free blocks of the pool plus what the free slabs would give this runtime now."""
         free_slabs = int(np.count_nonzero(self.table.state == _FREE))
-        return self.num_free_blocks() + free_slabs * self.blocks_per_slab
+        available = self.num_free_blocks() + free_slabs * self.blocks_per_slab
+        room = self._limit_room()
+        return available if room is None else min(available, room)
 
     def _held(self) -> np.ndarray:
         """This runtime's blocks, row by POOLED slab (only those rows hold block owners)."""
@@ -205,3 +221,6 @@ class PooledSlabs(SlabClient):
     def check_integrity(self) -> None:
         """The table's invariants (exact for POOLED slabs: they change only under the lock)."""
         check_integrity(self.table, exact_owners=[self.slot])
+        if self._num_held != self.num_used_blocks():
+            raise IntegrityError(f"{self.runtime_id}: holds {self.num_used_blocks()} block(s), "
+                                 f"counted {self._num_held}")

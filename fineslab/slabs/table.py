@@ -21,7 +21,14 @@ Glossary
     block_owner one byte per block slot of a slab: slot + 1 of the runtime holding the block in a
                 POOLED slab, 0 otherwise (free, beyond bps, or a private slab's block).
     registry    max_runtimes slots: runtime id, (pid, start ticks), key, pooled, status
-                FREE/ACTIVE.
+                FREE/ACTIVE, and its KV limit (below).
+    KV limit    an operator's cap on the KV bytes one runtime id may hold (`fineslab ctl limit`).
+                Kept by runtime id in the limit list (so a restarted runtime keeps it) and
+                copied into the registry slot at register and at every change. Private
+                runtimes: slabs held * slab_bytes <= limit, checked at carve; key-pool runtimes:
+                blocks held * key <= limit, checked by pooled.py. Weight slabs (owner
+                `<runtime>:w`) are not KV and have no limit. Lowering a limit below what a
+                runtime holds takes nothing back: it only refuses new slabs until use drops.
 
 Invariants (check_integrity verifies each; T3 and T4 only for owners that are quiescent)
     T1  state[s] == FREE  <=>  owner[s] == NO_OWNER
@@ -71,7 +78,7 @@ from fineslab.slabs.shm import ProcessIdentity, create_file, map_fd, open_file
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x3142_5441_4C53_4946  # "FISLATB1" little-endian
-VERSION = 2  # 2: key pools (block_owner, rt_pooled)
+VERSION = 3  # 2: key pools (block_owner, rt_pooled); 3: KV limits
 NO_OWNER = -1
 POOLED = -2
 RUNTIME_ID_BYTES = 64
@@ -138,6 +145,11 @@ class TableDims:
             ("rt_key", np.dtype(np.int64), (r,)),
             ("rt_pooled", np.dtype(np.uint8), (r,)),
             ("rt_name", np.dtype(np.uint8), (r, RUNTIME_ID_BYTES)),
+            ("rt_limited", np.dtype(np.uint8), (r,)),
+            ("rt_limit", np.dtype(np.int64), (r,)),
+            ("lim_set", np.dtype(np.uint8), (r,)),
+            ("lim_bytes", np.dtype(np.int64), (r,)),
+            ("lim_name", np.dtype(np.uint8), (r, RUNTIME_ID_BYTES)),
         ]
 
     def offsets(self) -> tuple[dict[str, int], int]:
@@ -166,6 +178,9 @@ class SlabTable:
         self.rt_status, self.rt_pid = views["rt_status"], views["rt_pid"]
         self.rt_start, self.rt_key, self.rt_name = (
             views["rt_start"], views["rt_key"], views["rt_name"])
+        self.rt_limited, self.rt_limit = views["rt_limited"], views["rt_limit"]
+        self.lim_set, self.lim_bytes, self.lim_name = (
+            views["lim_set"], views["lim_bytes"], views["lim_name"])
         self.me = ProcessIdentity.current()
         self._repaired_ids: list[str] = []  # runtimes dropped by a repair, for reclaim's report
 
@@ -206,7 +221,7 @@ class SlabTable:
     def close(self) -> None:
         for name in ("header", "handle", "state", "key", "owner", "used", "free_map",
                      "block_owner", "rt_status", "rt_pid", "rt_start", "rt_key", "rt_pooled",
-                     "rt_name"):
+                     "rt_name", "rt_limited", "rt_limit", "lim_set", "lim_bytes", "lim_name"):
             setattr(self, name, None)
         try:
             self._mm.close()
@@ -263,9 +278,7 @@ class SlabTable:
 
         A dead runtime of the same id is reclaimed first; a live one is refused (ConfigError).
         """
-        name = runtime_id.encode()
-        if not name or len(name) > RUNTIME_ID_BYTES:
-            raise ConfigError(f"runtime id {runtime_id!r} must be 1-{RUNTIME_ID_BYTES} bytes")
+        name = _id_bytes(runtime_id)
         if key <= 0 or self.dims.slab_bytes % key or self.dims.slab_bytes // key > \
                 self.dims.max_blocks_per_slab:
             raise ConfigError(
@@ -283,6 +296,7 @@ class SlabTable:
             self.rt_name[slot, : len(name)] = np.frombuffer(name, np.uint8)
             self.rt_pid[slot], self.rt_start[slot] = self.me.pid, self.me.start_ticks
             self.rt_key[slot], self.rt_pooled[slot] = key, int(pooled)
+            self._apply_limit_locked(slot, self._limit_row(name))
             self.rt_status[slot] = 1
         return slot
 
@@ -295,6 +309,49 @@ class SlabTable:
         """Registry slot -> runtime id of every active runtime (lock-free read)."""
         return {int(slot): self.rt_name[slot].tobytes().rstrip(b"\0").decode()
                 for slot in np.flatnonzero(self.rt_status == 1)}
+
+    # -- KV limits (by runtime id; see the glossary) ---------------------------------------------
+    def set_kv_limit(self, runtime_id: str, limit_bytes: int | None) -> None:
+        """Cap the KV bytes `runtime_id` may hold (None: no cap), now and after its restarts."""
+        name = _id_bytes(runtime_id)
+        if limit_bytes is not None and limit_bytes < 0:
+            raise ConfigError(f"KV limit of {runtime_id!r} must be >= 0 bytes")
+        with self.lock():
+            row = self._limit_row(name)
+            if limit_bytes is None:
+                if row is not None:
+                    self.lim_set[row], self.lim_bytes[row], self.lim_name[row] = 0, 0, 0
+                    row = None
+            else:
+                if row is None:
+                    free = np.flatnonzero(self.lim_set == 0)
+                    if free.size == 0:
+                        raise ConfigError(f"all {self.dims.max_runtimes} KV limit rows are taken")
+                    row = int(free[0])
+                    self.lim_name[row] = 0
+                    self.lim_name[row, : len(name)] = np.frombuffer(name, np.uint8)
+                self.lim_bytes[row], self.lim_set[row] = limit_bytes, 1
+            for slot, active_id in self.active_runtimes().items():
+                if active_id == runtime_id:
+                    self._apply_limit_locked(slot, row)
+
+    def kv_limit(self, slot: int) -> int | None:
+        """The KV limit of registry `slot` in bytes, None when uncapped (lock-free read)."""
+        return int(self.rt_limit[slot]) if self.rt_limited[slot] else None
+
+    def kv_limits(self) -> dict[str, int]:
+        """Runtime id -> KV limit in bytes, for every limit set (lock-free read)."""
+        return {self.lim_name[row].tobytes().rstrip(b"\0").decode(): int(self.lim_bytes[row])
+                for row in np.flatnonzero(self.lim_set == 1)}
+
+    def _limit_row(self, name: bytes) -> int | None:
+        padded = np.frombuffer(name.ljust(RUNTIME_ID_BYTES, b"\0"), np.uint8)
+        rows = np.flatnonzero((self.lim_set == 1) & (self.lim_name == padded).all(axis=1))
+        return int(rows[0]) if rows.size else None
+
+    def _apply_limit_locked(self, slot: int, row: int | None) -> None:
+        self.rt_limit[slot] = self.lim_bytes[row] if row is not None else 0
+        self.rt_limited[slot] = int(row is not None)
 
     def identity_of(self, slot: int) -> ProcessIdentity:
         return ProcessIdentity(int(self.rt_pid[slot]), int(self.rt_start[slot]))
@@ -316,6 +373,13 @@ class SlabTable:
         if free.size < num_slabs:
             raise ArenaExhausted(
                 f"{num_slabs} slab(s) wanted, {free.size} free of {self.dims.num_slabs}")
+        limit = self.kv_limit(slot)
+        if limit is not None and owner != POOLED:
+            held = int(np.count_nonzero(self.owner == slot))
+            if (held + num_slabs) * self.dims.slab_bytes > limit:
+                raise ArenaExhausted(
+                    f"{num_slabs} slab(s) wanted beyond the KV limit of {limit} B "
+                    f"({held} slab(s) of {self.dims.slab_bytes} B held)")
         chosen = free[:num_slabs]
         key = int(self.rt_key[slot])
         self.key[chosen], self.used[chosen] = key, 0
@@ -355,7 +419,8 @@ class SlabTable:
         for slab in np.flatnonzero(self.owner == slot):
             self._free_slab_locked(int(slab))
         self._drop_pooled_blocks_locked(self.block_owner == slot + 1)
-        self.rt_status[slot] = self.rt_pooled[slot] = 0
+        self.rt_status[slot] = self.rt_pooled[slot] = self.rt_limited[slot] = 0
+        self.rt_limit[slot] = 0
         self.rt_pid[slot] = self.rt_start[slot] = self.rt_key[slot] = 0
         self.rt_name[slot] = 0
 
@@ -420,6 +485,13 @@ class SlabTable:
                 self._free_slab_locked(slab)
             else:
                 self.state[slab] = SlabState.FULL if self.used[slab] == bps else SlabState.PARTIAL
+
+
+def _id_bytes(runtime_id: str) -> bytes:
+    name = runtime_id.encode()
+    if not name or len(name) > RUNTIME_ID_BYTES:
+        raise ConfigError(f"runtime id {runtime_id!r} must be 1-{RUNTIME_ID_BYTES} bytes")
+    return name
 
 
 def read_header(fd: int, wait_s: float = _READY_TIMEOUT_S) -> np.ndarray:

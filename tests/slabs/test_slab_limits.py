@@ -1,0 +1,127 @@
+"""KV limits (`fineslab ctl limit`): a cap on the KV bytes one runtime id may hold in the arena.
+
+Arena of these tests: NUM_SLABS = 6 slabs of 4 KiB; FMT_A has 8 blocks of 512 B a slab.
+A limit of 2 slabs (8 KiB) lets a private runtime hold 16 blocks, a pooled one 16 blocks
+wherever they sit in its key's slabs. Every test checks the table's invariants after mutating.
+"""
+
+from __future__ import annotations
+
+import pytest
+from slab_constants import FMT_A, NUM_SLABS, SLAB_BYTES
+
+from fineslab.errors import ArenaExhausted, ConfigError
+from fineslab.slabs.arena import SlabArena
+from fineslab.slabs.integrity import snapshot
+from fineslab.slabs.pooled import PooledSlabs
+
+TWO_SLABS = 2 * SLAB_BYTES
+
+
+def test_a_private_runtime_stops_at_its_limit_and_gets_the_rest_back_after(
+        arena: SlabArena) -> None:
+    rt = arena.client("r0", FMT_A)
+    arena.table.set_kv_limit("r0", TWO_SLABS)
+    assert rt.available_blocks() == 16, "SGLang sees the limit, not the free arena"
+    ids = rt.alloc(16)
+    rt.check_integrity()
+    with pytest.raises(ArenaExhausted, match="KV limit"):
+        rt.alloc(1)
+    rt.check_integrity()
+    assert rt.available_blocks() == 0 and len(ids) == 16
+    arena.table.set_kv_limit("r0", None)
+    assert rt.available_blocks() == (NUM_SLABS - 2) * 8
+    assert len(rt.alloc(8)) == 8, "without the limit the free slabs serve again"
+    rt.check_integrity()
+
+
+def test_the_limit_binds_only_its_runtime(arena: SlabArena) -> None:
+    capped, free = arena.client("capped", FMT_A), arena.client("free", FMT_A)
+    arena.table.set_kv_limit("capped", SLAB_BYTES)
+    capped.alloc(8)
+    with pytest.raises(ArenaExhausted):
+        capped.alloc(1)
+    assert len(free.alloc(8 * (NUM_SLABS - 1))) == 8 * (NUM_SLABS - 1), \
+        "a neighbour takes every other slab"
+    for rt in (capped, free):
+        rt.check_integrity()
+
+
+def test_a_limit_survives_the_runtimes_restart(arena: SlabArena) -> None:
+    first = arena.client("r0", FMT_A)
+    arena.table.set_kv_limit("r0", SLAB_BYTES)
+    first.close()
+    again = arena.client("r0", FMT_A)
+    assert arena.table.kv_limit(again.slot) == SLAB_BYTES, "kept by runtime id, not by slot"
+    again.alloc(8)
+    with pytest.raises(ArenaExhausted):
+        again.alloc(1)
+    again.check_integrity()
+
+
+def test_a_limit_set_before_the_runtime_registers_applies_at_once(arena: SlabArena) -> None:
+    arena.table.set_kv_limit("later", SLAB_BYTES)
+    rt = arena.client("later", FMT_A)
+    assert rt.available_blocks() == 8
+    assert arena.table.kv_limits() == {"later": SLAB_BYTES}
+
+
+def test_lowering_a_limit_below_use_takes_nothing_back(arena: SlabArena) -> None:
+    rt = arena.client("r0", FMT_A)
+    ids = rt.alloc(24)
+    arena.table.set_kv_limit("r0", SLAB_BYTES)
+    rt.check_integrity()
+    assert snapshot(arena.table).owners[0].used_blocks == 24, "held pages stay held"
+    assert rt.available_blocks() == 0
+    rt.free(ids[8:])
+    assert rt.available_blocks() == 0, "one slab held == the limit"
+    rt.free(ids[:8])
+    assert rt.available_blocks() == 8
+    rt.check_integrity()
+
+
+def test_a_pooled_runtime_is_limited_by_the_blocks_it_holds(arena: SlabArena) -> None:
+    a = arena.client("a", FMT_A, pooled=True)
+    b = arena.client("b", FMT_A, pooled=True)
+    assert isinstance(a, PooledSlabs) and isinstance(b, PooledSlabs)
+    arena.table.set_kv_limit("a", TWO_SLABS)
+    b.alloc(4)  # a slab of the pool half used by b: a's blocks share it
+    taken = a.alloc(16)
+    a.check_integrity()
+    assert a.available_blocks() == 0
+    with pytest.raises(ArenaExhausted, match="KV limit"):
+        a.alloc(1)
+    a.free(taken[:3])
+    a.check_integrity()
+    assert a.available_blocks() == 3 and len(a.alloc(3)) == 3
+    assert len(b.alloc(8)) == 8, "b has no limit"
+    b.check_integrity()
+
+
+def test_the_snapshot_and_the_inspector_show_the_limit(arena: SlabArena) -> None:
+    from fineslab.slabs.inspector import as_dict, render
+    arena.client("r0", FMT_A)
+    arena.client("r1", FMT_A)
+    arena.table.set_kv_limit("r0", TWO_SLABS)
+    owners = {o.runtime_id: o for o in snapshot(arena.table).owners}
+    assert owners["r0"].kv_limit_bytes == TWO_SLABS and owners["r1"].kv_limit_bytes is None
+    listed = as_dict(snapshot(arena.table))["owners"]
+    assert isinstance(listed, list) and listed[0]["kv_limit_bytes"] == TWO_SLABS
+    assert "KV limit" in render(arena.table.path, snapshot(arena.table))
+
+
+@pytest.mark.parametrize("bad", [-1])
+def test_a_negative_limit_is_refused(arena: SlabArena, bad: int) -> None:
+    with pytest.raises(ConfigError):
+        arena.table.set_kv_limit("r0", bad)
+    assert arena.table.kv_limits() == {}
+
+
+def test_the_limit_list_is_bounded_and_clearing_frees_a_row(arena: SlabArena) -> None:
+    for i in range(arena.table.dims.max_runtimes):
+        arena.table.set_kv_limit(f"r{i}", SLAB_BYTES)
+    with pytest.raises(ConfigError, match="limit rows"):
+        arena.table.set_kv_limit("one-more", SLAB_BYTES)
+    arena.table.set_kv_limit("r0", None)
+    arena.table.set_kv_limit("one-more", SLAB_BYTES)
+    assert len(arena.table.kv_limits()) == arena.table.dims.max_runtimes
