@@ -1,8 +1,11 @@
-"""`fineslab ctl`: list, sleep and wake the models of a running fleet (its router's admin API).
+"""`fineslab ctl`: list, sleep, wake and limit the models of a running fleet (the router's
+admin API, fineslab/router/admin.py).
 
-    fineslab ctl list                   every model: state, idle time, weight slabs, wakes
+    fineslab ctl list                   every model: state, idle time, weight slabs, KV limit
     fineslab ctl sleep MODEL            put an elastic model to sleep now
     fineslab ctl wake MODEL             wake it now
+    fineslab ctl limit MODEL SIZE       cap the KV each runtime of MODEL may hold in the arena:
+                                        512M, 1.5G, 2GiB, 1048576 (bytes); `none` lifts the cap
     options: --url http://127.0.0.1:8000 (the router), --api-key-env VAR (when the fleet has a key)
 
 Exit status 0 on success, 1 when the router refused (the reason is printed), 2 on usage errors.
@@ -21,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fineslab.bench.report import format_table
+from fineslab.slabs.inspector import human_bytes
 
 TIMEOUT_S = 300.0
 
@@ -29,13 +33,42 @@ class CtlError(Exception):
     pass
 
 
-def request(url: str, method: str, path: str, api_key: str | None) -> Any:
-    """One admin call; the decoded JSON answer, or CtlError with the router's message."""
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int | None:
+    """`512M`, `1.5g`, `2GiB`, `64KB`, `1048576` -> bytes (binary units); `none` -> None."""
+    spoken = text.strip().lower()
+    if spoken in ("none", "off", "unlimited"):
+        return None
+    number = spoken.removesuffix("ib").removesuffix("b")
+    unit = number[-1:] if number[-1:] in _UNITS else ""
     try:
-        req = urllib.request.Request(url.rstrip("/") + path, method=method,
-                                     data=b"" if method == "POST" else None)
+        value = float(number[: len(number) - len(unit)])
+    except ValueError:
+        raise CtlError(f"size {text!r} is not a size: try 512M, 1.5G, 2GiB or none") from None
+    if not value >= 0 or value == float("inf"):
+        raise CtlError(f"size {text!r} must be a finite size >= 0")
+    return int(value * _UNITS[unit])
+
+
+def _size_argument(text: str) -> int | None:
+    try:
+        return parse_size(text)
+    except CtlError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def request(url: str, method: str, path: str, api_key: str | None,
+            body: dict[str, Any] | None = None) -> Any:
+    """One admin call; the decoded JSON answer, or CtlError with the router's message."""
+    data = json.dumps(body).encode() if body is not None else b"" if method == "POST" else None
+    try:
+        req = urllib.request.Request(url.rstrip("/") + path, method=method, data=data)
     except ValueError:
         raise CtlError(f"--url {url!r} is not an http:// URL") from None
+    if body is not None:
+        req.add_header("Content-Type", "application/json")
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
     try:
@@ -57,15 +90,26 @@ def request(url: str, method: str, path: str, api_key: str | None) -> Any:
         raise CtlError(f"{url}{path} did not answer JSON: is it a fineslab router?") from None
 
 
+def limit_text(limits: dict[str, int | None] | None) -> str:
+    """A model's KV limit for a table cell: one figure when its runtimes share it."""
+    values = set((limits or {}).values())
+    if not values or values == {None}:
+        return "-"
+    return ", ".join("-" if v is None else human_bytes(v) for v in sorted(
+        values, key=lambda v: -1 if v is None else v))
+
+
 def _table(models: list[dict[str, Any]]) -> str:
     rows = [[m["model"], m["state"], "yes" if m.get("elastic") else "no",
              "pinned" if m.get("pinned") else (m.get("idle_timeout_s") or "-"),
              m.get("idle_for_s", "-"), m.get("weight_slabs") or "-",
+             limit_text(m.get("kv_limits")),
              m.get("sleeps", "-"), m.get("wakes", "-"), m.get("evictions", "-"),
              "-" if m.get("last_wake_s") is None else f"{m['last_wake_s']:.3f}"]
             for m in models]
     return format_table(["model", "state", "elastic", "idle timeout s", "idle for s",
-                         "weight slabs", "sleeps", "wakes", "evictions", "last wake s"], rows)
+                         "weight slabs", "KV limit", "sleeps", "wakes", "evictions",
+                         "last wake s"], rows)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("sleep", "wake"):
         one = sub.add_parser(name, help=f"{name} an elastic model now")
         one.add_argument("model")
+    limit = sub.add_parser("limit", help="cap the KV a model's runtimes may hold in the arena")
+    limit.add_argument("model")
+    limit.add_argument("size", type=_size_argument, help="512M, 1.5G, 2GiB, bytes, or none")
     return parser
 
 
@@ -106,6 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(_table(request(args.url, "GET", "/admin/models", api_key)["models"]))
             return 0
         path = f"/admin/models/{urllib.parse.quote(args.model, safe='')}/{args.command}"
+        if args.command == "limit":
+            done = request(args.url, "POST", path, api_key, {"kv_bytes": args.size})
+            print(f"{done['model']}: KV limit {limit_text(done['kv_limits'])} per runtime")
+            return 0
         done = request(args.url, "POST", path, api_key)
         print(f"{done['model']}: {done['state']}"
               + (f" (woke in {done['last_wake_s']:.3f} s)"

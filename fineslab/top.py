@@ -5,9 +5,10 @@
 Per device: the arena's size and free space; per model on it: its state (awake, asleep,
 sleeping, waking; `serving` for a model that never sleeps), its weight slabs, the KV it uses
 and the slabs its KV holds alone (a key pool's slabs are shared, so they are shown per key in
-`fineslab slabs`). Owners of the table that no model of the router accounts for (a runtime of
-another tool, a dead one) are listed by name. It reads the router's `/health`, `/admin/models`
-and `/admin/arenas`; `--once` prints one frame and exits (for scripts). Ctrl-C quits.
+`fineslab slabs`), and its KV limit (`fineslab ctl limit`). Owners of the table that no model
+of the router accounts for (a runtime of another tool, a dead one) are listed by name. It reads
+the router's `/health`, `/admin/models` and `/admin/arenas`; `--once` prints one frame and
+exits (for scripts). Ctrl-C quits.
 """
 
 from __future__ import annotations
@@ -47,16 +48,20 @@ def frame(url: str, api_key: str | None) -> str:
             model = runtimes.get(base)
             row = rows.setdefault(base, [model or "-", base, states.get(model, "serving")
                                          if model else ("alive" if owner["alive"] else "DEAD"),
-                                         0, 0, 0])
+                                         0, 0, 0, "-"])
             if weights:
                 row[3] += owner["slabs"] * slab
             else:
                 row[4] += owner["used_bytes"]
                 row[5] += 0 if owner["pooled"] else owner["slabs"]
-        table = [[m, rid, state, human_bytes(w), human_bytes(kv), own]
-                 for m, rid, state, w, kv, own in sorted(rows.values(), key=lambda r: r[1])]
+                limit = owner.get("kv_limit_bytes")
+                row[6] = "-" if limit is None else human_bytes(limit)
+        table = [[m, rid, state, human_bytes(w), human_bytes(kv), own, limit]
+                 for m, rid, state, w, kv, own, limit in sorted(rows.values(),
+                                                                key=lambda r: r[1])]
         lines += [format_table(["model", "runtime", "state", "weights", "KV used",
-                                "KV slabs (own)"], table) if table else "(no runtime attached)",
+                                "KV slabs (own)", "KV limit"], table)
+                  if table else "(no runtime attached)",
                   ""]
     if not arenas:
         lines.append("this fleet has no slab arena (kv_pool: sglang)")
@@ -92,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
 
     return run_client("fineslab top", args.url, args.api_key_env, work)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -40,11 +40,13 @@ from fineslab.launch.runtimes import server_spec
 from fineslab.launch.supervisor import SupervisedRuntime, Supervisor
 from fineslab.quant.fleet import PrecisionRuntime, prepare_served_model, verify_runtime
 from fineslab.router import ModelRoute, ReplicaRoute, Router, RouterServer, RouterSettings
+from fineslab.router.admin import KVLimits
 from fineslab.router.elastic import CONTROL_TIMEOUT_S, SLEEP_CALLS, ArenaView, Elastic, ElasticSpec
 from fineslab.router.server import bind_router_socket
 from fineslab.runtime import ServerSpec
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
 from fineslab.slabs import ArenaSpec, SlabArena, TableSnapshot, snapshot
+from fineslab.slabs.table import SlabTable
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +130,8 @@ class Fleet:
             self._note_runtime(r.plan.runtime_id)
         # Routes only now: a runtime whose port was taken at start-up runs on a fresh one.
         router = self.router = Router(self._routes(runtimes), self._settings(),
-                                      slabs=self.slab_snapshots, elastic=self._elastic(asleep))
+                                      slabs=self.slab_snapshots, elastic=self._elastic(asleep),
+                                      kv_limits=self._kv_limits())
         for r in runtimes:
             router.mark_up(r.plan.runtime_id, self.supervisor.pid_of(r.plan.runtime_id))
         self.server = RouterServer(router, config.router.host, self.port,
@@ -208,6 +211,33 @@ class Fleet:
                     f"log: {self.log_dir / (runtime_id + '.log')}") from exc
         self.progress(f"runtime {runtime_id} asleep: {held} weight slab(s) back to the arena")
         return held
+
+    def _kv_limits(self) -> KVLimits | None:
+        """The slab tables' KV limits for the router's admin API (None without an arena)."""
+        if not self.arenas:
+            return None
+
+        def table_of(runtime_id: str) -> SlabTable | None:
+            runtime = next((r for r in self.plan.runtimes if r.runtime_id == runtime_id), None)
+            arena = self.arenas.get(runtime.device.name) if runtime is not None else None
+            return arena.table if arena is not None else None
+
+        def set_limit(runtime_id: str, limit_bytes: int | None) -> None:
+            table = table_of(runtime_id)
+            if table is not None:
+                table.set_kv_limit(runtime_id, limit_bytes)
+                logger.info("KV limit of %s: %s", runtime_id,
+                            "none" if limit_bytes is None else f"{limit_bytes} B")
+
+        def get_limit(runtime_id: str) -> int | None:
+            table = table_of(runtime_id)
+            return table.kv_limits().get(runtime_id) if table is not None else None
+
+        def slab_bytes(runtime_id: str) -> int | None:
+            table = table_of(runtime_id)
+            return table.dims.slab_bytes if table is not None else None
+
+        return KVLimits(set_limit, get_limit, slab_bytes)
 
     def _free_slabs(self, device: str) -> int | None:
         arena = self.arenas.get(device)
@@ -290,16 +320,14 @@ class Fleet:
 
     def kv_free_tokens(self, runtime_id: str) -> int | None:
         """Tokens the runtime can still get: the free blocks it can take (its slabs', or its key
-        pool's) plus the free slabs' worth."""
+        pool's) plus the free slabs' worth, within its KV limit."""
         runtime = next(r for r in self.plan.runtimes if r.runtime_id == runtime_id)
         snap = self.slab_snapshots().get(runtime.device.name)
         owner = next((o for o in snap.owners if o.runtime_id == runtime_id), None) \
             if snap else None
         if snap is None or owner is None or owner.key <= 0 or runtime.page_size is None:
             return None
-        blocks_per_slab = snap.slab_bytes // owner.key
-        free_blocks = snap.free_slabs * blocks_per_slab + owner.free_blocks
-        return free_blocks * runtime.page_size
+        return owner.available_blocks(snap.free_slabs, snap.slab_bytes) * runtime.page_size
 
     def _runtime_down(self, runtime_id: str, reason: str, back_in_s: float) -> None:
         if self.router is not None:

@@ -5,11 +5,8 @@
 
     GET  /health/{model}   one model: 200 while it has a live runtime, else 503
 
-    GET  /admin/models               elastic models: state, idle time, weight slabs, counts
-    GET  /admin/arenas               each device's slab table (what `fineslab top` shows)
-    POST /admin/models/{model}/sleep put an elastic model to sleep now (409 while it is busy)
-    POST /admin/models/{model}/wake  wake it now (503 + Retry-After when nothing makes room)
-    (behind the API key when one is set; `fineslab ctl` calls them; elastic.py)
+    GET  /admin/models, /admin/arenas, POST /admin/models/{model}/sleep|wake|limit
+         the admin API behind `fineslab ctl` and `fineslab top` (admin.py)
 
 Status codes: 400 malformed body, out-of-range field or over-long prompt (validation.py),
 401 missing/wrong API key, 404 unknown model or path, 405 wrong method, 413 body over
@@ -30,7 +27,6 @@ FastAPI. The supervisor calls `router.mark_down(runtime_id, reason, back_in_s)` 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -44,9 +40,10 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from fineslab.router.admin import KVLimits, authorized, install_admin
 from fineslab.router.attribution import CrashAttribution, fingerprint
 from fineslab.router.config import ModelRoute, RouterSettings
-from fineslab.router.elastic import CannotWake, Elastic, NotElastic
+from fineslab.router.elastic import CannotWake, Elastic
 from fineslab.router.metrics import LiveCollector, RouterMetrics
 from fineslab.router.proxy import error_body, forward
 from fineslab.router.queues import ModelQueue, NoLiveRuntime, RequestDropped
@@ -60,7 +57,6 @@ from fineslab.router.requests import (
 )
 from fineslab.scheduler.local import get_batch_policy
 from fineslab.slabs import TableSnapshot
-from fineslab.slabs.inspector import as_dict
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +77,11 @@ class Router:
     """Routes, replicas and queues of one node; all mutation happens on the app's loop."""
 
     def __init__(self, routes: Sequence[ModelRoute], settings: RouterSettings,
-                 slabs: SlabSource | None = None, elastic: Elastic | None = None) -> None:
+                 slabs: SlabSource | None = None, elastic: Elastic | None = None,
+                 kv_limits: KVLimits | None = None) -> None:
         self.routes = {r.name: r for r in routes}
         self.elastic = elastic
+        self.kv_limits = kv_limits
         self.slabs: SlabSource = slabs or dict
         self.settings = settings
         self.metrics = RouterMetrics()
@@ -318,14 +316,6 @@ async def _read_body(request: Request, limit_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def _authorized(request: Request, api_key: str | None) -> bool:
-    if api_key is None:
-        return True
-    header = request.headers.get("authorization", "")
-    token = header[7:] if header.lower().startswith("bearer ") else ""
-    return hmac.compare_digest(token.encode(), api_key.encode())
-
-
 def create_app(router: Router) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -339,7 +329,7 @@ def create_app(router: Router) -> FastAPI:
     limit = router.settings.max_body_bytes
 
     async def serve(request: Request, path: str, chat: bool) -> Response:
-        if not _authorized(request, router.settings.api_key):
+        if not authorized(request, router.settings.api_key):
             return JSONResponse(unauthorized, 401)
         try:
             raw = await _read_body(request, limit)
@@ -360,7 +350,7 @@ def create_app(router: Router) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        if not _authorized(request, router.settings.api_key):
+        if not authorized(request, router.settings.api_key):
             return JSONResponse(unauthorized, 401)
         data = [{"id": name, "object": "model", "owned_by": "fineslab",
                  "max_model_len": route.context_tokens} for name, route in router.routes.items()]
@@ -376,44 +366,7 @@ def create_app(router: Router) -> FastAPI:
         status, body = router.model_health(model)
         return JSONResponse(body, status)
 
-    @app.get("/admin/models")
-    async def admin_models(request: Request) -> Response:
-        if not _authorized(request, router.settings.api_key):
-            return JSONResponse(unauthorized, 401)
-        elastic = router.elastic.describe() if router.elastic is not None else []
-        listed = {m["model"] for m in elastic}
-        fixed = [{"model": name, "state": "serving", "elastic": False}
-                 for name in router.routes if name not in listed]
-        return JSONResponse({"models": [{**m, "elastic": True} for m in elastic] + fixed})
-
-    @app.get("/admin/arenas")
-    async def admin_arenas(request: Request) -> Response:
-        if not _authorized(request, router.settings.api_key):
-            return JSONResponse(unauthorized, 401)
-        return JSONResponse({"arenas": {device: as_dict(snap)
-                                        for device, snap in router.slabs().items()}})
-
-    @app.post("/admin/models/{model}/{action}")
-    async def admin_action(model: str, action: str, request: Request) -> Response:
-        if not _authorized(request, router.settings.api_key):
-            return JSONResponse(unauthorized, 401)
-        if action not in ("sleep", "wake"):
-            return JSONResponse(error_body(f"no such action {action!r:.40}: sleep or wake",
-                                           "invalid_request_error", "not_found"), 404)
-        if model not in router.routes:
-            return JSONResponse(error_body(f"model {model!r:.80} is not served here",
-                                           "invalid_request_error", "model_not_found"), 404)
-        if router.elastic is None:
-            return JSONResponse(error_body(f"model {model} is not elastic: it never sleeps",
-                                           "invalid_request_error", "not_elastic"), 409)
-        try:
-            done = await (router.elastic.sleep(model) if action == "sleep"
-                          else router.elastic.wake(model))
-        except NotElastic as exc:
-            return JSONResponse(error_body(str(exc), "invalid_request_error", "conflict"), 409)
-        except CannotWake as exc:
-            return router.cannot_wake(exc)
-        return JSONResponse(done.describe(router.elastic.clock()))
+    install_admin(app, router)
 
     @app.get("/metrics")
     async def metrics() -> Response:

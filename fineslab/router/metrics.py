@@ -95,6 +95,9 @@ def _slab_metrics(snapshots: dict[str, TableSnapshot]) -> Iterator[Metric]:
                                    labels=["device", "owner"])
     free = GaugeMetricFamily("fineslab_arena_free_bytes", "Bytes in free slabs",
                              labels=["device"])
+    limits = GaugeMetricFamily("fineslab_slab_owner_kv_limit_bytes",
+                               "A runtime's KV limit (fineslab ctl limit); absent: none",
+                               labels=["device", "owner"])
     for device, snap in snapshots.items():
         for (key, state), count in sorted(snap.slabs_by_key_state.items()):
             slabs.add_metric([device, str(key), state], count)
@@ -103,8 +106,10 @@ def _slab_metrics(snapshots: dict[str, TableSnapshot]) -> Iterator[Metric]:
             owner_slabs.add_metric([device, owner.runtime_id], 0 if owner.pooled
                                    else owner.num_slabs)
             owner_used.add_metric([device, owner.runtime_id], owner.used_bytes)
+            if owner.kv_limit_bytes is not None:
+                limits.add_metric([device, owner.runtime_id], owner.kv_limit_bytes)
         free.add_metric([device], snap.free_bytes)
-    yield from (slabs, owner_slabs, owner_used, free)
+    yield from (slabs, owner_slabs, owner_used, free, limits)
 
 
 class RouterMetrics:

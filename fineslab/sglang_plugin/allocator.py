@@ -81,6 +81,8 @@ class BlockSource(Protocol):
 
     def available_blocks(self) -> int: ...
 
+    def limit_blocks(self) -> int | None: ...
+
 
 def needs_zeroed_pages(device: str) -> bool:
     """Whether pages must be zeroed before SGLang gets them on `device` (see the module doc)."""
@@ -191,9 +193,13 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         return self._top_up(_ceil_div(num_tokens, self.page_size))
 
     def cap_allows(self, num_tokens: int) -> bool:
-        """Whether `num_tokens` more tokens stay within this runtime's own capacity: when a
-        reservation fails although they do, the neighbours hold the memory."""
-        return self._num_used() + _ceil_div(num_tokens, self.page_size) <= self._max_pages
+        """Whether `num_tokens` more tokens stay within this runtime's own capacity and its KV
+        limit (`fineslab ctl limit`): when a reservation fails although they do, the
+        neighbours hold the memory; when they do not, waiting frees nothing."""
+        pages = _ceil_div(num_tokens, self.page_size)
+        limit = self._source.limit_blocks()
+        within_limit = limit is None or self._num_held - len(self._reserved) + pages <= limit
+        return within_limit and self._num_used() + pages <= self._max_pages
 
     def _top_up(self, num_pages: int) -> bool:
         """Reserve up to `num_pages` pages, parking any padding-slab page drawn on the way.

@@ -299,6 +299,11 @@ class RuntimeSlabs(SlabClient):
             free_slabs = min(free_slabs, room)
         return self._num_free + free_slabs * self.blocks_per_slab
 
+    def limit_blocks(self) -> int | None:
+        """The most blocks its KV limit lets it hold (whole slabs), None without a limit."""
+        limit = self.table.kv_limit(self.slot)
+        return None if limit is None else limit // self.table.dims.slab_bytes * self.blocks_per_slab
+
     def num_used_blocks(self) -> int:
         return int(np.count_nonzero(self._mine)) * self.blocks_per_slab - self._num_free
 

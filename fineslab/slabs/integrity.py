@@ -35,6 +35,18 @@ class OwnerUsage:
     def used_bytes(self) -> int:
         return self.used_blocks * self.key
 
+    def available_blocks(self, free_slabs: int, slab_bytes: int) -> int:
+        """Blocks it could take now: its free blocks (its slabs', or its key pool's) and the
+        free slabs' worth, within its KV limit (what its allocator's `available_blocks` says)."""
+        blocks_per_slab = slab_bytes // self.key
+        if self.kv_limit_bytes is None:
+            return self.free_blocks + free_slabs * blocks_per_slab
+        if self.pooled:
+            room = max(0, self.kv_limit_bytes // self.key - self.used_blocks)
+            return min(self.free_blocks + free_slabs * blocks_per_slab, room)
+        room_slabs = max(0, self.kv_limit_bytes // slab_bytes - self.num_slabs)
+        return self.free_blocks + min(free_slabs, room_slabs) * blocks_per_slab
+
 
 @dataclass(frozen=True)
 class TableSnapshot:

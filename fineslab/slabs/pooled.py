@@ -91,10 +91,15 @@ class PooledSlabs(SlabClient):
             self._num_held += num_blocks
             return taken
 
+    def limit_blocks(self) -> int | None:
+        """The most blocks its KV limit lets it hold, None without a limit."""
+        limit = self.table.kv_limit(self.slot)
+        return None if limit is None else limit // self.key
+
     def _limit_room(self) -> int | None:
         """Blocks it may still take under its KV limit (None: no limit)."""
-        limit = self.table.kv_limit(self.slot)
-        return None if limit is None else max(0, limit // self.key - self._num_held)
+        limit = self.limit_blocks()
+        return None if limit is None else max(0, limit - self._num_held)
 
     def _pool_partial(self) -> np.ndarray:
         """The pool's slabs with a free block, ascending."""

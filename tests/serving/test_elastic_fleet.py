@@ -178,7 +178,34 @@ def test_a_pinned_model_stays_awake_when_idle_and_ctl_sleeps_and_wakes_it(
     unknown = _ctl(fleet, "sleep", "no-such-model")
     assert unknown.returncode == 1 and "404" in unknown.stderr, unknown
     bad = httpx.post(fleet.base_url + "/admin/models/qwen-b/explode", timeout=30)
-    assert bad.status_code == 404 and "sleep or wake" in bad.json()["error"]["message"]
+    assert bad.status_code == 404 and "sleep, wake or limit" in bad.json()["error"]["message"]
+
+
+def test_ctl_limit_caps_a_models_kv_in_the_slab_table_and_refuses_what_cannot_be_a_limit(
+        fleet: LaunchedFleet) -> None:
+    done = _ctl(fleet, "limit", "llama-pinned", "3M")
+    assert done.returncode == 0 and "KV limit 3.00 MiB" in done.stdout, done
+    with SlabArena.attach(fleet.fleet_id, "cpu:0") as arena:
+        assert arena.table.kv_limits() == {"llama-pinned-r0": 3 << 20}, "kept by runtime id"
+    assert "3.00 MiB" in _ctl(fleet, "list").stdout
+    metrics = httpx.get(fleet.base_url + "/metrics", timeout=30).text
+    line = next(m for m in metrics.splitlines() if m.startswith(
+        "fineslab_slab_owner_kv_limit_bytes") and "llama-pinned-r0" in m)
+    assert float(line.split()[-1]) == 3 << 20, line
+    assert _text(fleet, "llama-pinned"), "a short request fits in the limit"
+    below = _ctl(fleet, "limit", "llama-pinned", "1K")
+    assert below.returncode == 1 and "400" in below.stderr and "below one slab" in below.stderr
+    unknown = _ctl(fleet, "limit", "no-such-model", "1G")
+    assert unknown.returncode == 1 and "404" in unknown.stderr, unknown
+    for body in (b"{", b'{"kv_bytes": -5}', b'{"kv_bytes": true}', b'{"kv": 1}', b"[]"):
+        reply = httpx.post(fleet.base_url + "/admin/models/llama-pinned/limit", content=body,
+                           timeout=30)
+        assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_limit", \
+            (body, reply.text)
+    cleared = _ctl(fleet, "limit", "llama-pinned", "none")
+    assert cleared.returncode == 0 and "KV limit - per runtime" in cleared.stdout, cleared
+    with SlabArena.attach(fleet.fleet_id, "cpu:0") as arena:
+        assert arena.table.kv_limits() == {}
 
 
 def test_top_shows_each_models_state_weights_and_kv(fleet: LaunchedFleet) -> None:

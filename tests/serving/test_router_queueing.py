@@ -174,16 +174,21 @@ def test_api_key_is_required_when_configured(backend_url: str) -> None:
         health = httpx.get(server.base_url + "/health", timeout=30)
         assert health.status_code == 200, "health stays open"
         for method, path in (("GET", "/admin/models"), ("GET", "/admin/arenas"),
-                             ("POST", "/admin/models/fast/sleep")):
+                             ("POST", "/admin/models/fast/sleep"),
+                             ("POST", "/admin/models/fast/limit")):
             refused = httpx.request(method, server.base_url + path, timeout=30)
             assert refused.status_code == 401, f"{method} {path} is behind the key"
         allowed = httpx.get(server.base_url + "/admin/models", timeout=30,
                             headers={"Authorization": "Bearer s3cret"})
         assert allowed.status_code == 200 and allowed.json()["models"] == [
-            {"model": "fast", "state": "serving", "elastic": False}]
+            {"model": "fast", "state": "serving", "elastic": False, "kv_limits": {}}]
         not_elastic = httpx.post(server.base_url + "/admin/models/fast/sleep", timeout=30,
                                  headers={"Authorization": "Bearer s3cret"})
         assert not_elastic.status_code == 409, not_elastic.text
+        no_arena = httpx.post(server.base_url + "/admin/models/fast/limit", timeout=30,
+                              json={"kv_bytes": 1 << 30},
+                              headers={"Authorization": "Bearer s3cret"})
+        assert no_arena.status_code == 409 and "not the arena" in no_arena.text, no_arena.text
     finally:
         server.stop()
 

@@ -294,3 +294,21 @@ def test_an_allocation_that_fits_draws_nothing_before_it(
     monkeypatch.setattr(source, "alloc", real_alloc)
     allocator.free(held)
     _check(allocator, source)
+
+
+def test_a_kv_limit_is_this_runtimes_own_cap_so_a_lone_request_over_it_is_not_held(
+        setup: tuple) -> None:
+    """`fineslab ctl limit`: SGLang sees the limit as a smaller pool, and the starvation hold
+    (which waits for neighbours to give memory back) must not wait for it: nothing frees it."""
+    allocator, source, neighbour, arena = setup
+    arena.arena.table.set_kv_limit("m", 3 * SLAB_BYTES)  # the parked padding slab + 2 of KV
+    assert allocator.available_size() <= 3 * BPS * PAGE
+    out = allocator.alloc(2 * BPS * PAGE)
+    assert out is not None, "within the limit an allocation succeeds"
+    assert allocator.alloc(PAGE) is None, "beyond the limit it fails cleanly"
+    assert not allocator.cap_allows(PAGE), "over the limit: the runtime's own cap, not starvation"
+    assert len(neighbour.alloc(BPS)) == BPS, "the neighbour still finds free slabs"
+    arena.arena.table.set_kv_limit("m", None)
+    assert allocator.cap_allows(PAGE), "with the limit lifted, only capacity counts"
+    allocator.free(out)
+    _check(allocator, source)
