@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from fineslab.errors import TransientError
+from fineslab.scheduler.elastic import ResidentView, lru_victims
 
 if TYPE_CHECKING:
     from fineslab.router.app import Router
@@ -323,12 +324,14 @@ class Elastic:
             free = self.arenas.free_slabs(device)
             if free is None or free >= need:
                 return
-            victims = sorted((m for m in self.models.values()
-                              if m is not model and m.spec.device == device
-                              and m.spec.name not in tried
-                              and m.state is ModelState.AWAKE and not m.spec.pinned
-                              and not m.lock.locked() and self.busy(m) == 0),
-                             key=lambda m: m.last_used_s)
+            # The policy's own order (scheduler/elastic.py, `lru-idle`), over this device.
+            residents = [ResidentView(m.spec.name, m.weight_slabs or 0, m.last_used_s,
+                                      busy=m.lock.locked() or self.busy(m) > 0,
+                                      pinned=m.spec.pinned)
+                         for m in self.models.values()
+                         if m is not model and m.spec.device == device
+                         and m.spec.name not in tried and m.state is ModelState.AWAKE]
+            victims = [self.models[r.name] for r in lru_victims(residents, self.clock())]
             if not victims and time.monotonic() < give_up_s:
                 await asyncio.sleep(ROOM_POLL_S)  # idle prefix caches may be flushed meanwhile
                 continue

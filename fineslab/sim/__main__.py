@@ -1,4 +1,4 @@
-"""CLI: `python -m fineslab.sim {fig10,fig11,fig12,fig13,fidelity,run} [--quick] [--json]`.
+"""CLI: `python -m fineslab.sim {fig10,fig11,fig12,fig13,elastic,fidelity} [--quick] [--json]`.
 
 Each experiment writes `<out>/<name>.md` and PNG plots (default out: results/<name>/), prints
 a table, and with --json prints its acceptance numbers as the last line.
@@ -84,11 +84,25 @@ def _fidelity(args: argparse.Namespace) -> int:
     return _finish(args, "fidelity: live versus simulated", text, acceptance)
 
 
+def _elastic(args: argparse.Namespace) -> int:
+    from fineslab.sim.experiments.elastic import ElasticExpConfig, run_elastic
+
+    out, traces, config = _common(args, "elastic")
+    cfg = ElasticExpConfig(out, traces, quick=args.quick,
+                           duration_s=args.duration or (90.0 if args.quick else 300.0),
+                           seeds=(args.seed,) if args.quick else (args.seed, args.seed + 1),
+                           num_models=8 if args.quick else 20,
+                           max_gpus=3 if args.quick else 6)
+    acceptance, text = run_elastic(cfg, config)
+    return _finish(args, "elastic: GPUs for 99% SLO attainment", text, acceptance)
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
     "fig10": ("end-to-end SLO attainment and tokens/s on 4 H100s", _fig10),
     "fig11": ("SLO attainment from 8 to 16 GPUs", _fig11),
     "fig12": ("placer ablation: MME versus KVPR, static KV, FCFS", _ablation),
     "fig13": ("local scheduler ablation: one model, static KV", _ablation),
+    "elastic": ("more models than fit: sleep/wake, fineslab vs Prism* vs no sleep", _elastic),
     "fidelity": ("live server versus simulator on one workload", _fidelity),
 }
 

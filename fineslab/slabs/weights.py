@@ -97,12 +97,7 @@ class WeightRegion:
         """Take the slabs and map them under the range; returns their ids (in range order)."""
         if self.slab_ids is not None:
             return self.slab_ids
-        table = self.table
-        with table.lock():
-            slabs = table.carve_locked(self.slot, self.num_slabs, self.slot)
-            table.free_map[slabs, 0] = 0
-            table.used[slabs] = 1
-            table.state[slabs] = SlabState.FULL
+        slabs = carve_weight_slabs(self.table, self.slot, self.num_slabs)
         try:
             for i, slab in enumerate(slabs.tolist()):
                 _mmap(self.base + i * self.slab_bytes, self.slab_bytes, _PROT_RW,
@@ -145,10 +140,26 @@ class WeightRegion:
               mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
 
     def _give_back(self, slabs: np.ndarray) -> None:
-        table = self.table
-        with table.lock():
-            for slab in slabs.tolist():
-                if table.owner[slab] != self.slot:
-                    raise IntegrityError(f"weight slab {slab} of {self.runtime_id} is owned by "
-                                         f"slot {table.owner[slab]}, not {self.slot}")
-                table.release_locked(slab)
+        release_weight_slabs(self.table, self.slot, slabs, self.runtime_id)
+
+
+def carve_weight_slabs(table: SlabTable, slot: int, num_slabs: int) -> np.ndarray:
+    """Take `num_slabs` free slabs for weight owner `slot` (registered with key = slab_bytes),
+    each one block, FULL at once; ArenaExhausted (nothing changed) when short. The simulator's
+    weights take slabs through this too (`fineslab.sim.elastic`)."""
+    with table.lock():
+        slabs = table.carve_locked(slot, num_slabs, slot)
+        table.free_map[slabs, 0] = 0
+        table.used[slabs] = 1
+        table.state[slabs] = SlabState.FULL
+    return slabs
+
+
+def release_weight_slabs(table: SlabTable, slot: int, slabs: np.ndarray, name: str) -> None:
+    """Give weight slabs of `slot` back to the free space (IntegrityError if one is not its)."""
+    with table.lock():
+        for slab in slabs.tolist():
+            if table.owner[slab] != slot:
+                raise IntegrityError(f"weight slab {slab} of {name} is owned by "
+                                     f"slot {table.owner[slab]}, not {slot}")
+            table.release_locked(slab)

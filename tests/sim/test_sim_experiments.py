@@ -63,3 +63,20 @@ def test_the_placer_is_told_the_simulated_interference() -> None:
     assert most_per_gpu("mme", 0.0) == 3, "factor 0: the paper's memory-only placement"
     for placer in ("mme", "static"):
         assert most_per_gpu(placer, 0.2) == 2, f"{placer} spreads once told the factor"
+
+
+def test_the_elastic_experiment_reports_every_system_workload_and_seed(tmp_path: Path) -> None:
+    from fineslab.sim.experiments.elastic import (
+        SYSTEM_NAMES,
+        WORKLOADS,
+        ElasticExpConfig,
+        run_elastic,
+    )
+
+    cfg = ElasticExpConfig(tmp_path, TRACES, quick=True, duration_s=20.0, seeds=(0,),
+                           num_models=4, max_gpus=1, rate_per_s=1.0)
+    acceptance, text = run_elastic(cfg, SimConfig())
+    assert set(acceptance) == {f"{s}_{w}_s0_gpus_for_99" for s in SYSTEM_NAMES
+                               for w in WORKLOADS}
+    assert "### bursty, seed 0" in text and "### steady, seed 0" in text
+    assert "| 1 |" in (tmp_path / "elastic.md").read_text()
