@@ -73,8 +73,8 @@ def request(url: str, method: str, path: str, api_key: str | None,
         req.add_header("Authorization", f"Bearer {api_key}")
     try:
         with urllib.request.urlopen(req, timeout=TIMEOUT_S) as reply:
-            body = reply.read()
-        return json.loads(body)
+            answer = reply.read()
+        return json.loads(answer)
     except urllib.error.HTTPError as exc:
         try:
             message = json.loads(exc.read())["error"]["message"]
