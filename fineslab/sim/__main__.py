@@ -91,7 +91,7 @@ def _elastic(args: argparse.Namespace) -> int:
     cfg = ElasticExpConfig(out, traces, quick=args.quick,
                            duration_s=args.duration or (90.0 if args.quick else 300.0),
                            seeds=(args.seed,) if args.quick else (args.seed, args.seed + 1),
-                           num_models=8 if args.quick else 20,
+                           num_models=8 if args.quick else 24,
                            max_gpus=3 if args.quick else 6)
     acceptance, text = run_elastic(cfg, config)
     return _finish(args, "elastic: GPUs for 99% SLO attainment", text, acceptance)

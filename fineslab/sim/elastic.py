@@ -142,6 +142,7 @@ class ElasticSimulator:
             raise
         self._heap: list[tuple[float, int, str, str, int]] = []
         self._seq = 0
+        self._free_seen: dict[int, int] = {}  # free slabs per GPU at the last retry check
         self.outcomes: list[RequestOutcome] = []
 
     def _arena(self, gpu: GpuSpec, residents: list[FleetModel]) -> GpuArena:
@@ -221,14 +222,19 @@ class ElasticSimulator:
         self.slots[engine.model].last_used_s = now_s
         self._try_start(engine, now_s)
         if freed:
-            self._memory_freed(engine.gpu_ids[0], now_s)
+            self._memory_freed(engine.gpu_ids[0], now_s, became_idle=not engine.busy)
 
-    def _memory_freed(self, gpu_id: int, now_s: float) -> None:
-        """Blocks or slabs came back on `gpu_id`: waiting engines there and blocked wakes."""
+    def _memory_freed(self, gpu_id: int, now_s: float, became_idle: bool = True) -> None:
+        """Blocks or slabs came back on `gpu_id`: waiting engines there, then blocked wakes
+        if a whole slab came back or a model became evictable (else nothing changed for
+        them; the idle check retries them every `check_s` anyway)."""
         for (_, g), other in self.engines.items():
             if g == gpu_id and other.waiting:
                 self._try_start(other, now_s)
-        self._retry_wakes(now_s)
+        free = int(np.count_nonzero(self.arenas[gpu_id].table.state == 0))
+        if became_idle or free > self._free_seen.get(gpu_id, -1):
+            self._retry_wakes(now_s)
+        self._free_seen[gpu_id] = free
 
     def _retry_wakes(self, now_s: float) -> None:
         for slot in self.slots.values():
