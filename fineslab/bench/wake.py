@@ -13,7 +13,8 @@ arena this benchmark creates. In one run, on this machine:
                    kv_cache), over HTTP, median of the cycles after the first (the first also
                    writes the host copy: sleep_first_s)
     wake_s         /resume_memory_occupation + /continue_generation, median over the cycles;
-                   wake_gib_s = weights_gib / wake_s (what a client waits)
+                   wake_gib_s = weights_gib / wake_s (what a client waits); the two calls
+                   apart: resume_call_s (it holds restore_s) and continue_call_s
     restore_s      inside the runtime: slabs taken and mapped, weights read in (from its log);
                    restore_gib_s = weights_gib / restore_s (the mechanism; wake_s adds SGLang's
                    control path: four HTTP calls through its tokenizer and scheduler loops)
@@ -118,13 +119,16 @@ def run(size: str, cycles: int, corrupt: bool, logs: Path, cold: bool = True
             before = _greedy(url)
             region_bytes = _weight_bytes(arena)
             sleeps, wakes, same = [], [], []
+            resumes: list[float] = []
+            continues: list[float] = []
             for cycle in range(cycles):
                 sleeps.append(_post(url, "/pause_generation", {"mode": "retract"})
                               + _post(url, "/release_memory_occupation", TAGS))
                 if corrupt and cycle == cycles - 1:
                     _corrupt(host_copy_path(spec.fleet_id, "m"))
-                wakes.append(_post(url, "/resume_memory_occupation", TAGS)
-                             + _post(url, "/continue_generation", {}))
+                resumes.append(_post(url, "/resume_memory_occupation", TAGS))
+                continues.append(_post(url, "/continue_generation", {}))
+                wakes.append(resumes[-1] + continues[-1])
                 same.append(_greedy(url) == before)
             restores = _restore_seconds(server.log_tail(100_000))
         finally:
@@ -136,7 +140,8 @@ def run(size: str, cycles: int, corrupt: bool, logs: Path, cold: bool = True
         weights_gib=gib, sleep_first_s=sleeps[0],
         sleep_s=statistics.median(sleeps[1:] or sleeps), wake_s=wake_s,
         wake_gib_s=gib / wake_s, memcpy_gib_s=memcpy_gib_s(region_bytes), identical=all(same),
-        identical_per_cycle=same, cycles=cycles)
+        identical_per_cycle=same, cycles=cycles,
+        resume_call_s=statistics.median(resumes), continue_call_s=statistics.median(continues))
     if len(restores) == cycles:
         result["restore_s"] = statistics.median(restores)
         result["restore_gib_s"] = gib / result["restore_s"]  # type: ignore[operator]

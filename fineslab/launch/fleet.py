@@ -17,6 +17,7 @@ to call from any phase of `start` (it stops what exists).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -122,7 +123,8 @@ class Fleet:
                     for r in self.plan.runtimes]
         self.supervisor = Supervisor(runtimes, on_down=self._runtime_down,
                                      on_up=self._runtime_up, reclaim=self._reclaim,
-                                     progress=self.progress, policy=config.supervision)
+                                     progress=self.progress, policy=config.supervision,
+                                     before_start=self._room_for_restart)
         self.supervisor.start_all([r.runtime_id for r in self.plan.runtimes
                                    if not r.starts_asleep])
         asleep = self._start_asleep([r for r in self.plan.runtimes if r.starts_asleep])
@@ -344,6 +346,26 @@ class Fleet:
         process = supervisor.runtimes[runtime_id].process if supervisor else None
         if record is not None and process is not None:
             record.note_runtime(runtime_id, process.proc.pid, process.shm_files)
+
+    def _room_for_restart(self, plan: RuntimePlan) -> None:
+        """Before a runtime whose weights live in the arena restarts (a supervisor thread):
+        have the router's elastic manager sleep idle models of its device until its weights
+        fit. Without room the start would fail, and fail again at every back-off."""
+        router, arena = self.router, self.arenas.get(plan.device.name)
+        if not plan.weights_in_arena or router is None or router.elastic is None \
+                or router.loop is None or arena is None:
+            return
+        need = weight_slabs(Path(plan.model_dir), arena.spec.slab_bytes)
+        if (self._free_slabs(plan.device.name) or 0) >= need:
+            return
+        self.progress(f"making room for {plan.runtime_id}'s weights ({need} slabs) before its "
+                      "restart")
+        future = asyncio.run_coroutine_threadsafe(
+            router.elastic.make_room_for_restart(plan.runtime_id, need), router.loop)
+        try:
+            future.result(timeout=CONTROL_TIMEOUT_S)
+        except Exception as exc:  # CannotWake, a timeout: the start is tried anyway
+            logger.warning("no room made for %s before its restart: %s", plan.runtime_id, exc)
 
     def _reclaim(self, device: str) -> list[str]:
         arena = self.arenas.get(device)

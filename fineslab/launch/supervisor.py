@@ -79,9 +79,13 @@ class Supervisor:
                  on_down: Callable[[str, str, float], None],
                  on_up: Callable[[str, int, str], None],
                  reclaim: Callable[[str], list[str]], progress: Callable[[str], None],
-                 policy: SupervisionPolicy | None = None, poll_s: float = 0.5) -> None:
+                 policy: SupervisionPolicy | None = None, poll_s: float = 0.5,
+                 before_start: Callable[[RuntimePlan], None] = lambda plan: None) -> None:
+        """`before_start(plan)` runs before each restart (the fleet makes room there for a
+        runtime whose weights live in the arena)."""
         self.runtimes = {r.plan.runtime_id: r for r in runtimes}
         self.on_down, self.on_up, self.reclaim = on_down, on_up, reclaim
+        self.before_start = before_start
         self.progress = progress
         self.policy = policy or SupervisionPolicy()
         self.poll_s = poll_s
@@ -241,6 +245,7 @@ class Supervisor:
                       + (f", in {wait_s:.0f} s" if wait_s else "") + f"): {reason}")
         if self._stopping.wait(wait_s):
             return
+        self.before_start(r.plan)
         start_s = time.monotonic()
         with self._lock:
             if self._stopping.is_set():

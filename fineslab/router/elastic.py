@@ -255,6 +255,16 @@ class Elastic:
                 model.state = ModelState.AWAKE
                 self.arenas.on_asleep(runtime_id, False)
 
+    async def make_room_for_restart(self, runtime_id: str, need_slabs: int) -> None:
+        """Before the supervisor restarts `runtime_id` (whose weights live in the arena): put
+        least recently used idle models of its device to sleep until `need_slabs` are free.
+        A restart loads the weights at start and, unlike a wake, cannot wait for room: without
+        it the start fails and the supervisor backs off again and again. CannotWake when
+        nothing can be evicted (the start is tried anyway)."""
+        model = next((m for m in self.models.values() if m.spec.runtime_id == runtime_id), None)
+        if model is not None:
+            await self._make_room(model, need_slabs)
+
     # -- transitions (each under the model's lock) ----------------------------------------------
 
     async def _sleep(self, model: ElasticModel, why: str) -> bool:
@@ -314,9 +324,10 @@ class Elastic:
         self._live.metrics.observe_wake(model.spec.name, model.last_wake_s)
         logger.info("model %s awake in %.3f s", model.spec.name, model.last_wake_s)
 
-    async def _make_room(self, model: ElasticModel) -> None:
-        """Sleep least recently used idle models of the device until the weights fit."""
-        need = model.weight_slabs or 0
+    async def _make_room(self, model: ElasticModel, need_slabs: int | None = None) -> None:
+        """Sleep least recently used idle models of the device until the weights fit
+        (`need_slabs`, or the slabs the model held when it slept)."""
+        need = need_slabs if need_slabs is not None else model.weight_slabs or 0
         device = model.spec.device
         tried: set[str] = set()  # a victim whose sleep failed is not asked again in this wake
         give_up_s = time.monotonic() + ROOM_WAIT_S

@@ -257,6 +257,34 @@ def test_a_runtime_killed_during_its_wake_leaks_no_slab_and_serves_again(
     assert dead == [], f"slabs still held by dead owners: {dead}"
 
 
+def test_a_runtime_that_dies_asleep_in_a_full_arena_makes_room_for_its_restart(
+        fleet: LaunchedFleet) -> None:
+    """A restart loads the weights at start and cannot wait for room like a wake: with the
+    arena full, the idle neighbour qwen-b is put to sleep first. Without that the start fails
+    ("do not fit the arena") at every back-off, for as long as the arena stays full."""
+    assert _text(fleet, "qwen-b"), "qwen-b awake (then idle: the one model to evict)"
+    if _states(fleet)["llama-a"]["state"] != "asleep":
+        assert _ctl(fleet, "sleep", "llama-a").returncode == 0
+    evictions = _states(fleet)["qwen-b"]["evictions"]
+    hog = Hog(fleet, leave=2)  # qwen-b's 6 weight slabs + these 2: llama-a's 7 and one of KV
+    try:
+        pid = fleet.runtime_pids()["llama-a-r0"]
+        os.killpg(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while True:
+            reply = _complete(fleet, "llama-a")
+            if reply.status_code == 200:
+                break
+            assert reply.status_code in (502, 503) and time.monotonic() < deadline, \
+                (reply.text, fleet.output.read_text()[-3000:])
+            time.sleep(2)
+    finally:
+        hog.close()
+    assert "making room for llama-a-r0" in fleet.output.read_text()
+    qwen = _states(fleet)["qwen-b"]
+    assert qwen["state"] == "asleep" and qwen["evictions"] == evictions + 1, qwen
+
+
 def test_dry_run_says_which_models_sleep(fleet: LaunchedFleet) -> None:
     done = subprocess.run([sys.executable, "-m", "fineslab.launch", "--config",
                            str(REPO / "examples" / "cpu-elastic.yaml"), "--dry-run"],
