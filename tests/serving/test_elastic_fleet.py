@@ -257,6 +257,34 @@ def test_a_runtime_killed_during_its_wake_leaks_no_slab_and_serves_again(
     assert dead == [], f"slabs still held by dead owners: {dead}"
 
 
+def test_a_runtime_killed_during_its_sleep_leaks_no_slab_and_serves_again(
+        fleet: LaunchedFleet) -> None:
+    """SIGSTOPped so that the sleep `ctl sleep` starts hangs in SGLang's pause call, then
+    SIGKILLed in the middle of that sleep: the sleep fails with the reason, the runtime is
+    restarted (awake), and its slabs are reclaimed."""
+    assert _text(fleet, "llama-a"), "awake"
+    pid = fleet.runtime_pids()["llama-a-r0"]
+    os.killpg(pid, signal.SIGSTOP)
+    with ThreadPoolExecutor(1) as pool:
+        sleeping = pool.submit(_ctl, fleet, "sleep", "llama-a")
+        deadline = time.monotonic() + 60
+        while _states(fleet)["llama-a"]["state"] != "sleeping":
+            assert time.monotonic() < deadline and not sleeping.done(), "the sleep did not start"
+            time.sleep(0.1)
+        os.killpg(pid, signal.SIGKILL)
+        failed = sleeping.result(timeout=300)
+    assert failed.returncode == 1, failed
+    deadline = time.monotonic() + 300
+    while (reply := _complete(fleet, "llama-a")).status_code != 200:
+        assert reply.status_code in (502, 503) and time.monotonic() < deadline, reply.text
+        time.sleep(2)
+    assert _states(fleet)["llama-a"]["state"] == "awake"
+    with SlabArena.attach(fleet.fleet_id, "cpu:0") as arena:
+        check_integrity(arena.table)
+        dead = [o.runtime_id for o in snapshot(arena.table).owners if not o.alive]
+    assert dead == [], f"slabs still held by dead owners: {dead}"
+
+
 def test_a_runtime_that_dies_asleep_in_a_full_arena_makes_room_for_its_restart(
         fleet: LaunchedFleet) -> None:
     """A restart loads the weights at start and cannot wait for room like a wake: with the
@@ -266,11 +294,19 @@ def test_a_runtime_that_dies_asleep_in_a_full_arena_makes_room_for_its_restart(
     if _states(fleet)["llama-a"]["state"] != "asleep":
         assert _ctl(fleet, "sleep", "llama-a").returncode == 0
     evictions = _states(fleet)["qwen-b"]["evictions"]
+    for model in ("qwen-b", "llama-pinned"):  # no cached KV for the reclaimer to flush
+        for replica in fleet.health().json()["models"][model]:
+            assert httpx.post(replica["url"] + "/flush_cache", timeout=30).status_code == 200
     hog = Hog(fleet, leave=2)  # qwen-b's 6 weight slabs + these 2: llama-a's 7 and one of KV
     try:
         pid = fleet.runtime_pids()["llama-a-r0"]
         os.killpg(pid, signal.SIGKILL)
         deadline = time.monotonic() + 300
+        # Requests only once the supervisor has seen the death: one before would try a wake,
+        # whose own eviction would make the room (a path the wake tests cover).
+        while fleet.health().json()["models"]["llama-a"][0]["state"] == "up":
+            assert time.monotonic() < deadline, "the supervisor did not see the death"
+            time.sleep(0.1)
         while True:
             reply = _complete(fleet, "llama-a")
             if reply.status_code == 200:
