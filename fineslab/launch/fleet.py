@@ -84,6 +84,7 @@ class Fleet:
         self._router_socket: socket.socket | None = None
         self._snapshots: tuple[float, dict[str, TableSnapshot]] = (0.0, {})
         self._snapshot_lock = threading.Lock()
+        self._stopping = threading.Event()  # set first thing in stop(): restarts stop waiting
         #: Elastic runtimes' host copies of their weights while asleep (removed at stop).
         self.weights_dir: Path | None = None
 
@@ -362,10 +363,17 @@ class Fleet:
                       "restart")
         future = asyncio.run_coroutine_threadsafe(
             router.elastic.make_room_for_restart(plan.runtime_id, need), router.loop)
-        try:
-            future.result(timeout=CONTROL_TIMEOUT_S)
-        except Exception as exc:  # CannotWake, a timeout: the start is tried anyway
-            logger.warning("no room made for %s before its restart: %s", plan.runtime_id, exc)
+        give_up_s = time.monotonic() + CONTROL_TIMEOUT_S
+        while not future.done():
+            # In slices: a fleet stopping meanwhile must not wait for it (Ctrl-C stays fast).
+            if self._stopping.wait(0.25) or time.monotonic() > give_up_s:
+                future.cancel()
+                logger.warning("no room made for %s before its restart (%s)", plan.runtime_id,
+                               "the fleet stops" if self._stopping.is_set() else "timed out")
+                return
+        if not future.cancelled() and future.exception() is not None:
+            logger.warning("no room made for %s before its restart: %s; it starts anyway",
+                           plan.runtime_id, future.exception())
 
     def _reclaim(self, device: str) -> list[str]:
         arena = self.arenas.get(device)
@@ -374,6 +382,7 @@ class Fleet:
     # -- stop -----------------------------------------------------------------------------------
 
     def stop(self) -> None:
+        self._stopping.set()
         if self.reclaimer is not None:
             self.reclaimer.stop()
             self.reclaimer = None
