@@ -92,7 +92,7 @@ def _elastic(args: argparse.Namespace) -> int:
                            duration_s=args.duration or (90.0 if args.quick else 300.0),
                            seeds=(args.seed,) if args.quick else (args.seed, args.seed + 1),
                            num_models=8 if args.quick else 24,
-                           max_gpus=3 if args.quick else 6)
+                           max_gpus=3 if args.quick else 6, rate_per_s=args.rate)
     acceptance, text = run_elastic(cfg, config)
     return _finish(args, "elastic: GPUs for 99% SLO attainment", text, acceptance)
 
@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "Static placers are told the same factor)")
         add_json_flag(cmd)
         cmd.set_defaults(func=func)
+        if name == "elastic":
+            cmd.add_argument("--rate", type=float, default=2.0,
+                             help="requests/s of each active model")
         if name == "fidelity":
             cmd.add_argument("--url", default=None, help="live endpoint (default: start one)")
             cmd.add_argument("--profile", default="profiles/llama-tiny--bf16--cpu.json",

@@ -175,7 +175,8 @@ def _tables(points: Sequence[ElasticPoint], cfg: ElasticExpConfig) -> str:
 
 
 def _body(cfg: ElasticExpConfig, text: str, acceptance: dict[str, float]) -> str:
-    command = "python -m fineslab.sim elastic" + (" --quick" if cfg.quick else "")
+    command = ("python -m fineslab.sim elastic" + (" --quick" if cfg.quick else "")
+               + (f" --rate {cfg.rate_per_s:g}" if cfg.rate_per_s != 2.0 else ""))
     return "\n".join([
         "# More models than fit: SLO attainment by GPU count", "",
         f"Reproduce: `{command}` ({cfg.num_models} models, {cfg.duration_s:g} s of arrivals, "
