@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 _PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
 # Linux values (the mmap module lacks MAP_FIXED). MAP_POPULATE fills the page tables at map
 # time, in bulk: without it the wake's copy takes a minor fault per 4 KiB page.
-_MAP_FIXED, _MAP_NORESERVE, _MAP_POPULATE = 0x10, 0x4000, 0x8000
+_MAP_FIXED, _MAP_NORESERVE, MAP_POPULATE = 0x10, 0x4000, 0x8000
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -101,7 +101,7 @@ class WeightRegion:
         try:
             for i, slab in enumerate(slabs.tolist()):
                 _mmap(self.base + i * self.slab_bytes, self.slab_bytes, _PROT_RW,
-                      mmap.MAP_SHARED | _MAP_FIXED | _MAP_POPULATE, self._fd,
+                      mmap.MAP_SHARED | _MAP_FIXED | MAP_POPULATE, self._fd,
                       slab * self.slab_bytes)
         except OSError:
             self._cover()
