@@ -143,6 +143,12 @@ def _check_registry(table: SlabTable) -> None:
         raise IntegrityError(f"slab table breaks T5: duplicate runtime ids in {names}")
     if table.writable and table.lock_holder_pid != table.me.pid:
         raise IntegrityError("slab table breaks T5: lock holder field is not ours under lock")
+    limits = table.kv_limits()
+    for slot, name in table.active_runtimes().items():
+        if table.kv_limit(slot) != limits.get(name):
+            raise IntegrityError(f"slab table breaks the KV limit invariant (limits.py): slot "
+                                 f"{slot} ({name}) has {table.kv_limit(slot)}, its id "
+                                 f"{limits.get(name)}")
 
 
 def check_integrity(table: SlabTable, exact_owners: Collection[int] | None = None) -> None:

@@ -22,13 +22,7 @@ Glossary
                 POOLED slab, 0 otherwise (free, beyond bps, or a private slab's block).
     registry    max_runtimes slots: runtime id, (pid, start ticks), key, pooled, status
                 FREE/ACTIVE, and its KV limit (below).
-    KV limit    an operator's cap on the KV bytes one runtime id may hold (`fineslab ctl limit`).
-                Kept by runtime id in the limit list (so a restarted runtime keeps it) and
-                copied into the registry slot at register and at every change. Private
-                runtimes: slabs held * slab_bytes <= limit, checked at carve; key-pool runtimes:
-                blocks held * key <= limit, checked by pooled.py. Weight slabs (owner
-                `<runtime>:w`) are not KV and have no limit. Lowering a limit below what a
-                runtime holds takes nothing back: it only refuses new slabs until use drops.
+    KV limit    an operator's cap on one runtime id's KV bytes (`fineslab ctl limit`; limits.py)
 
 Invariants (check_integrity verifies each; T3 and T4 only for owners that are quiescent)
     T1  state[s] == FREE  <=>  owner[s] == NO_OWNER
@@ -73,6 +67,7 @@ from pathlib import Path
 import numpy as np
 
 from fineslab.errors import ArenaExhausted, ConfigError, EnvironmentSetupError, IntegrityError
+from fineslab.slabs.limits import RUNTIME_ID_BYTES, KVLimitRows, id_bytes
 from fineslab.slabs.shm import ProcessIdentity, create_file, map_fd, open_file
 
 logger = logging.getLogger(__name__)
@@ -81,7 +76,6 @@ MAGIC = 0x3142_5441_4C53_4946  # "FISLATB1" little-endian
 VERSION = 3  # 2: key pools (block_owner, rt_pooled); 3: KV limits
 NO_OWNER = -1
 POOLED = -2
-RUNTIME_ID_BYTES = 64
 HANDLE_CAPACITY_BYTES = 4096
 _READY_TIMEOUT_S = 5.0
 
@@ -161,7 +155,7 @@ class TableDims:
         return offsets, cursor
 
 
-class SlabTable:
+class SlabTable(KVLimitRows):
     """The shared slab table of one device. Use `create` (launcher) or `open` (everyone else)."""
 
     def __init__(self, path: Path, fd: int, dims: TableDims, writable: bool) -> None:
@@ -278,7 +272,7 @@ class SlabTable:
 
         A dead runtime of the same id is reclaimed first; a live one is refused (ConfigError).
         """
-        name = _id_bytes(runtime_id)
+        name = id_bytes(runtime_id)
         if key <= 0 or self.dims.slab_bytes % key or self.dims.slab_bytes // key > \
                 self.dims.max_blocks_per_slab:
             raise ConfigError(
@@ -309,49 +303,6 @@ class SlabTable:
         """Registry slot -> runtime id of every active runtime (lock-free read)."""
         return {int(slot): self.rt_name[slot].tobytes().rstrip(b"\0").decode()
                 for slot in np.flatnonzero(self.rt_status == 1)}
-
-    # -- KV limits (by runtime id; see the glossary) ---------------------------------------------
-    def set_kv_limit(self, runtime_id: str, limit_bytes: int | None) -> None:
-        """Cap the KV bytes `runtime_id` may hold (None: no cap), now and after its restarts."""
-        name = _id_bytes(runtime_id)
-        if limit_bytes is not None and limit_bytes < 0:
-            raise ConfigError(f"KV limit of {runtime_id!r} must be >= 0 bytes")
-        with self.lock():
-            row = self._limit_row(name)
-            if limit_bytes is None:
-                if row is not None:
-                    self.lim_set[row], self.lim_bytes[row], self.lim_name[row] = 0, 0, 0
-                    row = None
-            else:
-                if row is None:
-                    free = np.flatnonzero(self.lim_set == 0)
-                    if free.size == 0:
-                        raise ConfigError(f"all {self.dims.max_runtimes} KV limit rows are taken")
-                    row = int(free[0])
-                    self.lim_name[row] = 0
-                    self.lim_name[row, : len(name)] = np.frombuffer(name, np.uint8)
-                self.lim_bytes[row], self.lim_set[row] = limit_bytes, 1
-            for slot, active_id in self.active_runtimes().items():
-                if active_id == runtime_id:
-                    self._apply_limit_locked(slot, row)
-
-    def kv_limit(self, slot: int) -> int | None:
-        """The KV limit of registry `slot` in bytes, None when uncapped (lock-free read)."""
-        return int(self.rt_limit[slot]) if self.rt_limited[slot] else None
-
-    def kv_limits(self) -> dict[str, int]:
-        """Runtime id -> KV limit in bytes, for every limit set (lock-free read)."""
-        return {self.lim_name[row].tobytes().rstrip(b"\0").decode(): int(self.lim_bytes[row])
-                for row in np.flatnonzero(self.lim_set == 1)}
-
-    def _limit_row(self, name: bytes) -> int | None:
-        padded = np.frombuffer(name.ljust(RUNTIME_ID_BYTES, b"\0"), np.uint8)
-        rows = np.flatnonzero((self.lim_set == 1) & (self.lim_name == padded).all(axis=1))
-        return int(rows[0]) if rows.size else None
-
-    def _apply_limit_locked(self, slot: int, row: int | None) -> None:
-        self.rt_limit[slot] = self.lim_bytes[row] if row is not None else 0
-        self.rt_limited[slot] = int(row is not None)
 
     def identity_of(self, slot: int) -> ProcessIdentity:
         return ProcessIdentity(int(self.rt_pid[slot]), int(self.rt_start[slot]))
@@ -485,13 +436,6 @@ class SlabTable:
                 self._free_slab_locked(slab)
             else:
                 self.state[slab] = SlabState.FULL if self.used[slab] == bps else SlabState.PARTIAL
-
-
-def _id_bytes(runtime_id: str) -> bytes:
-    name = runtime_id.encode()
-    if not name or len(name) > RUNTIME_ID_BYTES:
-        raise ConfigError(f"runtime id {runtime_id!r} must be 1-{RUNTIME_ID_BYTES} bytes")
-    return name
 
 
 def read_header(fd: int, wait_s: float = _READY_TIMEOUT_S) -> np.ndarray:

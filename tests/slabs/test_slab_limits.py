@@ -125,3 +125,15 @@ def test_the_limit_list_is_bounded_and_clearing_frees_a_row(arena: SlabArena) ->
     arena.table.set_kv_limit("r0", None)
     arena.table.set_kv_limit("one-more", SLAB_BYTES)
     assert len(arena.table.kv_limits()) == arena.table.dims.max_runtimes
+
+
+def test_check_integrity_finds_a_slot_whose_limit_differs_from_its_ids(arena: SlabArena) -> None:
+    from fineslab.errors import IntegrityError
+    from fineslab.slabs.integrity import check_integrity
+
+    rt = arena.client("r0", FMT_A)
+    arena.table.set_kv_limit("r0", SLAB_BYTES)
+    check_integrity(arena.table)
+    arena.table.rt_limit[rt.slot] = 3 * SLAB_BYTES  # a slot copy that went stale
+    with pytest.raises(IntegrityError, match="KV limit"):
+        check_integrity(arena.table)
