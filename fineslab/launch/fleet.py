@@ -221,8 +221,7 @@ class Fleet:
             return None
 
         def table_of(runtime_id: str) -> SlabTable | None:
-            runtime = next((r for r in self.plan.runtimes if r.runtime_id == runtime_id), None)
-            arena = self.arenas.get(runtime.device.name) if runtime is not None else None
+            arena = self._arena_of(runtime_id)
             return arena.table if arena is not None else None
 
         def set_limit(runtime_id: str, limit_bytes: int | None) -> None:
@@ -242,14 +241,18 @@ class Fleet:
 
         return KVLimits(set_limit, get_limit, slab_bytes)
 
+    def _arena_of(self, runtime_id: str) -> SlabArena | None:
+        """The arena of the device a planned runtime runs on (None: unknown, or no arena)."""
+        runtime = next((r for r in self.plan.runtimes if r.runtime_id == runtime_id), None)
+        return self.arenas.get(runtime.device.name) if runtime is not None else None
+
     def _free_slabs(self, device: str) -> int | None:
         arena = self.arenas.get(device)
         return snapshot(arena.table).free_slabs if arena is not None else None
 
     def _weight_slabs(self, runtime_id: str) -> int | None:
         """The weight slabs a runtime holds now (its owner `<runtime id>:w` in the table)."""
-        runtime = next(r for r in self.plan.runtimes if r.runtime_id == runtime_id)
-        arena = self.arenas.get(runtime.device.name)
+        arena = self._arena_of(runtime_id)
         if arena is None:
             return None
         owner = next((o for o in snapshot(arena.table).owners

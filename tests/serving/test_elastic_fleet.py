@@ -88,6 +88,24 @@ def _weight_slabs_held(fleet: LaunchedFleet, runtime_id: str) -> int:
     return owner.num_slabs if owner is not None else 0
 
 
+def _serves_again(fleet: LaunchedFleet, model: str) -> None:
+    """Retry `model` until it answers 200 (at most 300 s). 502 in the half second before the
+    supervisor sees a death, then 503 until the restart serves: the documented codes of a dead
+    runtime; anything else fails."""
+    deadline = time.monotonic() + 300
+    while (reply := _complete(fleet, model)).status_code != 200:
+        assert reply.status_code in (502, 503) and time.monotonic() < deadline, \
+            (reply.text, fleet.output.read_text()[-3000:])
+        time.sleep(2)
+
+
+def _assert_no_slab_leaked(fleet: LaunchedFleet) -> None:
+    with SlabArena.attach(fleet.fleet_id, "cpu:0") as arena:
+        check_integrity(arena.table)
+        dead = [o.runtime_id for o in snapshot(arena.table).owners if not o.alive]
+    assert dead == [], f"slabs still held by dead owners: {dead}"
+
+
 class Hog:
     """The free slabs of the fleet's arena but `leave`, held by the test process as weights."""
 
@@ -240,21 +258,10 @@ def test_a_runtime_killed_during_its_wake_leaks_no_slab_and_serves_again(
         os.killpg(pid, signal.SIGKILL)
         first = waking.result(timeout=300)
     assert first.status_code in (502, 503), first.text
-    deadline = time.monotonic() + 300
-    while True:
-        reply = _complete(fleet, "llama-a")
-        if reply.status_code == 200:
-            break
-        # 502 in the half second before the supervisor sees the death, then 503 until the
-        # restart serves (the documented codes of a dead runtime).
-        assert reply.status_code in (502, 503) and time.monotonic() < deadline, reply.text
-        time.sleep(2)
+    _serves_again(fleet, "llama-a")
     assert fleet.runtime_pids()["llama-a-r0"] != pid
     assert _states(fleet)["llama-a"]["state"] == "awake"
-    with SlabArena.attach(fleet.fleet_id, "cpu:0") as arena:
-        check_integrity(arena.table)
-        dead = [o.runtime_id for o in snapshot(arena.table).owners if not o.alive]
-    assert dead == [], f"slabs still held by dead owners: {dead}"
+    _assert_no_slab_leaked(fleet)
 
 
 def test_a_runtime_killed_during_its_sleep_leaks_no_slab_and_serves_again(
@@ -274,15 +281,9 @@ def test_a_runtime_killed_during_its_sleep_leaks_no_slab_and_serves_again(
         os.killpg(pid, signal.SIGKILL)
         failed = sleeping.result(timeout=300)
     assert failed.returncode == 1, failed
-    deadline = time.monotonic() + 300
-    while (reply := _complete(fleet, "llama-a")).status_code != 200:
-        assert reply.status_code in (502, 503) and time.monotonic() < deadline, reply.text
-        time.sleep(2)
+    _serves_again(fleet, "llama-a")
     assert _states(fleet)["llama-a"]["state"] == "awake"
-    with SlabArena.attach(fleet.fleet_id, "cpu:0") as arena:
-        check_integrity(arena.table)
-        dead = [o.runtime_id for o in snapshot(arena.table).owners if not o.alive]
-    assert dead == [], f"slabs still held by dead owners: {dead}"
+    _assert_no_slab_leaked(fleet)
 
 
 def test_a_runtime_that_dies_asleep_in_a_full_arena_makes_room_for_its_restart(
@@ -307,13 +308,7 @@ def test_a_runtime_that_dies_asleep_in_a_full_arena_makes_room_for_its_restart(
         while fleet.health().json()["models"]["llama-a"][0]["state"] == "up":
             assert time.monotonic() < deadline, "the supervisor did not see the death"
             time.sleep(0.1)
-        while True:
-            reply = _complete(fleet, "llama-a")
-            if reply.status_code == 200:
-                break
-            assert reply.status_code in (502, 503) and time.monotonic() < deadline, \
-                (reply.text, fleet.output.read_text()[-3000:])
-            time.sleep(2)
+        _serves_again(fleet, "llama-a")
     finally:
         hog.close()
     assert "making room for llama-a-r0" in fleet.output.read_text()
