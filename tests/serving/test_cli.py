@@ -69,3 +69,23 @@ def test_ctl_and_top_refuse_a_bad_url_or_a_server_that_is_not_a_router(
             assert said in err and "Traceback" not in err, err
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("512M", 512 << 20), ("1.5g", 3 << 29), ("2GiB", 2 << 30), ("64KB", 64 << 10),
+    ("1048576", 1 << 20), ("0", 0), ("none", None), ("OFF", None)])
+def test_ctl_limit_sizes_parse_in_binary_units(text: str, expected: int | None) -> None:
+    from fineslab.ctl import parse_size
+
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["12x", "-1M", "nanG", "infG", "", "M"])
+def test_ctl_limit_refuses_what_is_not_a_size_with_usage_exit_2(
+        bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from fineslab.ctl import main as ctl_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        ctl_main(["limit", "some-model", bad])
+    assert exit_info.value.code == 2
+    assert "size" in capsys.readouterr().err
