@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU check in one command, for any session that has a CUDA GPU:
 #   bash scripts/gpu_check.sh            (after `make setup`, which installs the CUDA stack there)
+#   FINESLAB_PYTHON=python3 bash scripts/gpu_check.sh
+#                                        (a machine with CUDA torch but no registry, so no
+#                                        `make setup`: fineslab from this checkout, and only the
+#                                        checks that need no SGLang; the rest are named skipped)
 # 1. the `gpu`-marked tests (CUDA IPC arena, strided-view attention, FP8/AWQ/KV4 kernels, ...);
 # 2. each GPU benchmark, its JSON line kept in results/gpu/<name>.json;
 # 3. one table of every figure the benchmarks measured (`python -m fineslab.bench.report`).
@@ -12,7 +16,8 @@
 # is lent for does not die on a flag; exits 1 naming each broken command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=.venv/bin/python
+PY=${FINESLAB_PYTHON:-.venv/bin/python}
+if [ "$PY" != .venv/bin/python ]; then export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"; fi
 case "${1:-}" in
   "") mode=run ;;
   --check) mode=check ;;
@@ -21,15 +26,19 @@ esac
 
 # name|what follows `python -m`. Each benchmark also gets --json (its last line: the figures).
 TESTS="tests|pytest -m gpu -p no:cacheprovider tests -q"
+# Without SGLang (FINESLAB_PYTHON above), the gpu-marked tests that need only torch.
+TESTS_TORCH="tests-torch|pytest -m gpu -p no:cacheprovider tests/slabs/test_slab_cuda.py -q"
 BENCHES=(
+  "hostlink|fineslab.bench.hostlink --device cuda --mib 2048"
   "alloc|fineslab.bench.alloc --device cuda"
   "pool-triton|fineslab.bench.pool --device cuda --attention-backend triton"
   "pool-flashinfer|fineslab.bench.pool --device cuda --attention-backend flashinfer"
   "precisions|fineslab.bench.precisions --device cuda"
 )
+TORCH_ONLY=" hostlink "  # benchmarks that run without SGLang
 
 if [ "$mode" = check ]; then
-  entries=("$TESTS")
+  entries=("$TESTS" "$TESTS_TORCH")
   for entry in "${BENCHES[@]}"; do entries+=("$entry --json"); done
   exec "$PY" -m fineslab.bench.check_commands "${entries[@]}"
 fi
@@ -41,6 +50,11 @@ status=0
 nvidia-smi -L || { echo "gpu_check: no CUDA GPU visible" >&2; exit 2; }
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'torch has no CUDA'; print(torch.__version__, torch.cuda.get_device_name(0))" || exit 2
 
+if "$PY" -c "import sglang" 2>/dev/null; then sglang=yes; else
+  sglang=no; TESTS=$TESTS_TORCH
+  echo "gpu_check: SGLang is not importable by $PY: only the checks that need torch alone run"
+fi
+
 echo "== gpu-marked tests: python -m ${TESTS#*|}"
 # shellcheck disable=SC2086
 FINESLAB_CPU_MODE=0 "$PY" -m ${TESTS#*|} | tee "$out/tests.txt"
@@ -51,6 +65,9 @@ measured=()
 for entry in "${BENCHES[@]}"; do
   name=${entry%%|*}; cmd=${entry#*|}; module=${cmd%% *}
   rm -f "$out/$name.json"  # a figure in the table below is one from this run
+  if [ "$sglang" = no ] && [[ "$TORCH_ONLY" != *" $name "* ]]; then
+    echo "== $name: needs SGLang, skipped"; continue
+  fi
   if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$module') is None)"; then
     echo "== $name: $module not present, skipped"; continue
   fi

@@ -11,7 +11,7 @@ process of a runtime that joins an arena, whatever `enable_memory_saver` says:
                         in the table, still resident, so a neighbour or the wake reuses them
                         at memcpy speed
     resume("weights")   take free slabs (any), map them at the same addresses, copy the host
-                        copy into them (`_copy_file_into`: at memcpy speed)
+                        copy into them (`copy_file_into`: at memcpy speed)
     "kv_cache"          nothing: SGLang flushes the cache right after pause("kv_cache"), which
                         gives every KV page back to the arena through the SlabAllocator
     region(), cuda_graph(), disable(), configure_subprocess()   no-ops (CPU allocations cannot
@@ -31,18 +31,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import tempfile
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from fineslab.env import WEIGHTS_DIR_VAR
 from fineslab.errors import ArenaExhausted
-from fineslab.slabs.weights import MAP_POPULATE
+from fineslab.slabs.weights import copy_file_into
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +91,7 @@ class WeightSleeper:
         start_s = time.perf_counter()
         self.region.back()
         try:
-            _copy_file_into(self.path, self.region.tensor())
+            copy_file_into(self.path, self.region.tensor())
         except OSError:
             self.region.unback()
             raise
@@ -105,33 +103,6 @@ class WeightSleeper:
 
     def remove_host_copy(self) -> None:
         self.path.unlink(missing_ok=True)
-
-
-def _copy_file_into(path: Path, dst: Any) -> None:
-    """Copy the file at `path` into the uint8 tensor `dst` (same size, OSError otherwise).
-
-    The file is in the page cache (written at the first sleep, read at each wake). It is mapped
-    with MAP_POPULATE (page tables filled in bulk, no fault per 4 KiB page) and copied with
-    torch's parallel `copy_`, instead of one `readinto` (a kernel copy on one core): the wake
-    bench's `restore_gib_s` went from 0.38 to 0.49-0.55 of memcpy (docs/elastic.md).
-    Read-only: a writable private mapping would be copied page by page by the populate.
-    """
-    import torch
-
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size != dst.numel():
-            raise OSError(f"host copy {path} holds {size} B, not {dst.numel()} B")
-        mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | MAP_POPULATE,
-                           prot=mmap.PROT_READ)
-    try:
-        with warnings.catch_warnings():  # "not writable": it is only read
-            warnings.simplefilter("ignore", UserWarning)
-            src = torch.frombuffer(mapped, dtype=torch.uint8)
-        dst.copy_(src)
-        del src
-    finally:
-        mapped.close()
 
 
 class ArenaMemorySaver:

@@ -32,6 +32,7 @@ import ctypes
 import logging
 import mmap
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,10 @@ _PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
 # time, in bulk: without it the wake's copy takes a minor fault per 4 KiB page.
 _MAP_FIXED, _MAP_NORESERVE, MAP_POPULATE = 0x10, 0x4000, 0x8000
 _MAP_FAILED = ctypes.c_void_p(-1).value
+#: cudaHostRegisterReadOnly: the host copy is mapped read-only.
+CUDA_HOST_REGISTER_READ_ONLY = 8
+#: A CUDA restore pins and copies the host copy this much at a time (docs/elastic.md).
+PIN_CHUNK_BYTES = 256 << 20
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -163,3 +168,117 @@ def release_weight_slabs(table: SlabTable, slot: int, slabs: np.ndarray, name: s
                 raise IntegrityError(f"weight slab {slab} of {name} is owned by "
                                      f"slot {table.owner[slab]}, not {slot}")
             table.release_locked(slab)
+
+
+def _map_read_only(path: Path, nbytes: int) -> mmap.mmap:
+    """The host copy at `path` mapped read-only and populated; OSError unless it holds
+    `nbytes`. Read-only: a writable private mapping would be copied page by page by the
+    populate."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != nbytes:
+            raise OSError(f"host copy {path} holds {size} B, not {nbytes} B")
+        return mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | MAP_POPULATE,
+                         prot=mmap.PROT_READ)
+
+
+def _tensor_over(mapped: mmap.mmap) -> Any:
+    import torch
+
+    with warnings.catch_warnings():  # "not writable": it is only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
+def copy_file_into(path: Path, dst: Any, chunk_bytes: int = PIN_CHUNK_BYTES) -> None:
+    """Copy the host copy at `path` into the uint8 tensor `dst` (same size, OSError otherwise).
+
+    The file is in the page cache (written at the first sleep, read at each wake); it is
+    mapped populated (MAP_POPULATE: page tables filled in bulk, no fault per 4 KiB page).
+      CPU   torch's parallel `copy_`, instead of one `readinto` (a kernel copy on one core): the
+            wake bench's `restore_gib_s` went from 0.38 to 0.49-0.55 of memcpy (docs/elastic.md)
+      CUDA  pinned (cudaHostRegister, read-only) `chunk_bytes` at a time, each chunk's copy
+            under way while the next is pinned, all unpinned at the end (`_copy_pinned`): 0.48
+            of the link on an H100, against 0.35 pinning it all first and 0.14 unpinned
+            (`chunk_bytes` 0: the driver stages pageable memory); a host copy kept pinned
+            (`PinnedHostCopy`) gets 0.97-1.0 (bench.hostlink, docs/elastic.md)
+    """
+    mapped = _map_read_only(path, dst.numel())
+    try:
+        src = _tensor_over(mapped)
+        if dst.is_cuda and chunk_bytes > 0:
+            _copy_pinned(src, dst, chunk_bytes)
+        else:
+            dst.copy_(src)
+        del src
+    finally:
+        mapped.close()
+
+
+def _copy_pinned(src: Any, dst: Any, chunk_bytes: int) -> None:
+    """Host `src` to device `dst`: pin chunk i + 1 while chunk i is copied; all unpinned after."""
+    import torch
+
+    cudart = torch.cuda.cudart()
+    chunk_bytes = -(-chunk_bytes // mmap.PAGESIZE) * mmap.PAGESIZE  # two chunks share no page
+    pinned: list[int] = []
+    try:
+        for start in range(0, src.numel(), chunk_bytes):
+            piece = src[start: start + chunk_bytes]
+            err = cudart.cudaHostRegister(piece.data_ptr(), piece.numel(),
+                                          CUDA_HOST_REGISTER_READ_ONLY)
+            if int(err) != 0:
+                raise OSError(f"cudaHostRegister of the host copy failed ({err})")
+            pinned.append(piece.data_ptr())
+            dst[start: start + piece.numel()].copy_(piece, non_blocking=True)
+    finally:
+        torch.cuda.synchronize(dst.device)
+        for address in pinned:
+            cudart.cudaHostUnregister(address)
+
+
+class PinnedHostCopy:
+    """A host copy mapped and pinned (page-locked for DMA) until `close()`: each copy to a GPU
+    then runs at the link's speed. Pinning 2 GiB took 0.04 s on the H100 machine; the pinned
+    pages cannot be swapped out while open, so an operator pays host memory for wake speed."""
+
+    def __init__(self, path: Path, nbytes: int) -> None:
+        import torch
+
+        self.path, self.nbytes = path, nbytes
+        self._mapped: mmap.mmap | None = _map_read_only(path, nbytes)
+        self._src = _tensor_over(self._mapped)
+        err = torch.cuda.cudart().cudaHostRegister(self._src.data_ptr(), nbytes,
+                                                   CUDA_HOST_REGISTER_READ_ONLY)
+        if int(err) != 0:
+            self._src = None
+            self._mapped.close()
+            self._mapped = None
+            raise OSError(f"cudaHostRegister of the host copy {path} failed ({err})")
+
+    def copy_into(self, dst: Any) -> None:
+        """DMA the host copy into the device tensor `dst` and wait for it."""
+        import torch
+
+        if self._src is None:
+            raise OSError(f"host copy {self.path} used after close()")
+        if dst.numel() != self.nbytes:
+            raise OSError(f"host copy {self.path} holds {self.nbytes} B, not {dst.numel()} B")
+        dst.copy_(self._src, non_blocking=True)
+        torch.cuda.synchronize(dst.device)
+
+    def close(self) -> None:
+        import torch
+
+        if self._src is None or self._mapped is None:
+            return
+        torch.cuda.cudart().cudaHostUnregister(self._src.data_ptr())
+        self._src = None
+        self._mapped.close()
+        self._mapped = None
+
+    def __enter__(self) -> PinnedHostCopy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -11,6 +11,7 @@ from slab_constants import FMT_A, FMT_B, NUM_SLABS, SLAB_BYTES
 
 from fineslab.slabs.arena import ArenaSpec, SlabArena
 from fineslab.slabs.views import layer_views
+from fineslab.slabs.weights import PinnedHostCopy, copy_file_into
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,13 +25,16 @@ def _runtime(shm_dir: str, queue: mp.Queue) -> None:
     arena = SlabArena.attach("gpu", "cuda:0", shm_dir=Path(shm_dir))
     tensor = arena.tensor()
     assert isinstance(tensor, torch.Tensor)
+    # The pattern is made first: its own 256 B take a 2 MiB block of torch's cache (the first
+    # GPU run counted that block against the slab calls).
+    pattern = torch.arange(256, dtype=torch.uint8, device=tensor.device)
+    torch.cuda.synchronize()
     reserved = torch.cuda.memory_reserved()
     slabs = arena.client("child", FMT_A)
     for _ in range(1000):
         slabs.free(slabs.alloc(5))
     blocks = slabs.alloc(3)
-    tensor[PATTERN_OFFSET: PATTERN_OFFSET + 256] = torch.arange(256, dtype=torch.uint8,
-                                                                 device=tensor.device)
+    tensor[PATTERN_OFFSET: PATTERN_OFFSET + 256] = pattern
     torch.cuda.synchronize()
     queue.put((blocks, torch.cuda.memory_reserved() - reserved, int(tensor[0])))
     slabs.close()
@@ -73,3 +77,42 @@ def test_layer_views_on_the_device_touch_only_their_bytes(tmp_path: Path, fmt: o
         start = slot * fmt.token_stride_bytes + layer * fmt.shape.layer_bytes + \
             fmt.shape.layer_values_bytes
         assert touched == list(range(start, start + fmt.shape.layer_values_bytes))
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, 3 * SLAB_BYTES // 2, 64 * SLAB_BYTES],
+                         ids=["pageable", "pinned-in-chunks", "pinned-at-once"])
+def test_host_copy_restores_into_device_memory(tmp_path: Path, chunk_bytes: int) -> None:
+    """A wake's restore on a GPU: the host copy's bytes land in device memory, whether copied
+    unpinned or pinned a chunk at a time (chunks rounded to pages, the last one short), a wrong
+    size is refused, and nothing stays pinned (pinning the same pages again works)."""
+    nbytes = 5 * SLAB_BYTES + 1000  # not a whole number of pages
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    path = tmp_path / "weights.hostcopy"
+    data.numpy().tofile(path)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")
+    copy_file_into(path, dst, chunk_bytes=chunk_bytes)
+    assert torch.equal(dst.cpu(), data)
+    with pytest.raises(OSError, match="holds"):
+        copy_file_into(path, dst[:-1], chunk_bytes=chunk_bytes)
+    dst.zero_()
+    copy_file_into(path, dst, chunk_bytes=chunk_bytes)
+    assert torch.equal(dst.cpu(), data)
+
+
+def test_host_copy_kept_pinned_restores_again_and_again(tmp_path: Path) -> None:
+    nbytes = 5 * SLAB_BYTES + 1000
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    path = tmp_path / "weights.hostcopy"
+    data.numpy().tofile(path)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")
+    with PinnedHostCopy(path, nbytes) as kept:
+        for _ in range(2):
+            dst.zero_()
+            kept.copy_into(dst)
+            assert torch.equal(dst.cpu(), data)
+        with pytest.raises(OSError, match="holds"):
+            kept.copy_into(dst[:-1])
+    with pytest.raises(OSError, match="after close"):
+        kept.copy_into(dst)
+    copy_file_into(path, dst)  # unpinned at close: pinning the same pages again works
+    assert torch.equal(dst.cpu(), data)

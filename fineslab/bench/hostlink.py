@@ -1,0 +1,184 @@
+"""The host link: the wake's restore and the layer streamer's copies against the link's limit.
+
+`python -m fineslab.bench.hostlink --device cpu|cuda [--mib N] [--json]`
+
+A sleeping model's weights come back from its host copy (a file in the page cache, written
+once at its first sleep), and a streamed layer (issue #17) is copied from host memory before it
+runs. Both are bounded by the host link: memcpy bandwidth on CPU, the PCIe/NVLink-C2C link on a
+GPU. In one run, on this machine, with an `--mib`-sized host copy:
+
+    memcpy_gib_s          the limit: on CPU a copy between two resident buffers; on CUDA a copy
+                          from pinned host memory to the device (best of 5)
+    restore_gib_s         `fineslab.slabs.weights.copy_file_into`, the wake's restore as built:
+                          the host copy mapped (MAP_POPULATE) and copied into device memory;
+                          on CUDA pinned 256 MiB at a time for the copy, then unpinned
+    restore_over_memcpy   restore_gib_s / memcpy_gib_s
+    CUDA only:
+    pageable_restore_gib_s  the mapping copied unpinned (the driver stages it): the first path
+    pinned_restore_gib_s  a `PinnedHostCopy` kept open (registered with cudaHostRegister once):
+                          what a wake gets when the host copy stays pinned
+    register_s            what that registration costs once (pinning every page)
+    d2d_gib_s             device-to-device copy of the same size (for scale)
+    overlap               a chain of `--layer-mib` copies on a side stream while matmuls run on
+                          the default stream: (t_copy + t_compute - t_both) / min(t_copy,
+                          t_compute); 1 = fully hidden, 0 = serialized (the streamer's premise)
+
+Every timed copy is checked: the destination's bytes equal the source's (`verified`).
+Results go in docs/elastic.md (restore) and docs/streaming.md (overlap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from fineslab.bench.report import add_json_flag, emit
+
+REPEATS = 5
+
+
+def _best_s(step: Callable[[], object], sync: Callable[[], None]) -> float:
+    """Best of REPEATS timed calls of `step`, each to the device's completion."""
+    step()  # warm-up: first-touch and first-call costs
+    sync()
+    best = float("inf")
+    for _ in range(REPEATS):
+        start_s = time.perf_counter()
+        step()
+        sync()
+        best = min(best, time.perf_counter() - start_s)
+    return best
+
+
+def _host_copy(nbytes: int, folder: Path) -> tuple[Path, Any]:
+    """A host-copy file of `nbytes` random bytes (in the page cache), and those bytes."""
+    import torch
+
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    path = folder / "weights.hostcopy"
+    data.numpy().tofile(path)
+    return path, data
+
+
+def _overlap(device: str, layer_bytes: int, layers: int) -> dict[str, float]:
+    """Copies on a side stream against matmuls on the default stream."""
+    import torch
+
+    src = torch.empty(layer_bytes, dtype=torch.uint8).pin_memory()
+    slots = [torch.empty(layer_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device)
+    side = torch.cuda.Stream(device)
+    sync = torch.cuda.synchronize
+
+    def copies() -> None:
+        with torch.cuda.stream(side):
+            for i in range(layers):
+                slots[i % 2].copy_(src, non_blocking=True)
+
+    def compute() -> None:
+        for _ in range(matmuls):
+            torch.mm(a, a)
+
+    t_copy = _best_s(copies, sync)
+    matmuls = 1
+    while True:  # size the compute to about the copy chain's time
+        t_compute = _best_s(compute, sync)
+        if t_compute >= t_copy or matmuls >= 4096:
+            break
+        matmuls = max(matmuls + 1, int(matmuls * t_copy / max(t_compute, 1e-6)))
+
+    def both() -> None:
+        copies()
+        compute()
+
+    t_both = _best_s(both, sync)
+    return {"copy_s": t_copy, "compute_s": t_compute, "both_s": t_both, "matmuls": matmuls,
+            "overlap": (t_copy + t_compute - t_both) / min(t_copy, t_compute)}
+
+
+def run(device: str, nbytes: int, layer_bytes: int) -> dict[str, Any]:
+    import torch
+
+    from fineslab.slabs.weights import PinnedHostCopy, copy_file_into
+
+    cuda = device == "cuda"
+    sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+    gib = nbytes / 2**30
+    result: dict[str, Any] = {"device": device, "host_copy_gib": gib}
+    if cuda:
+        result["gpu"] = torch.cuda.get_device_name(0)
+    with tempfile.TemporaryDirectory(prefix="fineslab-hostlink-") as folder:
+        path, data = _host_copy(nbytes, Path(folder))
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if cuda:
+            pinned = data.pin_memory()
+            memcpy_s = _best_s(lambda: dst.copy_(pinned, non_blocking=True), sync)
+            del pinned
+        else:
+            resident = data.clone()
+            memcpy_s = _best_s(lambda: dst.copy_(resident), sync)
+            del resident
+        result["memcpy_gib_s"] = gib / memcpy_s
+
+        dst.zero_()
+        restore_s = _best_s(lambda: copy_file_into(path, dst), sync)
+        verified = bool(torch.equal(dst.cpu(), data))
+        result["restore_gib_s"] = gib / restore_s
+        result["restore_over_memcpy"] = result["restore_gib_s"] / result["memcpy_gib_s"]
+
+        if cuda:
+            dst.zero_()
+            result["pageable_restore_gib_s"] = gib / _best_s(
+                lambda: copy_file_into(path, dst, chunk_bytes=0), sync)
+            verified = verified and bool(torch.equal(dst.cpu(), data))
+            dst.zero_()
+            start_s = time.perf_counter()
+            with PinnedHostCopy(path, nbytes) as kept:
+                result["register_s"] = time.perf_counter() - start_s
+                pinned_s = _best_s(lambda: kept.copy_into(dst), sync)
+            verified = verified and bool(torch.equal(dst.cpu(), data))
+            result["pinned_restore_gib_s"] = gib / pinned_s
+            result["pinned_over_memcpy"] = result["pinned_restore_gib_s"] / result["memcpy_gib_s"]
+            other = torch.empty_like(dst)
+            result["d2d_gib_s"] = gib / _best_s(lambda: other.copy_(dst), sync)
+            verified = verified and bool(torch.equal(other, dst))
+            del other
+            result.update(_overlap(device, layer_bytes, max(1, nbytes // layer_bytes)))
+        result["verified"] = verified
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fineslab.bench.hostlink",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--mib", type=int, default=1024, help="host copy size in MiB (>= 1)")
+    parser.add_argument("--layer-mib", type=int, default=64,
+                        help="one streamed layer's size in MiB, for the overlap (>= 1)")
+    add_json_flag(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.mib < 1 or args.layer_mib < 1:
+        raise SystemExit("--mib and --layer-mib must be >= 1")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("fineslab.bench.hostlink --device cuda: torch sees no CUDA device")
+    result = run(args.device, args.mib << 20, args.layer_mib << 20)
+    keys = ("memcpy_gib_s", "restore_gib_s", "restore_over_memcpy", "pageable_restore_gib_s",
+            "register_s",
+            "pinned_restore_gib_s", "pinned_over_memcpy", "d2d_gib_s", "overlap", "verified")
+    emit(f"Host link, {args.mib} MiB host copy, {args.device}", ["figure", "value"],
+         [[k, result.get(k, "n/a")] for k in keys], result, args.json)
+
+
+if __name__ == "__main__":
+    main()
