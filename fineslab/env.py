@@ -36,6 +36,9 @@ KV_FORMAT_VAR = "FINESLAB_KV_FORMAT"
 WEIGHTS_IN_ARENA_VAR = "FINESLAB_WEIGHTS_IN_ARENA"
 #: Where a sleeping runtime's weights wait (its host copy; default: the temp folder).
 WEIGHTS_DIR_VAR = "FINESLAB_WEIGHTS_DIR"
+#: "1" (with FINESLAB_WEIGHTS_IN_ARENA): each decoder layer's weights on whole slabs of its own,
+#: which the layer streamer can lend to KV and stream back (fineslab.sglang_plugin.streaming).
+LAYER_STREAMING_VAR = "FINESLAB_LAYER_STREAMING"
 #: FP8 KV only: the per-layer scales file (SGLang's `--quantization-param-path` JSON).
 KV_SCALES_VAR = "FINESLAB_KV_SCALES"
 
@@ -62,6 +65,7 @@ class FineslabEnv:
     kv_format: str | None = None
     kv_scales_path: str | None = None
     weights_in_arena: bool = False
+    layer_streaming: bool = False
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> FineslabEnv:
@@ -77,4 +81,6 @@ class FineslabEnv:
             kv_scales_path=env.get(KV_SCALES_VAR) or None,
             weights_in_arena=bool(_parse_tristate(WEIGHTS_IN_ARENA_VAR,
                                                   env.get(WEIGHTS_IN_ARENA_VAR))),
+            layer_streaming=bool(_parse_tristate(LAYER_STREAMING_VAR,
+                                                 env.get(LAYER_STREAMING_VAR))),
         )

@@ -132,13 +132,15 @@ class Roofline:
 def analytical_profile(model: str, precision: str, device: str,
                        workload: Workload = DEFAULT_WORKLOAD,
                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                       tp: int | None = None) -> ModelProfile:
-    """The roofline profile of a catalogued model (see the module docstring)."""
-    if model not in MODEL_SHAPES or precision not in PRECISIONS:
+                       tp: int | None = None,
+                       shape: ModelShape | None = None) -> ModelProfile:
+    """The roofline profile of a catalogued model (see the module docstring); `shape` profiles
+    a model outside the catalogue under the name `model` (its config.json's shape)."""
+    if (shape is None and model not in MODEL_SHAPES) or precision not in PRECISIONS:
         raise ConfigError(f"no analytical model for {model!r} {precision!r}; models: "
                           f"{sorted(MODEL_SHAPES)}, precisions: {sorted(PRECISIONS)}")
     tp = tp or PAPER_VARIANTS.get((model, precision), 1)
-    roof = Roofline(MODEL_SHAPES[model], PRECISIONS[precision], get_device(device), tp)
+    roof = Roofline(shape or MODEL_SHAPES[model], PRECISIONS[precision], get_device(device), tp)
     ctx = workload.mean_context_tokens
     throughput = [(b, b / roof.step_s(b, ctx)) for b in BATCH_SIZES]
     kv_per_request = ctx * roof.kv_token_bytes * tp

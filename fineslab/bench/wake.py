@@ -48,8 +48,8 @@ from fineslab.env import FineslabEnv
 from fineslab.models.generate import ensure_model
 from fineslab.runtime import ServerProcess, ServerSpec, free_port
 from fineslab.sglang_plugin.config import ArenaJoin
-from fineslab.sglang_plugin.memory_saver import host_copy_path
 from fineslab.slabs import ArenaSpec, SlabArena
+from fineslab.slabs.streamctl import host_copy_path
 
 #: The `bench` model: hidden 1024, 12 layers, MLP 2816, vocab 8192: about 150 M parameters.
 SIZES: dict[str, tuple[str, dict[str, object]]] = {

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from fineslab.env import (
     ARENA_VAR,
     KEY_POOL_VAR,
+    LAYER_STREAMING_VAR,
     RUNTIME_ID_VAR,
     WEIGHTS_IN_ARENA_VAR,
     FineslabEnv,
@@ -34,12 +35,17 @@ class ArenaJoin:
     key_pool: bool = False
     #: Move the loaded weights into slabs of the arena (`FINESLAB_WEIGHTS_IN_ARENA=1`).
     weights_in_arena: bool = False
+    #: Each layer on slabs of its own, lendable (`FINESLAB_LAYER_STREAMING=1`; needs the above).
+    layer_streaming: bool = False
 
     def __post_init__(self) -> None:
         if not self.arena_name:
             raise ConfigError(f"{ARENA_VAR} is empty: name the arena to join")
         if not self.runtime_id:
             raise ConfigError(f"{RUNTIME_ID_VAR} is empty: give this runtime's id in the arena")
+        if self.layer_streaming and not self.weights_in_arena:
+            raise ConfigError(f"{LAYER_STREAMING_VAR}=1 needs {WEIGHTS_IN_ARENA_VAR}=1: only "
+                              "weights in the arena can be lent and streamed")
 
     @classmethod
     def from_env(cls, env: FineslabEnv | None = None) -> ArenaJoin | None:
@@ -51,7 +57,8 @@ class ArenaJoin:
             missing = ARENA_VAR if env.arena_name is None else RUNTIME_ID_VAR
             raise ConfigError(
                 f"{ARENA_VAR} and {RUNTIME_ID_VAR} go together; {missing} is not set")
-        return cls(env.arena_name, env.runtime_id, env.key_pool, env.weights_in_arena)
+        return cls(env.arena_name, env.runtime_id, env.key_pool, env.weights_in_arena,
+                   env.layer_streaming)
 
     def environ(self) -> dict[str, str]:
         """The variables a launcher puts in a runtime's environment to make it join."""
@@ -60,4 +67,6 @@ class ArenaJoin:
             variables[KEY_POOL_VAR] = "1"
         if self.weights_in_arena:
             variables[WEIGHTS_IN_ARENA_VAR] = "1"
+        if self.layer_streaming:
+            variables[LAYER_STREAMING_VAR] = "1"
         return variables

@@ -31,12 +31,14 @@ from fineslab.errors import ConfigError
 from fineslab.sglang_plugin.allocator import SlabAllocator, needs_zeroed_pages
 from fineslab.sglang_plugin.config import ArenaJoin
 from fineslab.sglang_plugin.link import ArenaLink, arena_device, join_arena
-from fineslab.sglang_plugin.memory_saver import ArenaMemorySaver, WeightSleeper, host_copy_path
+from fineslab.sglang_plugin.memory_saver import ArenaMemorySaver, WeightSleeper
 from fineslab.sglang_plugin.pool import SlabKVPool
 from fineslab.sglang_plugin.refusals import refuse_unsupported, settings_of
 from fineslab.sglang_plugin.starvation import DecodeShortfall, StarvedRequestPolicy
+from fineslab.sglang_plugin.streaming import LayerStreamer, start_streaming
 from fineslab.sglang_plugin.weights import place_weights
 from fineslab.slabs.formats import KVDtype, KVShape
+from fineslab.slabs.streamctl import host_copy_path
 from fineslab.slabs.weights import WeightRegion
 
 logger = logging.getLogger(__name__)
@@ -93,6 +95,7 @@ class PluginSession:
         self.link: ArenaLink | None = None
         self.weights: WeightRegion | None = None
         self.sleeper: WeightSleeper | None = None
+        self.streamer: LayerStreamer | None = None
         self._memory_saver: ArenaMemorySaver | None = None
 
     def memory_saver(self, original: Callable[..., Any], *args: Any, **kwargs: Any
@@ -109,9 +112,13 @@ class PluginSession:
         result = original(runner, *args, **kwargs)
         if self.join.weights_in_arena and self.weights is None:
             device = arena_device(str(runner.device), runner.gpu_id)
-            self.weights = place_weights(self.join, runner.model, device)
-            self.sleeper = WeightSleeper(
-                self.weights, host_copy_path(self.join.arena_name, self.join.runtime_id))
+            self.weights, moved = place_weights(self.join, runner.model, device)
+            host_copy = host_copy_path(self.join.arena_name, self.join.runtime_id)
+            if self.join.layer_streaming:
+                self.streamer = start_streaming(self.join, self.weights, moved.layers,
+                                                runner.model, host_copy)
+            self.sleeper = WeightSleeper(self.weights, host_copy,
+                                         host_copy_written=self.streamer is not None)
         return result
 
     def _require_link(self) -> ArenaLink:

@@ -31,35 +31,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fineslab.env import WEIGHTS_DIR_VAR
 from fineslab.errors import ArenaExhausted
-from fineslab.slabs.weights import copy_file_into
+from fineslab.slabs.weights import copy_file_into, write_host_copy
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS_TAG = "weights"
 
 
-def host_copy_path(arena_name: str, runtime_id: str) -> Path:
-    """Where a runtime's weights wait while it sleeps (the launcher removes its fleet's at stop).
-    """
-    folder = Path(os.environ.get(WEIGHTS_DIR_VAR) or tempfile.gettempdir())
-    return folder / f"fineslab-{arena_name}-{runtime_id}.weights"
-
-
 class WeightSleeper:
     """Sleep and wake of one runtime's `WeightRegion`, with its host copy."""
 
-    def __init__(self, region: Any, path: Path) -> None:
+    def __init__(self, region: Any, path: Path, host_copy_written: bool = False) -> None:
         self.region, self.path = region, path
-        self._written = False
+        self._written = host_copy_written
 
     @property
     def asleep(self) -> bool:
@@ -71,10 +61,7 @@ class WeightSleeper:
             return 0.0
         start_s = time.perf_counter()
         if not self._written:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_suffix(".partial")
-            self.region.tensor().numpy().tofile(partial)
-            partial.replace(self.path)
+            write_host_copy(self.region, self.path)
             self._written = True
         num_slabs = self.region.num_slabs
         self.region.unback()
@@ -133,15 +120,21 @@ class ArenaMemorySaver:
         return None
 
     def pause(self, tag: str) -> None:
-        sleeper = self._session.sleeper
+        sleeper, streamer = self._session.sleeper, self._session.streamer
         if tag == WEIGHTS_TAG and sleeper is not None:
-            sleeper.sleep()
+            with streamer.lock if streamer is not None else contextlib.nullcontext():
+                if streamer is not None:
+                    streamer.before_sleep()  # slots back; lent layers stay lent
+                sleeper.sleep()
 
     def resume(self, tag: str) -> None:
-        sleeper = self._session.sleeper
+        sleeper, streamer = self._session.sleeper, self._session.streamer
         if tag == WEIGHTS_TAG and sleeper is not None:
             try:
-                sleeper.wake()
+                with streamer.lock if streamer is not None else contextlib.nullcontext():
+                    sleeper.wake()
+                    if streamer is not None:
+                        streamer.after_wake()  # every layer restored: lend S again
             except ArenaExhausted:
                 # SGLang has no way to refuse a resume: running on with unmapped weights would
                 # fault at the first step. Stop here, loudly; the supervisor restarts it.

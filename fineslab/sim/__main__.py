@@ -97,6 +97,27 @@ def _elastic(args: argparse.Namespace) -> int:
     return _finish(args, "elastic: GPUs for 99% SLO attainment", text, acceptance)
 
 
+def _oneiros(args: argparse.Namespace) -> int:
+    from fineslab.sim.experiments.oneiros import OneirosExpConfig, run_oneiros
+
+    out, traces, config = _common(args, "oneiros")
+    cfg = OneirosExpConfig(out, traces, quick=args.quick,
+                           duration_s=args.duration or (60.0 if args.quick else 120.0),
+                           seeds=(args.seed, args.seed + 1))
+    acceptance, text = run_oneiros(cfg, config)
+    return _finish(args, "oneiros: P99 TTFT/TBT, lending vs none (temporal sharing)", text,
+                   acceptance)
+
+
+def _selectn(args: argparse.Namespace) -> int:
+    from fineslab.sim.experiments.selectn import SelectNExpConfig, run_selectn
+
+    cfg = SelectNExpConfig(Path(args.out or "results/selectn"), quick=args.quick)
+    acceptance, text = run_selectn(cfg)
+    return _finish(args, "selectn: offloading interval and host memory per SLO", text,
+                   acceptance)
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
     "fig10": ("end-to-end SLO attainment and tokens/s on 4 H100s", _fig10),
     "fig11": ("SLO attainment from 8 to 16 GPUs", _fig11),
@@ -104,6 +125,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
     "fig13": ("local scheduler ablation: one model, static KV", _ablation),
     "elastic": ("more models than fit: sleep/wake, fineslab vs Prism* vs no sleep", _elastic),
     "fidelity": ("live server versus simulator on one workload", _fidelity),
+    "oneiros": ("Oneiros layer lending under temporal sharing, C1/C2 on one GPU", _oneiros),
+    "selectn": ("Select-N: offloading interval and host memory per SLO", _selectn),
 }
 
 

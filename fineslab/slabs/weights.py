@@ -11,6 +11,9 @@ separates the address from the memory (CPU backing; the CUDA path is not built y
               offset): the range reads and writes arena memory
     unback    map the range inaccessible again (a touch then faults loudly instead of reading
               another model's bytes) and give the slabs back to the arena
+    lend      the same for some positions only (a decoder layer's slabs: layer streaming,
+              issue #17); `alias` maps slabs the caller holds there (a slot buffer holding
+              that layer for now), `cover` undoes it, `reclaim` takes slabs of its own again
 
 The slabs belong to an owner of their own in the slab table (`<runtime_id>:w`, block stride =
 slab size, one block per slab, FULL while held): the table, the inspector and /metrics show a
@@ -33,6 +36,7 @@ import logging
 import mmap
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +65,8 @@ _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 
 #: Suffix of the slab-table owner that holds a runtime's weights.
 WEIGHTS_SUFFIX = ":w"
+#: `WeightRegion.slab_ids` entry of a position whose slab is lent to the arena.
+LENT = -1
 
 
 def _mmap(addr: int | None, length: int, prot: int, flags: int, fd: int, offset: int) -> int:
@@ -112,7 +118,7 @@ class WeightRegion:
             self._cover()
             self._give_back(slabs)
             raise
-        self.slab_ids = slabs
+        self.slab_ids = slabs.astype(np.int64)  # signed: LENT marks a lent position
         return slabs
 
     def unback(self) -> None:
@@ -121,7 +127,60 @@ class WeightRegion:
             return
         self._cover()
         slabs, self.slab_ids = self.slab_ids, None
+        self._give_back(slabs[slabs != LENT])
+
+    # Lending parts of the range (layer streaming, issue #17). Positions are slab indexes in
+    # the range; a lent position's slab is FREE in the arena and its range inaccessible.
+
+    def lent_positions(self) -> list[int]:
+        return [] if self.slab_ids is None else np.flatnonzero(self.slab_ids == LENT).tolist()
+
+    def lend(self, positions: Sequence[int]) -> int:
+        """Give the slabs under `positions` back to the arena; returns how many were held
+        (positions already lent are skipped)."""
+        ids = self._backed_ids()
+        held = [p for p in positions if ids[p] != LENT]
+        for position in held:
+            self._cover(position, 1)
+        slabs = ids[held].copy()
+        ids[held] = LENT
         self._give_back(slabs)
+        return len(held)
+
+    def reclaim(self, positions: Sequence[int]) -> None:
+        """Take free slabs for the lent `positions` and map them there, all or none
+        (ArenaExhausted). Their bytes are whatever the slabs held: the caller restores them."""
+        ids = self._backed_ids()
+        lent = [p for p in positions if ids[p] == LENT]
+        if not lent:
+            return
+        slabs = carve_weight_slabs(self.table, self.slot, len(lent))
+        try:
+            self.alias(lent, slabs.tolist())
+        except OSError:
+            for position in lent:
+                self._cover(position, 1)
+            self._give_back(slabs)
+            raise
+        ids[lent] = slabs
+
+    def alias(self, positions: Sequence[int], slabs: Sequence[int]) -> None:
+        """Map arena slab `slabs[i]` (held by the caller) under lent position `positions[i]`:
+        how a layer streamer shows a slot buffer at the address of the layer it holds."""
+        for position, slab in zip(positions, slabs, strict=True):
+            _mmap(self.base + position * self.slab_bytes, self.slab_bytes, _PROT_RW,
+                  mmap.MAP_SHARED | _MAP_FIXED | MAP_POPULATE, self._fd,
+                  slab * self.slab_bytes)
+
+    def cover(self, positions: Sequence[int]) -> None:
+        """Make lent `positions` inaccessible again (undoes `alias`)."""
+        for position in positions:
+            self._cover(position, 1)
+
+    def _backed_ids(self) -> np.ndarray:
+        if self.slab_ids is None:
+            raise IntegrityError(f"weights of {self.runtime_id} are asleep: nothing to lend")
+        return self.slab_ids
 
     def tensor(self) -> Any:
         """A uint8 torch tensor over the whole range (valid while backed; never moves)."""
@@ -140,8 +199,9 @@ class WeightRegion:
         self.table.unregister(self.slot)
         os.close(self._fd)
 
-    def _cover(self) -> None:
-        _mmap(self.base, self.span_bytes, _PROT_NONE,
+    def _cover(self, first: int = 0, count: int | None = None) -> None:
+        count = self.num_slabs - first if count is None else count
+        _mmap(self.base + first * self.slab_bytes, count * self.slab_bytes, _PROT_NONE,
               mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
 
     def _give_back(self, slabs: np.ndarray) -> None:
@@ -188,6 +248,33 @@ def _tensor_over(mapped: mmap.mmap) -> Any:
     with warnings.catch_warnings():  # "not writable": it is only read
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
+def write_host_copy(region: WeightRegion, path: Path) -> None:
+    """Write the region's bytes (all resident) to `path`, whole or not at all."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    region.tensor().numpy().tofile(partial)
+    partial.replace(path)
+
+
+class HostCopyMapping:
+    """A host copy mapped read-only and populated, as a uint8 tensor (`tensor`), until closed:
+    the layer streamer reads its layers from it at every streamed layer."""
+
+    def __init__(self, path: Path, nbytes: int) -> None:
+        self._mapped: mmap.mmap | None = _map_read_only(path, nbytes)
+        self.tensor = _tensor_over(self._mapped)
+
+    def close(self) -> None:
+        if self._mapped is not None:
+            del self.tensor
+            self._mapped.close()
+            self._mapped = None
+
+
+def map_host_copy(path: Path, nbytes: int) -> HostCopyMapping:
+    return HostCopyMapping(path, nbytes)
 
 
 def copy_file_into(path: Path, dst: Any, chunk_bytes: int = PIN_CHUNK_BYTES) -> None:

@@ -18,9 +18,9 @@ import pytest
 from plugin_test_support import ScratchArena, arena_for, generate_http, kv_shape, prompts
 
 from fineslab.runtime import ServerProcess, ServerSpec, free_port
-from fineslab.sglang_plugin.memory_saver import host_copy_path
 from fineslab.slabs import check_integrity, snapshot
 from fineslab.slabs.formats import BlockFormat
+from fineslab.slabs.streamctl import host_copy_path
 
 pytestmark = pytest.mark.slow
 

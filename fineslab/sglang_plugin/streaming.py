@@ -1,0 +1,292 @@
+"""The layer streamer (issue #17): some decoder layers' weights lent to the arena as KV room,
+streamed back from the host copy just before each of them runs.
+
+A runtime with `FINESLAB_LAYER_STREAMING=1` has each decoder layer on whole slabs of its own
+(`LayerSpan`, laid out by weights.py). For the set S of streamed layers:
+
+    lend     layer l in S: its slabs go back to the arena (FREE: KV for anyone) and its range
+             becomes inaccessible (`WeightRegion.lend`)
+    slots    `slots` (1 or 2) slot buffers of the widest layer's slab count, taken from the
+             arena once S is not empty (they are weight slabs of this runtime)
+    stream   before layer l in S runs (a forward pre-hook): slot k = l's rank in S mod
+             `slots` is mapped under l's own addresses (`WeightRegion.alias`: the layer's
+             tensors never move), after the layer it held before is covered, and l's bytes
+             are copied in from the host copy; a slot that already holds l copies nothing
+    revert   layer l leaves S: slabs of its own are taken again (`reclaim`) and its bytes
+             restored from the host copy
+
+S changes only between forward passes: a pre-hook and a hook on the model bracket each pass
+with `lock`, and the watcher thread applies a new request (streamctl) under it. On CPU the copy
+is synchronous (correctness; its cost is the `streamed_bytes` the state reports, timed by
+bench.streaming); on a GPU it would run on a copy stream with an event before the layer's
+kernels, the overlap bench.hostlink measures (not built here).
+
+    arena gain == (lent layers' slabs - slot slabs) * slab_bytes    (StreamState.net_lent_bytes)
+    S empty    <=> no lent slab, no slot: the runtime holds exactly its weights' slabs
+    every layer's tensors: always at the same addresses; readable while the layer runs
+
+The host copy is written at start, from the resident weights (before anything is lent), and
+shared with the sleeper, which may not read lent layers' ranges.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fineslab.errors import ArenaExhausted, ConfigError
+from fineslab.sglang_plugin.weights import LayerSpan, decoder_layers, layers_owner
+from fineslab.slabs.streamctl import (
+    POLL_S,
+    StreamRequest,
+    StreamState,
+    read_request,
+    write_state,
+)
+from fineslab.slabs.weights import (
+    carve_weight_slabs,
+    map_host_copy,
+    release_weight_slabs,
+    write_host_copy,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class LayerStreamer:
+    """Streams a runtime's layers in S (module doc). Not thread-safe except through `lock`."""
+
+    def __init__(self, region: Any, spans: Sequence[LayerSpan], host_copy: Path,
+                 state_file: Path | None = None) -> None:
+        if not spans:
+            raise ConfigError("layer streaming: the model has no decoder layers named "
+                              "'layers.<i>' to stream")
+        self.region = region
+        self.spans = {span.layer: span for span in spans}
+        self.slab_bytes = region.slab_bytes
+        self.lock = threading.RLock()
+        self.state = StreamState()
+        self._state_file = state_file
+        self._slot_width = max(span.num_slabs for span in spans)
+        self._slots: list[list[int]] = []  # arena slab ids of each slot
+        self._slot_holds: list[int | None] = []  # the layer each slot is mapped under
+        if not host_copy.exists():
+            write_host_copy(region, host_copy)
+        self._host_mapping = map_host_copy(host_copy, region.nbytes)
+        self._host = self._host_mapping.tensor
+        self._pass_bytes = 0
+
+    @property
+    def streamed(self) -> tuple[int, ...]:
+        return tuple(self.state.layers)
+
+    # S, between forward passes (callers hold `lock`)
+
+    def apply(self, request: StreamRequest) -> None:
+        """Make S = request.layers with `request.slots` slots. ConfigError for layers the model
+        does not have; ArenaExhausted when the arena has no room for the slots or for a layer
+        coming back (S then stays as it was)."""
+        request.check_against(len(self.spans))
+        old, new = set(self.state.layers), set(request.layers)
+        had = len(self._slots)
+        try:
+            self._resize_slots(request.slots if new else 0)
+            self._revert(sorted(old - new))
+        except ArenaExhausted:
+            self._resize_slots(had if old else 0)  # shrinking takes nothing: cannot fail
+            raise
+        for layer in sorted(new - old):
+            self.region.lend(list(self.spans[layer].slabs))
+        self.state.layers = sorted(new)
+        self.state.slots = request.slots
+        self.state.seq = request.seq
+        self.state.error = None
+        self._account()
+        logger.info("fineslab: streaming layers %s of %r through %d slot(s): %d B lent, %d B "
+                    "in slots", self.state.layers, self.region.runtime_id, len(self._slots),
+                    self.state.lent_bytes, self.state.slot_bytes)
+
+    def _revert(self, layers: list[int]) -> None:
+        if not layers:
+            return
+        for k, held in enumerate(self._slot_holds):  # the slots may sit under these layers
+            if held in layers:
+                self.region.cover(list(self.spans[held].slabs))
+                self._slot_holds[k] = None
+        positions = [p for layer in layers for p in self.spans[layer].slabs]
+        self.region.reclaim(positions)
+        for layer in layers:
+            self._copy_in(self.spans[layer])
+
+    def _resize_slots(self, count: int) -> None:
+        while len(self._slots) > count:
+            held = self._slot_holds.pop()
+            if held is not None:
+                self.region.cover(list(self.spans[held].slabs))
+            release_weight_slabs(self.region.table, self.region.slot,
+                                 np.array(self._slots.pop(), dtype=np.int64),
+                                 self.region.runtime_id)
+        while len(self._slots) < count:
+            slabs = carve_weight_slabs(self.region.table, self.region.slot, self._slot_width)
+            self._slots.append(slabs.tolist())
+            self._slot_holds.append(None)
+
+    def _account(self) -> None:
+        self.state.lent_bytes = len(self.region.lent_positions()) * self.slab_bytes
+        self.state.slot_bytes = len(self._slots) * self._slot_width * self.slab_bytes
+
+    # streaming, inside a forward pass
+
+    def before_layer(self, layer: int) -> None:
+        """Put layer `layer`'s weights under its addresses if it is streamed."""
+        if layer not in self.spans or layer not in self.state.layers:
+            return
+        span = self.spans[layer]
+        k = self.state.layers.index(layer) % len(self._slots)
+        if self._slot_holds[k] == layer:
+            return
+        held = self._slot_holds[k]
+        if held is not None:
+            self.region.cover(list(self.spans[held].slabs))
+        self.region.alias(list(span.slabs), self._slots[k][:span.num_slabs])
+        self._slot_holds[k] = layer
+        start_s = time.perf_counter()
+        self._copy_in(span)
+        self.state.copy_seconds += time.perf_counter() - start_s
+        self._pass_bytes += span.end - span.start
+
+    def _copy_in(self, span: LayerSpan) -> None:
+        self.region.tensor()[span.start: span.end].copy_(self._host[span.start: span.end])
+
+    def begin_pass(self) -> None:
+        self.lock.acquire()
+        self._pass_bytes = 0
+
+    def end_pass(self) -> None:
+        try:
+            self.state.passes += 1
+            self.state.streamed_bytes += self._pass_bytes
+            self.state.streamed_bytes_last_pass = self._pass_bytes
+        finally:
+            self.lock.release()
+
+    # sleep and wake (the sleeper calls these under `lock`)
+
+    def before_sleep(self) -> None:
+        """Give the slots back; the lent layers stay lent (their slabs are the arena's)."""
+        self._resize_slots(0)
+
+    def after_wake(self) -> None:
+        """The wake mapped and restored every layer: lend S again. Without room for the slots
+        S stays empty (every layer resident: the runtime serves), and the state says why."""
+        layers, self.state.layers = self.state.layers, []
+        self._account()
+        if layers:
+            try:
+                self.apply(StreamRequest(tuple(layers), self.state.slots, self.state.seq))
+            except ArenaExhausted as exc:
+                self.state.error = f"after the wake, layers {layers} stay resident: {exc}"
+                logger.warning("fineslab: %s", self.state.error)
+        self.publish()
+
+    def publish(self) -> None:
+        if self._state_file is not None:
+            write_state(self._state_file, self.state)
+
+    def close(self) -> None:
+        self._host_mapping.close()
+
+
+def install_hooks(streamer: LayerStreamer, model: torch.nn.Module) -> list[Any]:
+    """Bracket each forward pass (the call of the module that holds the decoder layers) with the
+    streamer's lock, and stream each layer before it runs. Returns the hook handles.
+    SGLang's split prefill (`forward_split_prefill`, PD multiplexing on CUDA) calls the layers
+    without that module, so a pass there is not bracketed: not supported with streaming."""
+    owner = layers_owner(model)
+    handles = [owner.register_forward_pre_hook(lambda module, args: streamer.begin_pass()),
+               owner.register_forward_hook(lambda module, args, out: streamer.end_pass(),
+                                           always_call=True)]  # also when the pass raises
+    layers = decoder_layers(model)
+    for index, layer in layers.items():
+        handles.append(layer.register_forward_pre_hook(
+            lambda module, args, index=index: streamer.before_layer(index)))
+    return handles
+
+
+class RequestWatcher:
+    """A daemon thread that applies the runtime's stream request when it changes, and publishes
+    the state after each change and whenever forward passes moved its counters (both within
+    POLL_S; streamctl)."""
+
+    def __init__(self, streamer: LayerStreamer, request_file: Path) -> None:
+        self.streamer, self.request_file = streamer, request_file
+        self._seen: tuple[int, int] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fineslab-stream-watch",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self.poll()  # a request written before start applies before the first pass
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        published = -1
+        while not self._stop.wait(POLL_S):
+            try:
+                self.poll()
+                if self.streamer.state.passes != published:  # counters moved: publish them
+                    with self.streamer.lock:
+                        published = self.streamer.state.passes
+                        self.streamer.publish()
+            except Exception:  # the watcher must not die: the runtime serves on with S as is
+                logger.exception("fineslab: layer streaming request %s", self.request_file)
+
+    def poll(self) -> None:
+        try:
+            stat = self.request_file.stat()
+        except FileNotFoundError:
+            return
+        seen = (stat.st_mtime_ns, stat.st_size)
+        if seen == self._seen:
+            return
+        self._seen = seen
+        streamer = self.streamer
+        request: StreamRequest | None = None
+        with streamer.lock:
+            try:
+                request = read_request(self.request_file)
+                if request is not None and request.seq != streamer.state.seq:
+                    start_s = time.perf_counter()
+                    streamer.apply(request)
+                    logger.info("fineslab: stream request %d applied in %.4f s", request.seq,
+                                time.perf_counter() - start_s)
+            except (ConfigError, ArenaExhausted) as exc:
+                streamer.state.error = str(exc)
+                if request is not None:
+                    streamer.state.seq = request.seq
+                logger.warning("fineslab: stream request refused: %s", exc)
+            streamer.publish()
+
+
+def start_streaming(join: Any, region: Any, spans: Sequence[LayerSpan], model: torch.nn.Module,
+                    host_copy: Path) -> LayerStreamer:
+    """The runtime's streamer, its hooks on `model`, and the watcher of its request (a request
+    already written, e.g. by the launcher, applies before the first forward pass)."""
+    from fineslab.slabs.streamctl import request_path, state_path
+
+    streamer = LayerStreamer(region, spans, host_copy,
+                             state_path(join.arena_name, join.runtime_id))
+    install_hooks(streamer, model)
+    RequestWatcher(streamer, request_path(join.arena_name, join.runtime_id)).start()
+    streamer.publish()
+    return streamer

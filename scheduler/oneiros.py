@@ -1,0 +1,270 @@
+"""Oneiros policy (paper 000, sections 5.1 to 5.4): lend weight layers of models as KV cache.
+
+When a KV allocation on a device would fail, the device's models give up the GPU memory of some
+of their weight layers (the host keeps a full copy) and the KV pool grows by those bytes; a
+model with lent layers streams them back over the host link at every forward pass. This module
+decides only (no SGLang, no torch): which layers, how many, how they are streamed, and which
+go back once the borrowed KV is empty. The mechanism (arena, the copy engine) lives elsewhere.
+
+Glossary (one device):
+
+    n        layers of a model (`num_layers`)
+    alpha    its lent layers (`len(lent)`); their memory is KV now
+    beta     GPU slots its streamed layers rotate through (1 or 2); alpha + beta layers are
+             streamed per forward pass, n - alpha - beta stay resident
+    T_T      seconds to copy one layer host -> GPU (`layer_bytes / link bytes/s`, profiled)
+    T_c      seconds of compute of one layer in the current step (step compute / n)
+    cap      most layers a model may lend (< n: an inactive model must still cold-start its
+             prefill with most of its weights resident, section 5.2)
+
+Rules (section 5.2, and issue #17 item 2):
+
+    order     inactive models first, by ascending priority; among equal priorities the most
+              recently used first (MRU defers the reload to the model least likely to run next);
+              models of one rank lend round-robin, one layer at a time
+    active    an active model lends only after every inactive one reached its cap, and only
+              while its copies still hide under the compute of its current decode step:
+              `streaming(n, alpha, T_T, T_compute).step_s <= T_compute` (equation 4 or 5).
+              Section 5.3 writes T_T * alpha <= T_compute, but a step streams alpha + beta
+              layers (section 5.4), so that bound alone let a step run up to (alpha + 2) /
+              alpha times its compute (bug: active lending slowed every decode step)
+    layers    evenly spaced on the layer circle (section 5.4, equations 1 to 3), keeping the
+              layers already lent: each new layer is the one farthest (circularly) from those
+    revert    when lent KV is empty again, layers go back in the reverse order of lending
+
+Invariants: 0 <= alpha <= cap < n for every model; the lend order holds each (model, layer)
+at most once and exactly the lent layers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from fineslab.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """One model on the device, as the policy sees it (a snapshot)."""
+
+    name: str
+    priority: int  # lower lends first (the scheduler's order of future execution)
+    last_used_s: float
+    active: bool
+    num_layers: int
+    layer_bytes: int
+    lent: frozenset[int] = frozenset()
+    cap: int = 0  # most layers it may lend; 0 lends none
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 2 or self.layer_bytes < 1:
+            raise ConfigError(f"{self.name}: needs >= 2 layers of >= 1 B")
+        if not 0 <= self.cap < self.num_layers:
+            raise ConfigError(f"{self.name}: cap {self.cap} must be in [0, {self.num_layers})"
+                              " (a model is never lent whole)")
+        if len(self.lent) > self.cap or any(not 0 <= i < self.num_layers for i in self.lent):
+            raise ConfigError(f"{self.name}: lent layers {sorted(self.lent)} break the cap "
+                              f"{self.cap} or the range [0, {self.num_layers})")
+
+
+@dataclass(frozen=True)
+class LendPlan:
+    """New layers to lend, by model (sorted), and the order in which they were chosen."""
+
+    layers: dict[str, tuple[int, ...]]
+    order: tuple[tuple[str, int], ...]
+    lent_bytes: int
+    need_bytes: int
+
+    @property
+    def met(self) -> bool:
+        """True when the plan frees at least the bytes asked for."""
+        return self.lent_bytes >= self.need_bytes
+
+
+@dataclass(frozen=True)
+class Streaming:
+    """How a model with `alpha` lent layers streams: beta slots, and the step time they give."""
+
+    beta: int
+    step_s: float
+    copy_chain_s: float
+
+
+def cap_for(num_layers: int, layer_transfer_s: float, prefill_compute_s: float) -> int:
+    """Section 5.3: an inactive model's layers must stream in behind its cold-start prefill,
+    T_T * N <= T_compute(prefill); never the whole model (at most n - 1)."""
+    if layer_transfer_s <= 0:
+        raise ConfigError("layer_transfer_s must be positive")
+    return max(0, min(num_layers - 1, math.floor(prefill_compute_s / layer_transfer_s)))
+
+
+def next_even_layer(num_layers: int, taken: Iterable[int]) -> int:
+    """The layer farthest, around the layer circle, from every layer in `taken` (lowest index
+    among ties; layer 0 when none is taken).
+
+    Equation 3 bounds the hidden transfer by the smallest gap k_i between streamed layers;
+    placing each new layer in the middle of the widest gap keeps the gaps as even as lending
+    one layer at a time allows (exactly even when the count divides n as powers of two do).
+    """
+    chosen = set(taken)
+    if not chosen:
+        return 0
+
+    def gap(layer: int) -> int:
+        return min(min(abs(layer - c), num_layers - abs(layer - c)) for c in chosen)
+
+    free = [i for i in range(num_layers) if i not in chosen]
+    if not free:
+        raise ConfigError("every layer is taken")
+    return max(free, key=lambda i: (gap(i), -i))
+
+
+def evenly_spaced(num_layers: int, count: int, keep: Iterable[int] = ()) -> tuple[int, ...]:
+    """`count` layers on the circle of `num_layers`, including `keep` (sorted).
+
+    Nothing kept: exactly even, layer floor(i * n / count) for i < count (gaps differ by at
+    most one). Some kept: the rest are added one at a time by `next_even_layer`, since a layer
+    already lent stays where it is (moving it would cost a reload and a copy of its KV).
+    """
+    chosen = set(keep)
+    if count > num_layers or count < len(chosen):
+        raise ConfigError(f"cannot pick {count} of {num_layers} layers keeping {len(chosen)}")
+    if not chosen:
+        return tuple(i * num_layers // count for i in range(count))
+    while len(chosen) < count:
+        chosen.add(next_even_layer(num_layers, chosen))
+    return tuple(sorted(chosen))
+
+
+def _ranks(models: Sequence[ModelState]) -> list[list[ModelState]]:
+    """Inactive models grouped by priority (ascending), MRU first within a group; then the
+    active models as the last group."""
+    inactive = sorted((m for m in models if not m.active),
+                      key=lambda m: (m.priority, -m.last_used_s, m.name))
+    groups: list[list[ModelState]] = []
+    for m in inactive:
+        if groups and groups[-1][0].priority == m.priority:
+            groups[-1].append(m)
+        else:
+            groups.append([m])
+    active = sorted((m for m in models if m.active), key=lambda m: (-m.last_used_s, m.name))
+    return groups + ([active] if active else [])
+
+
+def _room(m: ModelState, count: int, layer_transfer_s: Mapping[str, float],
+          step_compute_s: Mapping[str, float]) -> bool:
+    """May `m` lend one more layer when it has `count` lent? An active one only while the
+    copies of count + 1 lent layers (and their beta slots) still hide under its compute."""
+    if count >= m.cap:
+        return False
+    if not m.active:
+        return True
+    compute_s = step_compute_s.get(m.name, 0.0)
+    if compute_s <= 0:
+        return False
+    return streaming(m.num_layers, count + 1, layer_transfer_s[m.name],
+                     compute_s).step_s <= compute_s
+
+
+def plan_lending(models: Sequence[ModelState], need_bytes: int,
+                 layer_transfer_s: Mapping[str, float],
+                 step_compute_s: Mapping[str, float] | None = None) -> LendPlan:
+    """The layers to lend so that `need_bytes` more KV fit (fewer when the caps run out: see
+    `LendPlan.met`). `layer_transfer_s` is T_T by model; `step_compute_s` the compute time
+    of the current decode step of each active model (absent: it lends nothing; section 5.3
+    takes an active model's T_compute from decode, never from a prefill)."""
+    compute = step_compute_s or {}
+    counts = {m.name: 0 for m in models}
+    turns: list[str] = []  # the round-robin order of the new layers, by model
+    freed = 0
+    for group in _ranks(models):
+        while freed < need_bytes:
+            progressed = False
+            for m in group:
+                if freed >= need_bytes or not _room(m, len(m.lent) + counts[m.name],
+                                                    layer_transfer_s, compute):
+                    continue
+                counts[m.name] += 1
+                turns.append(m.name)
+                freed += m.layer_bytes
+                progressed = True
+            if not progressed:
+                break
+    layers: dict[str, tuple[int, ...]] = {}
+    for m in models:
+        if counts[m.name]:
+            spaced = evenly_spaced(m.num_layers, len(m.lent) + counts[m.name], m.lent)
+            layers[m.name] = tuple(i for i in spaced if i not in m.lent)
+    taken = {name: iter(ls) for name, ls in layers.items()}
+    order = tuple((name, next(taken[name])) for name in turns)
+    return LendPlan(layers, order, freed, need_bytes)
+
+
+def plan_reversion(lend_order: Sequence[tuple[str, int]], layer_bytes: Mapping[str, int],
+                   empty_bytes: int) -> tuple[tuple[str, int], ...]:
+    """The lent layers that go back when `empty_bytes` of the lent KV are empty: the latest
+    lent first, as many as those bytes cover whole (dynamic reversion, section 7.6.1)."""
+    back: list[tuple[str, int]] = []
+    left = empty_bytes
+    for name, layer in reversed(lend_order):
+        if layer_bytes[name] > left:
+            break
+        back.append((name, layer))
+        left -= layer_bytes[name]
+    return tuple(back)
+
+
+def streaming(num_layers: int, alpha: int, layer_transfer_s: float,
+              step_compute_s: float) -> Streaming:
+    """Beta and the step time of a model with `alpha` lent layers (section 5.4).
+
+    With T_c = step_compute_s / n, one shared slot (beta = 1) serialises each of the alpha + 1
+    streamed layers' copy with its compute, equation 4 holding when
+        T_T * (alpha + 1) <= T_c * (n - alpha - 1)                                      (4)
+    and the step lasting max(n T_c, (alpha + 1)(T_T + T_c)); two slots (beta = 2, double
+    buffering) let a copy run under the previous layer's compute, equation 5 holding when
+        T_T * (alpha + 2) <= T_c * n                                                    (5)
+    and the step lasting max(n T_c, (alpha + 2) T_T). Beta is 1 while equation 4 holds (the
+    least traffic), else the beta of the shorter step (2 whenever equation 5 holds). Each
+    equation holds exactly when its step time equals the compute: the copies hide.
+    """
+    if alpha == 0:
+        return Streaming(1, step_compute_s, 0.0)
+    if not 0 < alpha < num_layers:
+        raise ConfigError(f"alpha {alpha} must be in [0, {num_layers})")
+    t_c = step_compute_s / num_layers
+    one = (alpha + 1) * (layer_transfer_s + t_c)
+    two = (alpha + 2) * layer_transfer_s
+    if one <= step_compute_s or one <= two:
+        return Streaming(1, max(step_compute_s, one), one)
+    return Streaming(2, max(step_compute_s, two), two)
+
+
+@dataclass
+class LendingLedger:
+    """One device's lent layers in lending order (mutable; the simulator and the live
+    controller keep one per device). Applies plans and reversions, and reports them."""
+
+    order: list[tuple[str, int]] = field(default_factory=list)
+
+    def lent_of(self, name: str) -> frozenset[int]:
+        return frozenset(layer for n, layer in self.order if n == name)
+
+    def apply(self, plan: LendPlan) -> None:
+        held = set(self.order)
+        if any(pair in held for pair in plan.order):
+            raise ConfigError("plan lends a layer already lent")
+        self.order.extend(plan.order)
+
+    def revert(self, back: Sequence[tuple[str, int]]) -> None:
+        expected = list(reversed(self.order[len(self.order) - len(back):]))
+        if list(back) != expected:
+            raise ConfigError("reversion must undo the latest lending first")
+        del self.order[len(self.order) - len(back):]
+
+    def with_lent(self, models: Sequence[ModelState]) -> list[ModelState]:
+        """`models` with their lent sets as this ledger holds them."""
+        return [replace(m, lent=self.lent_of(m.name)) for m in models]

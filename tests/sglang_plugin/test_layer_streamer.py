@@ -1,0 +1,186 @@
+"""The layer streamer's mechanism (issue #17) on a small torch model with decoder layers named
+`layers.<i>` and one module shared by every layer (as SGLang shares its rotary embedding):
+real shared memory, real mmap, the real slab table. The SGLang runtime tests are in
+test_plugin_streaming.py."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from fineslab.errors import ArenaExhausted, ConfigError
+from fineslab.sglang_plugin.streaming import LayerStreamer, install_hooks
+from fineslab.sglang_plugin.weights import SHARED, collect, move_into_region
+from fineslab.slabs import snapshot
+from fineslab.slabs.arena import ArenaSpec, SlabArena
+from fineslab.slabs.streamctl import StreamRequest
+from fineslab.slabs.weights import WeightRegion
+
+SLAB = 64 * 1024
+WIDTH = 96  # one layer: 2 * 96 * 96 * 4 B = 72 KiB: two slabs
+
+
+class Shared(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.linspace(0.5, 1.5, WIDTH), persistent=False)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, shared: Shared) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(WIDTH, WIDTH, bias=False)
+        self.down = torch.nn.Linear(WIDTH, WIDTH, bias=False)
+        self.rotary = shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x))) * self.rotary.table
+
+
+class Toy(torch.nn.Module):
+    def __init__(self, num_layers: int = 4) -> None:
+        super().__init__()
+        shared = Shared()
+        self.embed = torch.nn.Embedding(50, WIDTH)
+        self.layers = torch.nn.ModuleList(Block(shared) for _ in range(num_layers))
+        self.head = torch.nn.Linear(WIDTH, 50, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+@pytest.fixture()
+def arena(tmp_path: Path):  # type: ignore[no-untyped-def]
+    spec = ArenaSpec("ls", "cpu0", 40 * SLAB, SLAB, 64, max_runtimes=4)
+    with SlabArena.create(spec, shm_dir=tmp_path) as created:
+        yield created
+
+
+def _streamed_toy(arena: SlabArena, tmp_path: Path) -> tuple[Toy, LayerStreamer]:
+    torch.manual_seed(0)
+    model = Toy()
+
+    def make(nbytes: int) -> WeightRegion:
+        region = WeightRegion(arena.table, arena.paths.data, "toy", nbytes)
+        region.back()
+        return region
+
+    region, moved = move_into_region(model, make, slab_bytes=SLAB)
+    streamer = LayerStreamer(region, moved.layers, tmp_path / "toy.weights")
+    install_hooks(streamer, model)
+    return model, streamer
+
+
+def _free_slabs(arena: SlabArena) -> int:
+    return snapshot(arena.table).free_slabs
+
+
+def test_layers_get_whole_slabs_of_their_own_and_a_shared_module_stays_shared(
+        arena: SlabArena, tmp_path: Path) -> None:
+    model, streamer = _streamed_toy(arena, tmp_path)
+    spans = sorted(streamer.spans.values(), key=lambda s: s.layer)
+    assert [s.layer for s in spans] == [0, 1, 2, 3]
+    for before, after in itertools.pairwise(spans):
+        assert before.first_slab + before.num_slabs <= after.first_slab, "no slab shared"
+        assert after.start == after.first_slab * SLAB, "each layer starts on a slab"
+    table_group = [g for g in collect(model) if any(t is model.layers[0].rotary.table
+                                                    for t in g.tensors)]
+    assert table_group and table_group[0].layer == SHARED, "held by every layer: not lent"
+    streamer.close()
+
+
+@pytest.mark.parametrize(("layers", "slots"), [((1, 3), 1), ((1, 3), 2), ((3,), 1),
+                                              ((0, 1, 2), 1), ((0, 2), 2)])
+def test_streamed_output_is_identical_and_the_arena_gains_the_lent_bytes_exactly(
+        arena: SlabArena, tmp_path: Path, layers: tuple[int, ...], slots: int) -> None:
+    model, streamer = _streamed_toy(arena, tmp_path)
+    ids = torch.tensor([1, 7, 42, 3])
+    with torch.no_grad():
+        before = model(ids)
+    free_before = _free_slabs(arena)
+    with streamer.lock:
+        streamer.apply(StreamRequest(layers, slots))
+    gained = (_free_slabs(arena) - free_before) * SLAB
+    width = max(s.num_slabs for s in streamer.spans.values())
+    lent = sum(streamer.spans[i].num_slabs for i in layers) * SLAB
+    assert streamer.state.lent_bytes == lent
+    assert streamer.state.slot_bytes == slots * width * SLAB
+    assert gained == streamer.state.net_lent_bytes, "the table shows exactly what was lent"
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(ids), before), "bit-identical while streaming"
+    layer_bytes = {i: streamer.spans[i].end - streamer.spans[i].start for i in layers}
+    expect_last = 0 if len(layers) <= slots else sum(layer_bytes.values())
+    assert streamer.state.streamed_bytes_last_pass == expect_last, (
+        "each streamed layer copied once a pass; none when every one has a slot of its own")
+    with streamer.lock:
+        streamer.apply(StreamRequest((), slots))
+    assert _free_slabs(arena) == free_before, "reversion gives every lent byte back"
+    assert streamer.state.lent_bytes == 0 and streamer.state.slot_bytes == 0
+    with torch.no_grad():
+        assert torch.equal(model(ids), before)
+    streamer.close()
+
+
+def test_without_the_copy_in_a_streamed_layer_computes_with_another_layers_weights(
+        arena: SlabArena, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The negative control of 'identical': S = {1, 3} through one slot, and the copy from the
+    host copy skipped. Layer 3 then runs on the bytes layer 1 left in the slot, and the output
+    differs: the test above would catch a streamer that maps but does not copy."""
+    model, streamer = _streamed_toy(arena, tmp_path)
+    ids = torch.tensor([1, 2, 9])
+    with torch.no_grad():
+        before = model(ids)
+    with streamer.lock:
+        streamer.apply(StreamRequest((1, 3), 1))
+    with torch.no_grad():
+        model(ids)  # the slot now holds layer 3's bytes, under layer 3
+        monkeypatch.setattr(streamer, "_copy_in", lambda span: None)
+        assert not torch.equal(model(ids), before)
+    assert streamer._slot_holds == [3], "the slot sits under the last streamed layer"
+    streamer.close()
+
+
+def test_requests_the_model_cannot_take_are_refused_and_change_nothing(
+        arena: SlabArena, tmp_path: Path) -> None:
+    _, streamer = _streamed_toy(arena, tmp_path)
+    free_before = _free_slabs(arena)
+    with streamer.lock:
+        with pytest.raises(ConfigError, match="do not exist"):
+            streamer.apply(StreamRequest((4,), 1))
+        with pytest.raises(ConfigError, match="at least one stays resident"):
+            streamer.apply(StreamRequest((0, 1, 2, 3), 1))
+    with pytest.raises(ConfigError, match="slots 3"):
+        StreamRequest((1,), 3)
+    with pytest.raises(ConfigError, match="repeated"):
+        StreamRequest((1, 1), 1)
+    assert _free_slabs(arena) == free_before and streamer.streamed == ()
+    streamer.close()
+
+
+def test_reversion_without_room_is_refused_and_keeps_the_layers_lent(
+        arena: SlabArena, tmp_path: Path) -> None:
+    model, streamer = _streamed_toy(arena, tmp_path)
+    ids = torch.tensor([5, 6])
+    with torch.no_grad():
+        before = model(ids)
+    with streamer.lock:
+        streamer.apply(StreamRequest((0, 2), 1))
+    filler = WeightRegion(arena.table, arena.paths.data, "filler", _free_slabs(arena) * SLAB)
+    filler.back()
+    with streamer.lock, pytest.raises(ArenaExhausted):
+        streamer.apply(StreamRequest((), 1))
+    assert streamer.streamed == (0, 2), "S as it was"
+    with torch.no_grad():
+        assert torch.equal(model(ids), before), "and it still computes"
+    filler.close()
+    with streamer.lock:
+        streamer.apply(StreamRequest((), 1))
+    assert streamer.streamed == ()
+    streamer.close()
