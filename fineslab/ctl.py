@@ -99,16 +99,24 @@ def limit_text(limits: dict[str, int | None] | None) -> str:
         values, key=lambda v: -1 if v is None else v))
 
 
+def streaming_text(streaming: dict[str, dict[str, Any]] | None) -> str:
+    """A model's lent layers for a table cell: `[1, 3] 4.0 MiB` per runtime, `-` for none."""
+    cells = [f"{s['layers']} {human_bytes(s['lent_bytes'])}" for s in (streaming or {}).values()
+             if s.get("layers")]
+    return "; ".join(cells) or "-"
+
+
 def _table(models: list[dict[str, Any]]) -> str:
     rows = [[m["model"], m["state"], "yes" if m.get("elastic") else "no",
              "pinned" if m.get("pinned") else (m.get("idle_timeout_s") or "-"),
              m.get("idle_for_s", "-"), m.get("weight_slabs") or "-",
-             limit_text(m.get("kv_limits")),
+             limit_text(m.get("kv_limits")), streaming_text(m.get("streaming")),
              m.get("sleeps", "-"), m.get("wakes", "-"), m.get("evictions", "-"),
              "-" if m.get("last_wake_s") is None else f"{m['last_wake_s']:.3f}"]
             for m in models]
     return format_table(["model", "state", "elastic", "idle timeout s", "idle for s",
-                         "weight slabs", "KV limit", "sleeps", "wakes", "evictions",
+                         "weight slabs", "KV limit", "layers lent", "sleeps", "wakes",
+                         "evictions",
                          "last wake s"], rows)
 
 

@@ -27,6 +27,9 @@ rules that span fields (unique names, KV dtype vs activation dtype, precision pe
         profile: null               # a profile name or file; null: <preset>--<precision>--<kind>
         extra_args: []              # more SGLang arguments (not those precision/kv_dtype set)
         env: {}                     # more environment for the runtime (e.g. OMP_NUM_THREADS)
+        idle_timeout_s: null        # elastic: sleeps when idle this long (or pinned: true)
+        layer_streaming: null       # {policy: selectn, interval: 4} or {policy: oneiros,
+                                    #   cap: 2, priority: 0} (docs/streaming.md)
     supervision: {probe_interval_s: 5, probe_timeout_s: 20, probe_failures: 2,
                   backoff_max_s: 60, stable_after_s: 300, health_timeout_s: 600}
 """
@@ -82,6 +85,19 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class StreamingConfig:
+    """A model's layer streaming (docs/streaming.md): `selectn` streams the last layer of every
+    `interval` from the start; `oneiros` lends up to `cap` layers when a neighbour on its
+    device runs out of KV (lower `priority` lends first) and takes them back when it is over."""
+
+    policy: str
+    interval: int | None = None
+    cap: int | None = None
+    priority: int = 0
+    slots: int = 1
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str
     model_path: str | None
@@ -100,10 +116,21 @@ class ModelConfig:
     #: idle one sleeps after `idle_timeout_s`; a pinned one sleeps only when asked (`ctl`).
     idle_timeout_s: float | None = None
     pinned: bool = False
+    layer_streaming: StreamingConfig | None = None
 
     @property
     def elastic(self) -> bool:
         return self.idle_timeout_s is not None or self.pinned
+
+    @property
+    def weights_in_arena(self) -> bool:
+        """Elastic and streaming models keep their weights in arena slabs."""
+        return self.elastic or self.layer_streaming is not None
+
+    @property
+    def always_awake(self) -> bool:
+        """Never put to sleep by the fleet: pinned, or weights in the arena without sleeping."""
+        return self.pinned or not self.elastic
 
     @property
     def activation_dtype(self) -> str:
@@ -204,6 +231,25 @@ class _Router(_Strict):
     max_body_mib: float = Field(default=4.0, ge=0.01, le=1024)
 
 
+class _Streaming(_Strict):
+    policy: Literal["selectn", "oneiros"]
+    interval: int | None = Field(default=None, ge=2)
+    cap: int | None = Field(default=None, ge=1)
+    priority: int = 0
+    slots: Literal[1, 2] = 1
+
+    @model_validator(mode="after")
+    def _policy_fields(self) -> _Streaming:
+        if self.policy == "selectn" and self.interval is None:
+            raise ValueError("selectn streams the last layer of every `interval` layers: give "
+                             "interval (>= 2)")
+        if self.policy == "selectn" and self.cap is not None:
+            raise ValueError("`cap` is oneiros': selectn's `interval` decides its layers")
+        if self.policy == "oneiros" and self.interval is not None:
+            raise ValueError("`interval` is selectn's: oneiros lends up to `cap` layers")
+        return self
+
+
 class _Model(_Strict):
     name: str = Field(pattern=_NAME)
     path: str | None = None
@@ -220,6 +266,7 @@ class _Model(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     idle_timeout_s: float | None = Field(default=None, gt=0, le=7 * 86400)
     pinned: bool = False
+    layer_streaming: _Streaming | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> _Model:
@@ -271,7 +318,9 @@ def _to_dataclasses(fleet: _Fleet, source: str, base_dir: Path) -> FleetConfig:
         ModelConfig(m.name, _resolve_path(m.path, base_dir), m.preset, m.precision, m.kv_dtype,
                     m.tp, m.ttft_slo_s, m.request_rate_per_s, m.replicas, m.profile,
                     m.max_running_requests, tuple(m.extra_args), tuple(sorted(m.env.items())),
-                    m.idle_timeout_s, m.pinned)
+                    m.idle_timeout_s, m.pinned,
+                    None if m.layer_streaming is None
+                    else StreamingConfig(**m.layer_streaming.model_dump()))
         for m in fleet.models)
     r = fleet.router
     router = RouterConfig(r.host, r.port, r.api_key_env, r.on_drop, r.drop_status,
@@ -324,6 +373,13 @@ def _model_problems(model: ModelConfig, config: FleetConfig) -> list[str]:
     names = sorted(k for k, _ in model.env if k.startswith(RESERVED_ENV_PREFIXES))
     if names:
         problems.append(f"env may not set {names}: the launcher sets them")
+    if model.layer_streaming is not None:
+        if config.kv_pool != "arena":
+            problems.append("layer streaming lends weight slabs to the slab arena; use "
+                            "kv_pool: arena")
+        if (model.replicas or 1) > 1:
+            problems.append("a streaming model runs one replica in this version; set "
+                            "replicas: 1")
     if model.elastic:
         if config.kv_pool != "arena":
             problems.append("an elastic model (idle_timeout_s or pinned) keeps its weights in "

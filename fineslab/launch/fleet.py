@@ -29,13 +29,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from fineslab.env import WEIGHTS_DIR_VAR
 from fineslab.errors import ConfigError, EnvironmentSetupError
 from fineslab.launch.leftovers import RunRecord, sweep
-from fineslab.launch.plan import FleetPlan, RuntimePlan, arena_device, weight_slabs
+from fineslab.launch.lending import Lender, start_lender, stream_states, write_selectn_requests
+from fineslab.launch.plan import FleetPlan, RuntimePlan, arena_device, runtime_weight_slabs
 from fineslab.launch.reclaim import CacheReclaimer
 from fineslab.launch.runtimes import server_spec
 from fineslab.launch.supervisor import SupervisedRuntime, Supervisor
@@ -47,6 +48,7 @@ from fineslab.router.server import bind_router_socket
 from fineslab.runtime import ServerSpec
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
 from fineslab.slabs import ArenaSpec, SlabArena, TableSnapshot, snapshot
+from fineslab.slabs.streamctl import StreamState
 from fineslab.slabs.table import SlabTable
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,7 @@ class Fleet:
         self.prepared: dict[str, PrecisionRuntime] = {}  # by model name
         self.supervisor: Supervisor | None = None
         self.reclaimer: CacheReclaimer | None = None
+        self.lender: Lender | None = None
         self.router: Router | None = None
         self.server: RouterServer | None = None
         self.record: RunRecord | None = None
@@ -120,6 +123,7 @@ class Fleet:
             self.weights_dir = Path(tempfile.mkdtemp(prefix=f"fineslab-{config.fleet_id}-weights-"))
             if self.record is not None:
                 self.record.note_folder(self.weights_dir)  # swept if this launcher is killed
+            write_selectn_requests(self.plan, self.weights_dir)
         runtimes = [SupervisedRuntime(r, self._server_spec(r), self.log_dir / f"{r.runtime_id}.log")
                     for r in self.plan.runtimes]
         self.supervisor = Supervisor(runtimes, on_down=self._runtime_down,
@@ -134,7 +138,8 @@ class Fleet:
         # Routes only now: a runtime whose port was taken at start-up runs on a fresh one.
         router = self.router = Router(self._routes(runtimes), self._settings(),
                                       slabs=self.slab_snapshots, elastic=self._elastic(asleep),
-                                      kv_limits=self._kv_limits())
+                                      kv_limits=self._kv_limits(),
+                                      streaming=self._stream_states)
         for r in runtimes:
             router.mark_up(r.plan.runtime_id, self.supervisor.pid_of(r.plan.runtime_id))
         self.server = RouterServer(router, config.router.host, self.port,
@@ -149,6 +154,7 @@ class Fleet:
             self.reclaimer = CacheReclaimer(devices, lambda d: self.slab_snapshots().get(d),
                                             router.demand, self.runtime_url)
             self.reclaimer.start()
+            self.lender = self._lender(self.reclaimer, router.demand)
         self.progress(f"router serving {[m.name for m in config.models]} on "
                       f"{self.server.base_url}/v1")
         self._ready = True
@@ -167,7 +173,7 @@ class Fleet:
         """The elastic models' manager (fineslab.router.elastic), None when there are none;
         `asleep`: the runtimes that started asleep, with their weight slabs."""
         specs = [ElasticSpec(r.model.name, r.runtime_id, r.device.name, r.model.idle_timeout_s,
-                             r.model.pinned) for r in self.plan.runtimes if r.weights_in_arena]
+                             r.model.pinned) for r in self.plan.runtimes if r.model.elastic]
         if not specs:
             return None
         return Elastic(specs, ArenaView(self._free_slabs, self._weight_slabs, self._set_asleep),
@@ -184,7 +190,7 @@ class Fleet:
             wave: list[RuntimePlan] = []
             free = {d: self._free_slabs(d) or 0 for d in self.arenas}
             for r in waiting:
-                need = weight_slabs(Path(r.model_dir), self.arenas[r.device.name].spec.slab_bytes)
+                need = runtime_weight_slabs(r, self.arenas[r.device.name].spec.slab_bytes)
                 if not wave or need <= free[r.device.name]:
                     wave.append(r)
                     free[r.device.name] -= need
@@ -214,6 +220,16 @@ class Fleet:
                     f"log: {self.log_dir / (runtime_id + '.log')}") from exc
         self.progress(f"runtime {runtime_id} asleep: {held} weight slab(s) back to the arena")
         return held
+
+    def _lender(self, reclaimer: CacheReclaimer, demand: Callable[[], Mapping[str, int]]
+                ) -> Lender | None:
+        if self.weights_dir is None:
+            return None
+        return start_lender(self.plan, self.weights_dir, lambda d: self.slab_snapshots().get(d),
+                            lambda d: reclaimer.pressed.get(d, False), demand)
+
+    def _stream_states(self) -> dict[str, StreamState]:
+        return stream_states(self.plan, self.weights_dir) if self.weights_dir else {}
 
     def _kv_limits(self) -> KVLimits | None:
         """The slab tables' KV limits for the router's admin API (None without an arena)."""
@@ -359,7 +375,7 @@ class Fleet:
         if not plan.weights_in_arena or router is None or router.elastic is None \
                 or router.loop is None or arena is None:
             return
-        need = weight_slabs(Path(plan.model_dir), arena.spec.slab_bytes)
+        need = runtime_weight_slabs(plan, arena.spec.slab_bytes)
         if (self._free_slabs(plan.device.name) or 0) >= need:
             return
         self.progress(f"making room for {plan.runtime_id}'s weights ({need} slabs) before its "
@@ -386,6 +402,9 @@ class Fleet:
 
     def stop(self) -> None:
         self._stopping.set()
+        if self.lender is not None:
+            self.lender.stop()
+            self.lender = None
         if self.reclaimer is not None:
             self.reclaimer.stop()
             self.reclaimer = None

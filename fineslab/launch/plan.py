@@ -72,8 +72,9 @@ class RuntimePlan:
 
     @property
     def weights_in_arena(self) -> bool:
-        """An elastic model's weights live in weight slabs of the arena (docs/elastic.md)."""
-        return self.model.elastic
+        """Elastic and streaming models' weights live in weight slabs of the arena
+        (docs/elastic.md, docs/streaming.md)."""
+        return self.model.weights_in_arena
 
     @property
     def prepare_device(self) -> str:
@@ -133,11 +134,11 @@ class FleetPlan:
                  r.model.resolved_kv_dtype, r.page_size or "-", *self._block_cells(r),
                  "key pool" if r.key_pool else "own" if r.page_size else "-",
                  f"{self.profiles[r.model.name].source}", r.serving, _sleeps_cell(r),
-                 r.model_dir]
+                 _streams_cell(r), r.model_dir]
                 for r in self.runtimes]
         text += ["runtimes", format_table(
             ["runtime", "model", "device", "precision", "kv", "page", "block_B", "padding",
-             "slabs", "profile", "serves", "sleeps", "path"], rows)]
+             "slabs", "profile", "serves", "sleeps", "streams", "path"], rows)]
         if any(r.serving != "source ckpt" for r in self.runtimes):
             text.append(f"quantized checkpoints and KV scales: prepared at start in "
                         f"{self.prepared_dir} (reused while the source is unchanged)")
@@ -154,6 +155,20 @@ def _sleeps(model: ModelConfig) -> str:
 
 def _sleeps_cell(runtime: RuntimePlan) -> str:
     return _sleeps(runtime.model) + (", starts asleep" if runtime.starts_asleep else "")
+
+
+def _streams_cell(runtime: RuntimePlan) -> str:
+    """Layer streaming (docs/streaming.md): Select-N's layers, Oneiros' cap, or "-"."""
+    streaming = runtime.model.layer_streaming
+    if streaming is None:
+        return "-"
+    if streaming.policy == "selectn" and streaming.interval is not None:
+        from fineslab.scheduler.selectn import offload_layers
+
+        layers = offload_layers(num_layers(Path(runtime.model_dir)), streaming.interval)
+        return f"selectn i={streaming.interval}: layers {layers}"
+    cap = "half the layers" if streaming.cap is None else f"{streaming.cap} layers"
+    return f"oneiros: lends up to {cap} under KV pressure"
 
 
 def arena_device(device: DeviceConfig) -> str:
@@ -249,10 +264,26 @@ def checkpoint_bytes(model_dir: Path) -> int:
                for f in model_dir.glob(pattern))
 
 
-def weight_slabs(model_dir: Path, slab_bytes: int) -> int:
-    """Weight slabs the arena sets aside for an elastic runtime of this checkpoint: its bytes
-    with WEIGHT_MARGIN for the region's alignment, whole slabs, and one more."""
-    return -(-int(checkpoint_bytes(model_dir) * (1 + WEIGHT_MARGIN)) // slab_bytes) + 1
+def num_layers(model_dir: Path) -> int:
+    """The checkpoint's decoder layers (`num_hidden_layers` of its config.json; 0 unknown)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    return int(config.get("num_hidden_layers") or config.get("text_config", {}).get(
+        "num_hidden_layers", 0))
+
+
+def weight_slabs(model_dir: Path, slab_bytes: int, layer_aligned: bool = False) -> int:
+    """Weight slabs the arena sets aside for an elastic or streaming runtime of this checkpoint:
+    its bytes with WEIGHT_MARGIN for the region's alignment, whole slabs, and one more; with
+    `layer_aligned` (streaming: each layer starts a slab) one more per layer."""
+    slabs = -(-int(checkpoint_bytes(model_dir) * (1 + WEIGHT_MARGIN)) // slab_bytes) + 1
+    return slabs + (num_layers(model_dir) if layer_aligned else 0)
+
+
+def runtime_weight_slabs(plan: RuntimePlan, slab_bytes: int) -> int:
+    return weight_slabs(Path(plan.model_dir), slab_bytes, plan.model.layer_streaming is not None)
 
 
 def _arena_for(device: DeviceConfig, runtimes: list[RuntimePlan], fixed_bytes: int,
@@ -284,20 +315,22 @@ def _weight_room(device: DeviceConfig, elastic: list[RuntimePlan], slab_bytes: i
     pinned models are awake (they must fit), then the others in config order while they fit;
     the rest start asleep. Each of those starts after the awake ones, loads into the free
     slabs (the KV budget is empty then) and sleeps at once, so it must fit there."""
-    need = {r.runtime_id: weight_slabs(Path(r.model_dir), slab_bytes) for r in elastic}
+    need = {r.runtime_id: runtime_weight_slabs(r, slab_bytes) for r in elastic}
     if device.weights_arena_bytes is None:
         return sum(need.values()), set()
     room = device.weights_arena_bytes // slab_bytes
     awake, asleep, used = [], set(), 0
-    for r in sorted(elastic, key=lambda r: not r.model.pinned):  # stable: config order
+    for r in sorted(elastic, key=lambda r: not r.model.always_awake):  # stable: config order
         if used + need[r.runtime_id] <= room:
             awake.append(r)
             used += need[r.runtime_id]
-        elif r.model.pinned:
+        elif r.model.always_awake:
+            kind = "pinned" if r.model.pinned else "never-sleeping (streaming)"
             raise ConfigError(
-                f"device {device.name}: pinned model {r.model.name} needs {need[r.runtime_id]} "
-                f"weight slab(s) but weights_arena_mib leaves {room - used} after the other "
-                "pinned models; raise weights_arena_mib or unpin a model")
+                f"device {device.name}: {kind} model {r.model.name} needs "
+                f"{need[r.runtime_id]} weight slab(s) but weights_arena_mib leaves "
+                f"{room - used} after the other models that are always awake; raise "
+                "weights_arena_mib or unpin a model")
         else:
             asleep.add(r.runtime_id)
     free_at_start = kv_slabs + room - used
@@ -388,14 +421,16 @@ def make_plan(config: FleetConfig, cache_dir: str | None = None, *,
         runtimes.append(RuntimePlan(f"{model.name}-r{index}", model,
                                     str(model_dirs[model.name]), index, device, None))
     for model in config.models:
-        if model.elastic and any(r.model.name == model.name and not r.device.is_cpu
-                                 for r in runtimes):
-            raise ConfigError(f"model {model.name}: elastic models (idle_timeout_s, pinned) run "
-                              "on CPU devices only in this version: the CUDA path that loads "
-                              "weights into the arena is not built (docs/elastic.md)")
-        if model.elastic and sum(r.model.name == model.name for r in runtimes) > 1:
-            raise ConfigError(f"model {model.name}: the placer gave an elastic model several "
-                              "replicas; elastic models run one in this version (replicas: 1)")
+        kind = "elastic models (idle_timeout_s, pinned)" if model.elastic else \
+            "streaming models (layer_streaming)"
+        if model.weights_in_arena and any(r.model.name == model.name and not r.device.is_cpu
+                                          for r in runtimes):
+            raise ConfigError(f"model {model.name}: {kind} run on CPU devices only in this "
+                              "version: the CUDA path that loads weights into the arena is not "
+                              "built (docs/elastic.md)")
+        if model.weights_in_arena and sum(r.model.name == model.name for r in runtimes) > 1:
+            raise ConfigError(f"model {model.name}: the placer gave one of the {kind} several "
+                              "replicas; they run one in this version (replicas: 1)")
     plan = FleetPlan(config, devices, profiles, placement, (), tuple(runtimes),
                      str(prepared_dir or Path(cache_dir) / "prepared"))
     return _with_arenas(plan, page_sizes)

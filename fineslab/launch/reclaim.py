@@ -57,6 +57,8 @@ class CacheReclaimer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.flushes = 0
+        #: per device, whether the last round found it pressed (the layer lender reads it)
+        self.pressed: dict[str, bool] = {}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="fineslab-reclaim", daemon=True)
@@ -87,7 +89,8 @@ class CacheReclaimer:
             stalled = [r for r in runtime_ids if self._stalled(r, owners, demand, now_s)]
             waiting = [r for r in runtime_ids if demand.get(r, 0) > 0]
             low = snap.free_slabs < LOW_FREE_FRACTION * snap.num_slabs
-            if not waiting or not (low or stalled):
+            self.pressed[device] = bool(waiting) and (low or bool(stalled))
+            if not self.pressed[device]:
                 continue
             holding = {name: o for name, o in owners.items() if o.used_blocks > 0}
             for runtime_id in runtime_ids:

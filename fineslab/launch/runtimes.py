@@ -52,7 +52,7 @@ def server_spec(plan: RuntimePlan, prepared: PrecisionRuntime, fleet_id: str, us
         args += ["--base-gpu-id", plan.device.name.split(":")[1]]
     env = {**dict(model.env), FLEET_MARKER: fleet_id}
     if use_arena:
-        env.update(ArenaJoin(fleet_id, plan.runtime_id, plan.key_pool,
-                             plan.weights_in_arena).environ(), **prepared.kv_env)
+        env.update(ArenaJoin(fleet_id, plan.runtime_id, plan.key_pool, plan.weights_in_arena,
+                             model.layer_streaming is not None).environ(), **prepared.kv_env)
     return ServerSpec(str(prepared.model_path), port or free_port(), cpu=cpu,
                       extra_args=(*args, *model.extra_args), env=env)

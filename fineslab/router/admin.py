@@ -101,8 +101,17 @@ def install_admin(app: FastAPI, router: Router) -> None:
         fixed = [{"model": name, "state": "serving", "elastic": False}
                  for name in router.routes if name not in listed]
         models = [{**m, "elastic": True} for m in elastic] + fixed
+        streams = router.stream_states()
         for m in models:
             m["kv_limits"] = model_limits(router, m["model"])
+            mine = {runtime: state for (model, runtime), state in streams.items()
+                    if model == m["model"]}
+            if mine:
+                m["streaming"] = {runtime: {
+                    "layers": state.layers, "lent_bytes": state.net_lent_bytes,
+                    "streamed_bytes": state.streamed_bytes,
+                    "streamed_bytes_last_step": state.streamed_bytes_last_pass,
+                    "error": state.error} for runtime, state in mine.items()}
         return JSONResponse({"models": models})
 
     @app.get("/admin/arenas")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
@@ -57,6 +57,7 @@ from fineslab.router.requests import (
 )
 from fineslab.scheduler.local import get_batch_policy
 from fineslab.slabs import TableSnapshot
+from fineslab.slabs.streamctl import StreamState
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +79,13 @@ class Router:
 
     def __init__(self, routes: Sequence[ModelRoute], settings: RouterSettings,
                  slabs: SlabSource | None = None, elastic: Elastic | None = None,
-                 kv_limits: KVLimits | None = None) -> None:
+                 kv_limits: KVLimits | None = None,
+                 streaming: Callable[[], Mapping[str, StreamState]] | None = None) -> None:
         self.routes = {r.name: r for r in routes}
         self.elastic = elastic
         self.kv_limits = kv_limits
+        #: runtime id -> its layer-streaming state (docs/streaming.md); None: no streaming
+        self.streaming = streaming
         self.slabs: SlabSource = slabs or dict
         self.settings = settings
         self.metrics = RouterMetrics()
@@ -193,6 +197,15 @@ class Router:
         if self.elastic is None:
             return {}
         return {name: m.state.value for name, m in self.elastic.models.items()}
+
+    def stream_states(self) -> dict[tuple[str, str], StreamState]:
+        """(model, runtime id) -> the runtime's layer-streaming state (streaming models)."""
+        if self.streaming is None:
+            return {}
+        states = self.streaming()
+        return {(name, r.runtime_id): states[r.runtime_id]
+                for name, route in self.routes.items() for r in route.replicas
+                if r.runtime_id in states}
 
     def demand(self) -> dict[str, int]:
         """Per runtime: its requests in flight plus those its model's queue holds (read from

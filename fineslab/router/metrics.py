@@ -22,6 +22,10 @@ request path never pays for them.
                                                  sleeping, waking), 0 for the others
     fineslab_sleep_seconds{model}, fineslab_wake_seconds{model}   an elastic model's transitions
     fineslab_evictions_total{model}              sleeps to make room for another model's wake
+    fineslab_stream_layers{model,runtime}        layers a streaming model has lent (streams)
+    fineslab_stream_lent_bytes{model,runtime}    their bytes, less the slot buffers
+    fineslab_stream_streamed_bytes_total{model,runtime}  bytes copied in from the host copy
+    fineslab_stream_streamed_bytes_last_step{model,runtime}  ... in the last forward pass
 """
 
 from __future__ import annotations
@@ -30,10 +34,11 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from fineslab.slabs import TableSnapshot
+from fineslab.slabs.streamctl import StreamState
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 MODEL_STATES = ("awake", "sleeping", "asleep", "waking")
@@ -48,6 +53,8 @@ class LiveState(Protocol):
     def replica_states(self) -> Iterable[tuple[str, str, bool, int]]: ...
 
     def model_states(self) -> dict[str, str]: ...
+
+    def stream_states(self) -> dict[tuple[str, str], StreamState]: ...
 
 
 class LiveCollector(Collector):
@@ -81,7 +88,28 @@ class LiveCollector(Collector):
             for name in MODEL_STATES:
                 states.add_metric([model, name], 1.0 if name == state else 0.0)
         yield states
+        yield from _stream_metrics(self.live.stream_states())
         yield from _slab_metrics(self.slabs())
+
+
+def _stream_metrics(states: dict[tuple[str, str], StreamState]) -> Iterator[Metric]:
+    labels = ["model", "runtime"]
+    layers = GaugeMetricFamily("fineslab_stream_layers", "Decoder layers streamed (lent)",
+                               labels=labels)
+    lent = GaugeMetricFamily("fineslab_stream_lent_bytes",
+                             "Weight bytes lent to the arena, less the slot buffers",
+                             labels=labels)
+    streamed = CounterMetricFamily("fineslab_stream_streamed_bytes",
+                                   "Layer bytes copied in from the host copy", labels=labels)
+    last = GaugeMetricFamily("fineslab_stream_streamed_bytes_last_step",
+                             "Layer bytes copied in during the last forward pass",
+                             labels=labels)
+    for (model, runtime), state in sorted(states.items()):
+        layers.add_metric([model, runtime], len(state.layers))
+        lent.add_metric([model, runtime], state.net_lent_bytes)
+        streamed.add_metric([model, runtime], state.streamed_bytes)
+        last.add_metric([model, runtime], state.streamed_bytes_last_pass)
+    yield from (layers, lent, streamed, last)
 
 
 def _slab_metrics(snapshots: dict[str, TableSnapshot]) -> Iterator[Metric]:

@@ -72,9 +72,10 @@ class LayerStreamer:
         self.spans = {span.layer: span for span in spans}
         self.slab_bytes = region.slab_bytes
         self.lock = threading.RLock()
-        self.state = StreamState()
-        self._state_file = state_file
         self._slot_width = max(span.num_slabs for span in spans)
+        self.state = StreamState(num_layers=len(spans),
+                                 layer_bytes=self._slot_width * region.slab_bytes)
+        self._state_file = state_file
         self._slots: list[list[int]] = []  # arena slab ids of each slot
         self._slot_holds: list[int | None] = []  # the layer each slot is mapped under
         if not host_copy.exists():
@@ -91,19 +92,34 @@ class LayerStreamer:
 
     def apply(self, request: StreamRequest) -> None:
         """Make S = request.layers with `request.slots` slots. ConfigError for layers the model
-        does not have; ArenaExhausted when the arena has no room for the slots or for a layer
-        coming back (S then stays as it was)."""
+        does not have; ArenaExhausted when the arena has no room for a layer coming back (or
+        for slots wider than the lent layers give), with S as it then is in the state.
+
+        Order: the new layers are lent first, and the slots they need are kept from their own
+        slabs (`WeightRegion.lend(keep=...)`), so lending needs no free slab: an arena full of
+        a neighbour's KV is exactly when a lender is asked. Then the slots shrink, and last the
+        layers leaving S take slabs again."""
         request.check_against(len(self.spans))
         old, new = set(self.state.layers), set(request.layers)
-        had = len(self._slots)
-        try:
-            self._resize_slots(request.slots if new else 0)
-            self._revert(sorted(old - new))
-        except ArenaExhausted:
-            self._resize_slots(had if old else 0)  # shrinking takes nothing: cannot fail
-            raise
+        want = request.slots if new else 0
+        missing = max(0, want - len(self._slots)) * self._slot_width
+        kept: list[int] = []
         for layer in sorted(new - old):
-            self.region.lend(list(self.spans[layer].slabs))
+            kept += self.region.lend(list(self.spans[layer].slabs), keep=missing - len(kept))
+        self.state.layers = sorted(old | new)
+        try:
+            self._resize_slots(max(want, len(self._slots)), kept)
+        except ArenaExhausted:
+            if not self._slots:  # lent layers and no slot to run them in: take them back
+                self._revert(sorted(new - old))
+                self.state.layers = sorted(old)
+            self._account()
+            raise
+        try:
+            self._revert(sorted(old - new))
+        finally:
+            self._account()
+        self._resize_slots(want)  # fewer slots: after the reversion, which may fail
         self.state.layers = sorted(new)
         self.state.slots = request.slots
         self.state.seq = request.seq
@@ -125,18 +141,31 @@ class LayerStreamer:
         for layer in layers:
             self._copy_in(self.spans[layer])
 
-    def _resize_slots(self, count: int) -> None:
+    def _resize_slots(self, count: int, spare: list[int] | None = None) -> None:
+        """`count` slots: new ones from `spare` slabs (already this owner's) first, then from
+        the arena (ArenaExhausted); spare slabs left over go back to the arena."""
+        spare = list(spare or [])
         while len(self._slots) > count:
             held = self._slot_holds.pop()
             if held is not None:
                 self.region.cover(list(self.spans[held].slabs))
-            release_weight_slabs(self.region.table, self.region.slot,
-                                 np.array(self._slots.pop(), dtype=np.int64),
-                                 self.region.runtime_id)
-        while len(self._slots) < count:
-            slabs = carve_weight_slabs(self.region.table, self.region.slot, self._slot_width)
-            self._slots.append(slabs.tolist())
-            self._slot_holds.append(None)
+            self._release(self._slots.pop())
+        try:
+            while len(self._slots) < count:
+                slabs = spare[:self._slot_width]
+                if len(slabs) < self._slot_width:
+                    slabs += carve_weight_slabs(self.region.table, self.region.slot,
+                                                self._slot_width - len(slabs)).tolist()
+                spare = spare[self._slot_width:]
+                self._slots.append(slabs)
+                self._slot_holds.append(None)
+        finally:
+            if spare:
+                self._release(spare)
+
+    def _release(self, slabs: list[int]) -> None:
+        release_weight_slabs(self.region.table, self.region.slot,
+                             np.array(slabs, dtype=np.int64), self.region.runtime_id)
 
     def _account(self) -> None:
         self.state.lent_bytes = len(self.region.lent_positions()) * self.slab_bytes

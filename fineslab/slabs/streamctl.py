@@ -35,19 +35,20 @@ POLL_S = 0.05
 SLOT_CHOICES = (1, 2)
 
 
-def host_copy_path(arena_name: str, runtime_id: str) -> Path:
-    """Where a runtime's weights wait while it sleeps, and whence streamed layers are read (the
-    launcher removes its fleet's at stop)."""
-    folder = Path(os.environ.get(WEIGHTS_DIR_VAR) or tempfile.gettempdir())
+def host_copy_path(arena_name: str, runtime_id: str, folder: Path | None = None) -> Path:
+    """Where a runtime's weights wait while it sleeps, and whence streamed layers are read:
+    `folder`, else the runtime's $FINESLAB_WEIGHTS_DIR (the launcher gives each fleet one, and
+    removes it at stop), else the temp folder."""
+    folder = folder or Path(os.environ.get(WEIGHTS_DIR_VAR) or tempfile.gettempdir())
     return folder / f"fineslab-{arena_name}-{runtime_id}.weights"
 
 
-def request_path(arena_name: str, runtime_id: str) -> Path:
-    return host_copy_path(arena_name, runtime_id).with_suffix(".stream")
+def request_path(arena_name: str, runtime_id: str, folder: Path | None = None) -> Path:
+    return host_copy_path(arena_name, runtime_id, folder).with_suffix(".stream")
 
 
-def state_path(arena_name: str, runtime_id: str) -> Path:
-    return host_copy_path(arena_name, runtime_id).with_suffix(".stream-state")
+def state_path(arena_name: str, runtime_id: str, folder: Path | None = None) -> Path:
+    return host_copy_path(arena_name, runtime_id, folder).with_suffix(".stream-state")
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,9 @@ class StreamState:
     copy_seconds: float = 0.0
     passes: int = 0
     error: str | None = None
+    #: the model's decoder layers, and the bytes one lent layer frees (the widest layer's slabs)
+    num_layers: int = 0
+    layer_bytes: int = 0
 
     @property
     def net_lent_bytes(self) -> int:
@@ -107,14 +111,14 @@ def _write_whole(path: Path, doc: dict[str, Any]) -> None:
 
 
 def write_request(arena_name: str, runtime_id: str, layers: list[int] | tuple[int, ...],
-                  slots: int = 1) -> StreamRequest:
+                  slots: int = 1, folder: Path | None = None) -> StreamRequest:
     """Ask the runtime to stream `layers`; returns the request (its seq is one past the last)."""
-    path = request_path(arena_name, runtime_id)
+    path = request_path(arena_name, runtime_id, folder)
     try:
         previous = read_request(path)
     except ConfigError:  # a malformed request is replaced
         previous = None
-    state = read_state(arena_name, runtime_id)
+    state = read_state(arena_name, runtime_id, folder)
     seq = 1 + max(-1, previous.seq if previous else -1, state.seq if state else -1)
     request = StreamRequest(tuple(sorted(layers)), slots, seq)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -143,11 +147,12 @@ def write_state(path: Path, state: StreamState) -> None:
     _write_whole(path, asdict(state))
 
 
-def read_state(arena_name: str, runtime_id: str) -> StreamState | None:
-    """The runtime's last state, None before it wrote one."""
+def read_state(arena_name: str, runtime_id: str, folder: Path | None = None
+               ) -> StreamState | None:
+    """The runtime's last state, None before it wrote one (or while it is unreadable)."""
     try:
-        doc = json.loads(state_path(arena_name, runtime_id).read_text())
-    except FileNotFoundError:
+        doc = json.loads(state_path(arena_name, runtime_id, folder).read_text())
+    except (OSError, ValueError):
         return None
     known = {f.name for f in fields(StreamState)}
     return StreamState(**{k: v for k, v in doc.items() if k in known})  # a newer writer's extras

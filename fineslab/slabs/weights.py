@@ -135,17 +135,19 @@ class WeightRegion:
     def lent_positions(self) -> list[int]:
         return [] if self.slab_ids is None else np.flatnonzero(self.slab_ids == LENT).tolist()
 
-    def lend(self, positions: Sequence[int]) -> int:
-        """Give the slabs under `positions` back to the arena; returns how many were held
-        (positions already lent are skipped)."""
+    def lend(self, positions: Sequence[int], keep: int = 0) -> list[int]:
+        """Give the slabs under `positions` back to the arena (positions already lent are
+        skipped), except up to `keep` of them, which stay the owner's and are returned: a
+        layer streamer's slot buffer taken without needing a free slab."""
         ids = self._backed_ids()
         held = [p for p in positions if ids[p] != LENT]
         for position in held:
             self._cover(position, 1)
         slabs = ids[held].copy()
         ids[held] = LENT
-        self._give_back(slabs)
-        return len(held)
+        kept, given = slabs[:max(0, keep)], slabs[max(0, keep):]
+        self._give_back(given)
+        return kept.tolist()
 
     def reclaim(self, positions: Sequence[int]) -> None:
         """Take free slabs for the lent `positions` and map them there, all or none

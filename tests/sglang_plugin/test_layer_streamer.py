@@ -184,3 +184,25 @@ def test_reversion_without_room_is_refused_and_keeps_the_layers_lent(
         streamer.apply(StreamRequest((), 1))
     assert streamer.streamed == ()
     streamer.close()
+
+
+def test_lending_into_a_full_arena_takes_its_slot_from_the_lent_layers(
+        arena: SlabArena, tmp_path: Path) -> None:
+    """Regression: the first fleet run asked an idle model to lend while a neighbour's KV filled
+    the arena, and the streamer refused ("2 slab(s) wanted, 0 free"): it took its slot buffer
+    from the free slabs before lending. Lending is asked exactly when nothing is free."""
+    model, streamer = _streamed_toy(arena, tmp_path)
+    ids = torch.tensor([4, 8])
+    with torch.no_grad():
+        before = model(ids)
+    filler = WeightRegion(arena.table, arena.paths.data, "filler", _free_slabs(arena) * SLAB)
+    filler.back()
+    assert _free_slabs(arena) == 0
+    with streamer.lock:
+        streamer.apply(StreamRequest((0, 2), 1))
+    width = max(s.num_slabs for s in streamer.spans.values())
+    assert _free_slabs(arena) * SLAB == streamer.state.net_lent_bytes == width * SLAB
+    with torch.no_grad():
+        assert torch.equal(model(ids), before)
+    filler.close()
+    streamer.close()

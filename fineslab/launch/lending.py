@@ -1,0 +1,250 @@
+"""Layer streaming in a launched fleet: Select-N's fixed intervals and Oneiros' lending.
+
+A model with `layer_streaming` runs with its layers on slabs of their own (docs/streaming.md);
+the launcher tells each runtime its set S of streamed layers through its stream request
+(`fineslab.slabs.streamctl`, in the fleet's weights folder):
+
+    selectn   S = the last layer of every `interval` (`offload_layers`), written before the
+              runtime starts, so it streams from its first forward pass, for its whole life
+    oneiros   S starts empty. Every INTERVAL_S, per device (the `Lender`):
+              - pressed (the cache reclaimer's rule, launch/reclaim.py: some runtime there has
+                work and the arena is low or its blocks have stalled) for PRESSED_ROUNDS in a
+                row (the reclaimer's flushes go first): lend one more layer's worth, planned by
+                `fineslab.scheduler.oneiros.plan_lending` over the device's oneiros models:
+                inactive ones first (no work in the router), ascending `priority`, the most
+                recently used among equals, up to `cap` layers each (default half the
+                layers), evenly spaced. An active model lends nothing here (the paper's
+                T_T * N <= T_compute bound needs its step time, which the launcher does not
+                measure): the 'never a whole model' rule holds by `cap`
+              - not pressed, and the arena has more free than the last lent layer (plus the
+                reclaimer's low-water mark): that layer comes back (`plan_reversion`, the
+                latest lent first)
+              a model's first lent layer frees nothing net: it takes its slot buffer, which
+              the plan counts
+
+Decisions are logged (info) and visible in `fineslab ctl list` and `/metrics` (layers lent,
+bytes, bytes streamed), read from each runtime's stream state.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fineslab.launch.plan import FleetPlan, num_layers
+from fineslab.launch.reclaim import LOW_FREE_FRACTION
+from fineslab.scheduler.oneiros import LendingLedger, ModelState, plan_lending, plan_reversion
+from fineslab.scheduler.selectn import offload_layers
+from fineslab.slabs.integrity import TableSnapshot
+from fineslab.slabs.streamctl import StreamState, read_state, write_request
+
+logger = logging.getLogger(__name__)
+
+INTERVAL_S = 0.5
+PRESSED_ROUNDS = 2
+#: T_T for the plan's ordering only (active models lend nothing here): CPU memcpy, about.
+HOST_LINK_BYTES_S = 8 << 30
+
+
+@dataclass(frozen=True)
+class LenderSpec:
+    """One oneiros runtime."""
+
+    runtime_id: str
+    model: str
+    device: str
+    priority: int = 0
+    cap: int | None = None
+    slots: int = 1
+
+
+def write_selectn_requests(plan: FleetPlan, folder: Path) -> None:
+    """Each selectn runtime's request, before it starts."""
+    for r in plan.runtimes:
+        streaming = r.model.layer_streaming
+        if streaming is None or streaming.policy != "selectn" or streaming.interval is None:
+            continue
+        total = num_layers(Path(r.model_dir))
+        layers = offload_layers(total, streaming.interval)
+        write_request(plan.config.fleet_id, r.runtime_id, layers, streaming.slots, folder)
+        logger.info("%s streams layers %s (selectn, interval %d of %d layers)", r.runtime_id,
+                    layers, streaming.interval, total)
+
+
+def start_lender(plan: FleetPlan, folder: Path,
+                 snapshot_of: Callable[[str], TableSnapshot | None],
+                 pressed: Callable[[str], bool], demand: Callable[[], Mapping[str, int]]
+                 ) -> Lender | None:
+    """The lender of the fleet's oneiros runtimes, started; None when there are none."""
+    specs = [LenderSpec(r.runtime_id, r.model.name, r.device.name, streaming.priority,
+                        streaming.cap, streaming.slots) for r in plan.runtimes
+             if (streaming := r.model.layer_streaming) is not None
+             and streaming.policy == "oneiros"]
+    if not specs:
+        return None
+    lender = Lender(plan.config.fleet_id, folder, specs, snapshot_of, pressed, demand)
+    lender.start()
+    return lender
+
+
+def stream_states(plan: FleetPlan, folder: Path) -> dict[str, StreamState]:
+    """Each streaming runtime's state, by runtime id (those not yet published left out)."""
+    states = {r.runtime_id: read_state(plan.config.fleet_id, r.runtime_id, folder)
+              for r in plan.runtimes if r.model.layer_streaming is not None}
+    return {runtime_id: s for runtime_id, s in states.items() if s is not None}
+
+
+@dataclass
+class _Device:
+    specs: list[LenderSpec]
+    pressed_rounds: int = 0
+    ledger: LendingLedger = field(default_factory=LendingLedger)
+
+
+class Lender:
+    """Oneiros' lending and reversion on a thread of its own (module doc)."""
+
+    def __init__(self, fleet_id: str, folder: Path, specs: Sequence[LenderSpec],
+                 snapshot_of: Callable[[str], TableSnapshot | None],
+                 pressed: Callable[[str], bool], demand: Callable[[], Mapping[str, int]],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.fleet_id, self.folder = fleet_id, folder
+        self.devices: dict[str, _Device] = {}
+        for spec in specs:
+            self.devices.setdefault(spec.device, _Device([])).specs.append(spec)
+        self._snapshot_of, self._pressed, self._demand = snapshot_of, pressed, demand
+        self._clock = clock
+        self._last_used: dict[str, float] = {}
+        self._asked: dict[str, int] = {}  # runtime id -> seq of the request it has not answered
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lent = self.reverted = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="fineslab-lender", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(INTERVAL_S):
+            try:
+                self.run_once()
+            except Exception:  # a bug here must not end lending for good
+                logger.exception("layer lending round failed")
+
+    def states(self) -> dict[str, StreamState]:
+        """Each oneiros runtime's stream state (None-free: those not yet published left out)."""
+        out = {}
+        for device in self.devices.values():
+            for spec in device.specs:
+                state = read_state(self.fleet_id, spec.runtime_id, self.folder)
+                if state is not None:
+                    out[spec.runtime_id] = state
+        return out
+
+    def run_once(self) -> list[tuple[str, str, int]]:
+        """One round; returns the changes: (runtime id, "lend" or "revert", layer)."""
+        demand, now_s = self._demand(), self._clock()
+        for runtime_id, work in demand.items():
+            if work > 0:
+                self._last_used[runtime_id] = now_s
+        changes: list[tuple[str, str, int]] = []
+        for name, device in self.devices.items():
+            snap = self._snapshot_of(name)
+            if snap is None:
+                continue
+            device.pressed_rounds = device.pressed_rounds + 1 if self._pressed(name) else 0
+            states = {s.runtime_id: read_state(self.fleet_id, s.runtime_id, self.folder)
+                      for s in device.specs}
+            self._reconcile(device, states)
+            if device.pressed_rounds >= PRESSED_ROUNDS:
+                changes += self._lend(device, states, demand)
+            elif device.pressed_rounds == 0 and device.ledger.order:
+                changes += self._revert(device, states, snap)
+        return changes
+
+    def _reconcile(self, device: _Device, states: Mapping[str, StreamState | None]) -> None:
+        """A runtime that answered our last request with an error streams what it says, not
+        what we asked: the ledger follows it, so that a later round asks again."""
+        for runtime_id, seq in list(self._asked.items()):
+            state = states.get(runtime_id)
+            if state is None or state.seq < seq or state.error is None:
+                continue
+            actual = set(state.layers)
+            if actual != device.ledger.lent_of(runtime_id):
+                logger.warning("oneiros: %s streams %s, not what was asked (%s)", runtime_id,
+                               sorted(actual), state.error)
+                device.ledger.order = [(n, layer) for n, layer in device.ledger.order
+                                       if n != runtime_id or layer in actual]
+            del self._asked[runtime_id]
+
+    def _models(self, device: _Device, states: Mapping[str, StreamState | None],
+                demand: Mapping[str, int]) -> list[ModelState]:
+        models = []
+        for spec in device.specs:
+            state = states.get(spec.runtime_id)
+            if state is None or state.num_layers < 2:
+                continue  # not up yet, or nothing it could lend and keep a layer
+            cap = min(spec.cap or state.num_layers // 2, state.num_layers - 1)
+            models.append(ModelState(spec.runtime_id, spec.priority,
+                                     self._last_used.get(spec.runtime_id, 0.0),
+                                     demand.get(spec.runtime_id, 0) > 0, state.num_layers,
+                                     state.layer_bytes, device.ledger.lent_of(spec.runtime_id),
+                                     max(cap, 1)))
+        return models
+
+    def _lend(self, device: _Device, states: Mapping[str, StreamState | None],
+              demand: Mapping[str, int]) -> list[tuple[str, str, int]]:
+        models = self._models(device, states, demand)
+        if not models:
+            return []
+        transfer = {m.name: m.layer_bytes / HOST_LINK_BYTES_S for m in models}
+        need = min(m.layer_bytes for m in models)
+        width = {m.name: m.layer_bytes for m in models}
+        plan = plan_lending(models, need, transfer)
+        for _ in range(len(models)):  # a model's first lent layer pays for its slot buffer
+            slots = sum(width[name] for name in plan.layers if not device.ledger.lent_of(name))
+            if plan.lent_bytes - slots >= need or not plan.met:
+                break
+            plan = plan_lending(models, need + slots, transfer)
+        if not plan.layers:
+            return []
+        device.ledger.apply(plan)
+        device.pressed_rounds = 0  # give the runtimes a round to use it
+        self.lent += len(plan.order)
+        return self._write(device, [(name, "lend", layer) for name, layer in plan.order])
+
+    def _revert(self, device: _Device, states: Mapping[str, StreamState | None],
+                snap: TableSnapshot) -> list[tuple[str, str, int]]:
+        spare = snap.free_bytes - int(LOW_FREE_FRACTION * snap.num_slabs) * snap.slab_bytes
+        sizes = {s.runtime_id: (states[s.runtime_id].layer_bytes  # type: ignore[union-attr]
+                                if states.get(s.runtime_id) is not None else snap.slab_bytes)
+                 for s in device.specs}
+        back = plan_reversion(device.ledger.order, sizes, spare)
+        if not back:
+            return []
+        device.ledger.revert(back)
+        self.reverted += len(back)
+        return self._write(device, [(name, "revert", layer) for name, layer in back])
+
+    def _write(self, device: _Device, changes: list[tuple[str, str, int]]
+               ) -> list[tuple[str, str, int]]:
+        for runtime_id in sorted({name for name, _, _ in changes}):
+            spec = next(s for s in device.specs if s.runtime_id == runtime_id)
+            layers = sorted(device.ledger.lent_of(runtime_id))
+            request = write_request(self.fleet_id, runtime_id, layers, spec.slots, self.folder)
+            self._asked[runtime_id] = request.seq
+            done = [layer for name, _, layer in changes if name == runtime_id]
+            logger.info("oneiros: %s of %s %s %s (on %s); it now streams %s",
+                        "layers" if len(done) > 1 else "layer", runtime_id,
+                        done, "lent to the arena" if changes[0][1] == "lend" else "taken back",
+                        spec.device, layers or "none")
+        return changes

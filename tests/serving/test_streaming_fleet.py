@@ -1,0 +1,139 @@
+"""Layer streaming end to end (issue #17): `examples/cpu-streaming.yaml` launched for real,
+three llama-tiny runtimes (the same generated weights) in one slab arena.
+
+    llama-selectn  selectn, interval 2: streams layers 1 and 3 from its first pass
+    llama-lender   oneiros, cap 2: lends layers when the device runs out of KV while it idles
+    llama-busy     a plain runtime: the borrower
+
+KV pressure comes from the test itself: a `WeightRegion` of the test process (a real owner in
+the fleet's slab table) takes every free slab, and llama-busy gets requests that need more KV
+than it holds. The checks run in file order against one fleet.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fleet_support import REPO, LaunchedFleet, launched
+
+from fineslab.slabs import SlabArena, check_integrity, snapshot
+from fineslab.slabs.weights import WeightRegion
+
+pytestmark = pytest.mark.slow
+
+MODELS = ("llama-selectn", "llama-lender", "llama-busy")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterator[LaunchedFleet]:
+    folder = tmp_path_factory.mktemp("streaming-fleet")
+    with launched("cpu-streaming.yaml", folder, model_cache, f"streaming-{os.getpid()}",
+                  signal.SIGTERM) as (running, _):
+        yield running
+
+
+def _models(fleet: LaunchedFleet) -> dict[str, dict[str, Any]]:
+    reply = httpx.get(fleet.base_url + "/admin/models", timeout=30)
+    assert reply.status_code == 200, reply.text
+    return {m["model"]: m for m in reply.json()["models"]}
+
+
+def _lent(fleet: LaunchedFleet, model: str) -> list[int]:
+    streaming = _models(fleet)[model].get("streaming") or {}
+    return [layer for state in streaming.values() for layer in state["layers"]]
+
+
+def _wait_lent(fleet: LaunchedFleet, model: str, want: Any, timeout_s: float = 90) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while not want(layers := _lent(fleet, model)):
+        assert time.monotonic() < deadline, (model, layers, fleet.output.read_text()[-3000:])
+        time.sleep(0.5)
+    return layers
+
+
+def _complete(fleet: LaunchedFleet, model: str, prompt: str, max_tokens: int
+              ) -> httpx.Response:
+    return httpx.post(fleet.base_url + "/v1/completions", timeout=600, json={
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True})
+
+
+def _text(fleet: LaunchedFleet, model: str, prompt: str = "the slab arena") -> str:
+    reply = _complete(fleet, model, prompt, 16)
+    assert reply.status_code == 200, reply.text
+    return str(reply.json()["choices"][0]["text"])
+
+
+class Hog:
+    """Every free slab of the fleet's arena, held by the test process as weights."""
+
+    def __init__(self, fleet: LaunchedFleet) -> None:
+        self.arena = SlabArena.attach(fleet.fleet_id, "cpu:0")
+        take = snapshot(self.arena.table).free_slabs
+        assert take > 0
+        self.region = WeightRegion(self.arena.table, self.arena.paths.data, "test-hog",
+                                   take * self.arena.spec.slab_bytes)
+        self.region.back()
+
+    def close(self) -> None:
+        self.region.close()
+        self.arena.close()
+
+
+def test_selectn_streams_from_the_start_with_the_output_of_a_model_that_does_not(
+        fleet: LaunchedFleet) -> None:
+    assert _wait_lent(fleet, "llama-selectn", lambda layers: layers) == [1, 3]
+    assert _lent(fleet, "llama-lender") == [] and _lent(fleet, "llama-busy") == []
+    busy = _text(fleet, "llama-busy")
+    assert _text(fleet, "llama-selectn") == busy, "same weights, same greedy text"
+    assert _text(fleet, "llama-lender") == busy
+
+
+def test_an_idle_model_lends_layers_to_a_neighbour_out_of_kv_and_takes_them_back(
+        fleet: LaunchedFleet) -> None:
+    before = _text(fleet, "llama-lender")
+    hog = Hog(fleet)
+    try:
+        prompt = " ".join(f"word{i}" for i in range(150))
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda _: _complete(fleet, "llama-busy", prompt, 200),
+                                    range(4)))
+        assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+        lent = _lent(fleet, "llama-lender")
+        assert 1 <= len(lent) <= 2, f"llama-lender lent {lent} (cap 2) while the hog held"
+        log = fleet.output.read_text()
+        assert "oneiros: " in log and "lent to the arena" in log, log[-3000:]
+    finally:
+        hog.close()
+    _wait_lent(fleet, "llama-lender", lambda layers: layers == [])
+    assert _text(fleet, "llama-lender") == before, "greedy output after lending and reversion"
+    assert "taken back" in fleet.output.read_text()
+
+
+def test_ctl_list_and_metrics_show_the_layers_lent(fleet: LaunchedFleet) -> None:
+    listed = subprocess.run([sys.executable, "-m", "fineslab.ctl", "--url", fleet.base_url,
+                             "list"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert listed.returncode == 0, listed.stderr
+    row = next(line for line in listed.stdout.splitlines() if line.startswith("llama-selectn"))
+    assert "[1, 3]" in row, listed.stdout
+    metrics = httpx.get(fleet.base_url + "/metrics", timeout=30).text
+    assert 'fineslab_stream_layers{model="llama-selectn",runtime="llama-selectn-r0"} 2.0' \
+        in metrics, metrics[-2000:]
+    assert "fineslab_stream_streamed_bytes_total" in metrics
+
+
+def test_nothing_leaks(fleet: LaunchedFleet) -> None:
+    with SlabArena.attach(fleet.fleet_id, "cpu:0") as arena:
+        check_integrity(arena.table)
+        dead = [o.runtime_id for o in snapshot(arena.table).owners if not o.alive]
+    assert dead == [], f"slabs still held by dead owners: {dead}"
