@@ -374,6 +374,10 @@ def _model_problems(model: ModelConfig, config: FleetConfig) -> list[str]:
     if names:
         problems.append(f"env may not set {names}: the launcher sets them")
     if model.layer_streaming is not None:
+        if model.elastic:
+            problems.append("a model streams layers or sleeps, not both, in this version: a "
+                            "wake restores every layer, so it needs the slabs its lent layers "
+                            "gave away (drop idle_timeout_s/pinned or layer_streaming)")
         if config.kv_pool != "arena":
             problems.append("layer streaming lends weight slabs to the slab arena; use "
                             "kv_pool: arena")

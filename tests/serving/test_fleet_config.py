@@ -286,3 +286,50 @@ def test_an_over_committed_device_starts_the_models_it_does_not_hold_asleep() ->
     data["models"] = [m for m in data["models"] if not m.get("pinned")]
     with pytest.raises(ConfigError, match="models that start asleep load first"):
         make_plan(fleet_from_dict(data, "t.yaml"))
+
+
+def test_layer_streaming_fields_are_checked_and_set_the_weights_in_arena() -> None:
+    data = _demo()
+    data["models"][0]["layer_streaming"] = {"policy": "selectn", "interval": 2}
+    data["models"][1]["layer_streaming"] = {"policy": "oneiros", "cap": 1, "priority": 3}
+    config = fleet_from_dict(data, "test.yaml")
+    assert [m.weights_in_arena for m in config.models] == [True, True, False]
+    assert [m.elastic for m in config.models] == [False, False, False], "streaming never sleeps"
+    streaming = config.models[1].layer_streaming
+    assert streaming is not None and (streaming.cap, streaming.priority) == (1, 3)
+    for bad, why in [({"policy": "selectn"}, "give interval"),
+                     ({"policy": "selectn", "interval": 1}, "greater than or equal to 2"),
+                     ({"policy": "selectn", "interval": 2, "cap": 1}, "`cap` is oneiros'"),
+                     ({"policy": "oneiros", "interval": 2}, "`interval` is selectn's"),
+                     ({"policy": "flexgen"}, "policy"),
+                     ({"policy": "oneiros", "slots": 3}, "slots"),
+                     ({"policy": "oneiros", "cap": 0}, "cap")]:
+        data["models"][2]["layer_streaming"] = bad
+        assert why in _error_of(data), bad
+    data["models"][2]["layer_streaming"] = {"policy": "oneiros"}
+    data["models"][2]["idle_timeout_s"] = 30
+    assert "streams layers or sleeps, not both" in _error_of(data)
+    data["models"][2].pop("idle_timeout_s")
+    data["kv_pool"] = "sglang"
+    assert "lends weight slabs to the slab arena" in _error_of(data)
+
+
+def test_a_streaming_runtime_gets_room_for_its_layer_padding_and_its_plan_says_so() -> None:
+    data = _demo()
+    data["models"][0]["idle_timeout_s"] = 30
+    elastic = make_plan(fleet_from_dict(data, "test.yaml"))
+    data["models"][0].pop("idle_timeout_s")
+    data["models"][0]["layer_streaming"] = {"policy": "selectn", "interval": 2}
+    plan = make_plan(fleet_from_dict(data, "test.yaml"))
+    runtime = plan.runtimes_of(data["models"][0]["name"])[0]
+    slab = plan.arenas[0].slab_plan.slab_bytes
+    layers = json.loads((Path(runtime.model_dir) / "config.json").read_text())[
+        "num_hidden_layers"]
+    assert plan.arenas[0].arena_bytes - elastic.arenas[0].arena_bytes == layers * slab, \
+        "one slab per layer more than the same model's weights without streaming"
+    prepared = PrecisionRuntime(runtime.model.name, "bf16", Path(runtime.model_dir),
+                                KVDtype.BF16, ())
+    env = server_spec(runtime, prepared, "f", True).env
+    assert env.get("FINESLAB_WEIGHTS_IN_ARENA") == "1"
+    assert env.get("FINESLAB_LAYER_STREAMING") == "1"
+    assert "selectn i=2: layers [1, 3]" in plan.describe()

@@ -206,3 +206,31 @@ def test_lending_into_a_full_arena_takes_its_slot_from_the_lent_layers(
         assert torch.equal(model(ids), before)
     filler.close()
     streamer.close()
+
+
+def test_sleep_with_layers_lent_and_wake_lends_them_again(arena: SlabArena,
+                                                          tmp_path: Path) -> None:
+    """What the memory saver does around a sleep: the slots go back, then the rest of the
+    weights; the wake restores every layer from the host copy, then S is lent again."""
+    from fineslab.sglang_plugin.memory_saver import WeightSleeper
+
+    model, streamer = _streamed_toy(arena, tmp_path)
+    ids = torch.tensor([3, 1, 4])
+    with torch.no_grad():
+        before = model(ids)
+    free_awake = _free_slabs(arena)
+    sleeper = WeightSleeper(streamer.region, tmp_path / "toy.weights", host_copy_written=True)
+    with streamer.lock:
+        streamer.apply(StreamRequest((1, 3), 1))
+        lent_free = _free_slabs(arena)
+        streamer.before_sleep()
+        sleeper.sleep()
+    assert _free_slabs(arena) == free_awake + streamer.region.num_slabs, "every slab back"
+    with streamer.lock:
+        sleeper.wake()
+        streamer.after_wake()
+    assert streamer.streamed == (1, 3) and streamer.state.error is None
+    assert _free_slabs(arena) == lent_free, "S lent again, through its slot"
+    with torch.no_grad():
+        assert torch.equal(model(ids), before)
+    streamer.close()
