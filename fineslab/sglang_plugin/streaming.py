@@ -97,8 +97,9 @@ class LayerStreamer:
 
         Order: the new layers are lent first, and the slots they need are kept from their own
         slabs (`WeightRegion.lend(keep=...)`), so lending needs no free slab: an arena full of
-        a neighbour's KV is exactly when a lender is asked. Then the slots shrink, and last the
-        layers leaving S take slabs again."""
+        a neighbour's KV is exactly when a lender is asked. Then the layers leaving S take
+        slabs again, and last the slots shrink (so a failed reversion leaves S with its
+        slots)."""
         request.check_against(len(self.spans))
         old, new = set(self.state.layers), set(request.layers)
         want = request.slots if new else 0

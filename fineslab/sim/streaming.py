@@ -19,11 +19,35 @@ the active model, and gives them back when that KV is empty again.
     step time       compute (the profile) for a model with nothing lent; with alpha of its own
                     layers lent, max(compute, copy chain) by equations 4 and 5 (`streaming`)
     link            host -> GPU bytes/s per device kind (`LINK_GIB_S`); T_T = layer / link
+    ledgers         one `LendingLedger` per borrower: under `preempt` a paused model keeps the
+                    layers lent to it while the active one borrows others; a layer is lent to
+                    one borrower at most, and each borrower gives its own back, latest first
 
-Switching: the active model keeps the GPU while it has work, or until `slice_s` has passed and
-another model waits; then its waiting requests are held back, its running ones drain, and the
-next model in round-robin order with requests takes the GPU (a drained model holds no KV, so
-every layer lent to it goes back at the switch). TBT samples are the gaps between a request's
+Switching (`StreamingConfig.switch`): the active model keeps the GPU while it has work, or until
+`slice_s` has passed and another model has work; then the next model in round-robin order (after
+the one that last held the GPU) with work takes it. What happens to the active model's running
+requests at the end of its slice is the mode:
+
+    drain     it admits nothing more and its running requests run to their end before the GPU
+              moves (a drained model holds no KV, so every layer lent to it goes back at the
+              switch). Cost: a slice lasts as long as its longest request (up to 1,024 decode
+              steps, 10-20 s), so every other model's queue waits that long
+    preempt   the GPU moves at the first step boundary past the slice end; the running requests
+              pause with their KV kept (own KV and the lent layers' KV alike: the layers stay
+              lent, and their owners stream them while they run) and resume at the model's
+              next slice. Cost: a paused request's next token waits for the other models'
+              slices (its TBT sample includes them), and KV held by a paused model is not
+              available to the active one
+
+The Oneiros paper (section 5.2, "GPU sharing background") takes temporal sharing from prior
+work ("Temporal sharing allocates the entire GPU to one model at a time") and puts the
+scheduler out of its scope ("the design of the scheduler itself is beyond the scope of this
+study"); section 7.2 names a "default round-robin scheduling policy" and neither section
+states a slice or what a switch does to running requests. Section 7.4 writes that in temporal
+sharing "KV cache may be maintained only for models actively generating output tokens, while
+inactive models may not retain any", which `drain` honours and `preempt` does not, so `drain`
+stays the default and `preempt` is the alternative the experiment reports beside it. The two
+arms of a comparison must use the same mode. TBT samples are the gaps between a request's
 consecutive tokens.
 """
 
@@ -68,6 +92,8 @@ GIB = 1 << 30
 #: (A100) and PCIe 5 x16 (H100, H200; as `ElasticSimConfig.link_gib_s`), NVLink-C2C (GH200:
 #: 450 GB/s a direction nominal, about 375 GiB/s reached by copies).
 LINK_GIB_S = {"a100": 12.0, "h100": 24.0, "h200": 24.0, "gh200": 375.0}
+#: What a slice end does to the active model's running requests (module docstring).
+SWITCH_MODES = ("drain", "preempt")
 
 
 @dataclass(frozen=True)
@@ -90,16 +116,20 @@ class StreamModel:
 @dataclass(frozen=True)
 class StreamingConfig:
     """lending: Oneiros on or off (off: each model has its own KV only); link: a `LINK_GIB_S`
-    kind; slice_s: the temporal-sharing time slice."""
+    kind; slice_s: the temporal-sharing time slice; switch: what a slice end does to the
+    active model's running requests (`SWITCH_MODES`, the module docstring)."""
 
     lending: bool = True
     link: str = "gh200"
     slice_s: float = 2.0
     batch_policy: str = "fcfs"
+    switch: str = "drain"
 
     def __post_init__(self) -> None:
         if self.link not in LINK_GIB_S:
             raise ConfigError(f"unknown link {self.link!r}; known: {sorted(LINK_GIB_S)}")
+        if self.switch not in SWITCH_MODES:
+            raise ConfigError(f"unknown switch {self.switch!r}; known: {SWITCH_MODES}")
         if self.slice_s <= 0:
             raise ConfigError("slice_s must be positive")
 
@@ -147,7 +177,6 @@ class StreamingSimulator:
         if sum(m.reserved_bytes for m in models) > gpu_bytes:
             raise ConfigError("the reservations exceed the GPU's memory")
         self.config, self.cfg = config, streaming_config
-        self.ledger = LendingLedger()
         self.stats = StreamingStats()
         self.folder = Path(tempfile.mkdtemp(prefix="fineslab-simstream-"))
         self.slots: dict[str, _Slot] = {}
@@ -160,8 +189,11 @@ class StreamingSimulator:
             self.close()
             raise
         self.order = [m.model.name for m in models]
+        self.ledgers = {name: LendingLedger() for name in self.order}  # by borrower
         self.active: str | None = None
+        self.last_active: str | None = None  # where round-robin resumes
         self.draining = False
+        self._stall_switches = 0  # switches since the last step began (guards a ping-pong)
         self.slice_start_s = 0.0
         self._heap: list[tuple[float, int, str]] = []
         self._seq = 0
@@ -232,6 +264,8 @@ class StreamingSimulator:
         slot.pending.append(request)
         if self.active is None:
             self._switch(request.arrival_s)
+        elif self.cfg.switch == "preempt":
+            self._start(self.slots[self.active], request.arrival_s)
         elif not self.slots[self.active].engine.busy:
             self._maybe_end_slice(self.slots[self.active], request.arrival_s)
 
@@ -268,10 +302,18 @@ class StreamingSimulator:
         self._maybe_end_slice(slot, now_s)
         self._start(slot, now_s)
 
-    def _maybe_end_slice(self, slot: _Slot, now_s: float) -> None:
+    def _has_work(self, slot: _Slot) -> bool:
+        return bool(slot.pending) or slot.engine.load > 0
+
+    def _maybe_end_slice(self, slot: _Slot, now_s: float, stalled: bool = False) -> None:
         """Past its slice with another model waiting, the active model stops admitting; once
-        drained (or idle) the GPU goes to the next model."""
+        drained (or idle) the GPU goes to the next model. Under `preempt`: past its slice,
+        idle, or `stalled` (work but no step it can run, e.g. its head waits for KV that a
+        paused model holds), it pauses and the GPU moves at once."""
         if self.active != slot.spec.model.name:
+            return
+        if self.cfg.switch == "preempt":
+            self._maybe_preempt(slot, now_s, stalled)
             return
         others = any(s.pending for n, s in self.slots.items() if n != self.active)
         if not self.draining and others and (now_s - self.slice_start_s >= self.cfg.slice_s
@@ -285,14 +327,35 @@ class StreamingSimulator:
             self.active = None
             self._switch(now_s)
 
+    def _maybe_preempt(self, slot: _Slot, now_s: float, stalled: bool) -> None:
+        others = any(self._has_work(s) for n, s in self.slots.items() if n != self.active)
+        if not others or slot.engine.busy:
+            return
+        expired = now_s - self.slice_start_s >= self.cfg.slice_s
+        if not (expired or stalled or slot.engine.load == 0):
+            return
+        if stalled:
+            # Two stalled models would hand the GPU back and forth at one instant; a model
+            # holding lent KV has running requests and never stalls, so this is a guard only.
+            self._stall_switches += 1
+            if self._stall_switches > len(self.order):
+                return
+        self._revert_empty(slot, now_s)  # its running requests keep theirs: a part at most
+        self.active = None
+        self._switch(now_s)
+
     def _switch(self, now_s: float) -> None:
-        """Give the GPU to the next model (round-robin after the last active) with requests."""
-        start = self.order.index(self.active) + 1 if self.active in self.order else 0
+        """Give the GPU to the next model with work, round-robin after the one that last held
+        it. Bug guarded: the search began after `self.active`, which the caller had just set
+        to None, so it always began at the first model; that model took the GPU back while it
+        had requests and the others waited (C2's OPT-6.7b behind OPT-30b)."""
+        start = self.order.index(self.last_active) + 1 if self.last_active in self.order else 0
         for k in range(len(self.order)):
             name = self.order[(start + k) % len(self.order)]
             slot = self.slots[name]
-            if slot.pending:
-                self.active, self.draining, self.slice_start_s = name, False, now_s
+            if self._has_work(slot):
+                self.active, self.last_active = name, name
+                self.draining, self.slice_start_s = False, now_s
                 for request in slot.pending:
                     slot.engine.enqueue(request)
                 slot.pending = []
@@ -311,6 +374,8 @@ class StreamingSimulator:
         if step is None:
             if engine.load == 0:
                 self._maybe_end_slice(slot, now_s)
+            elif self.cfg.switch == "preempt":
+                self._maybe_end_slice(slot, now_s, stalled=True)
             return
         engine.step = step
         self._push(now_s + self._step_s(slot, step, now_s), slot.spec.model.name)
@@ -336,10 +401,10 @@ class StreamingSimulator:
         plan = plan_lending(self._states(now_s), need_bytes, self._transfer(), compute)
         if not plan.order:
             return False
-        self.ledger.apply(plan)
+        self.ledgers[slot.spec.model.name].apply(plan)
         self.stats.lend_events += 1
         self.stats.layers_lent += len(plan.order)
-        self.stats.max_layers_lent = max(self.stats.max_layers_lent, len(self.ledger.order))
+        self.stats.max_layers_lent = max(self.stats.max_layers_lent, self.num_lent)
         self._set_placeholders(slot)
         logger.debug("oneiros: lent %s to %s at %.3f s", plan.layers, slot.spec.model.name,
                      now_s)
@@ -348,15 +413,16 @@ class StreamingSimulator:
     def _revert_empty(self, slot: _Slot, now_s: float) -> None:
         """Give back the lent layers whose KV in `slot` (the borrower: the active model) is
         empty, latest lent first."""
-        if not self.ledger.order or self.active != slot.spec.model.name:
+        ledger = self.ledgers[slot.spec.model.name]
+        if not ledger.order or self.active != slot.spec.model.name:
             return
         free = int(np.count_nonzero(slot.table.state == 0)) * slot.table.dims.slab_bytes
         sizes = {n: s.spec.layer_bytes for n, s in self.slots.items()}
-        empty = min(free, sum(sizes[n] for n, _ in self.ledger.order))
-        back = plan_reversion(self.ledger.order, sizes, empty)
+        empty = min(free, sum(sizes[n] for n, _ in ledger.order))
+        back = plan_reversion(ledger.order, sizes, empty)
         if not back:
             return
-        self.ledger.revert(back)
+        ledger.revert(back)
         self.stats.layers_reverted += len(back)
         for name, _ in back:
             owner = self.slots[name]
@@ -366,7 +432,8 @@ class StreamingSimulator:
 
     def _set_placeholders(self, slot: _Slot) -> None:
         """Hold all but floor(borrowed / slab) of the lendable slabs."""
-        borrowed = sum(self.slots[n].spec.layer_bytes for n, _ in self.ledger.order)
+        borrowed = sum(self.slots[n].spec.layer_bytes
+                       for n, _ in self.ledgers[slot.spec.model.name].order)
         target = slot.table.dims.num_slabs - slot.own_slabs \
             - borrowed // slot.table.dims.slab_bytes
         target = max(0, target)
@@ -379,11 +446,19 @@ class StreamingSimulator:
             more = carve_weight_slabs(slot.table, slot.holder, target - held)
             slot.placeholders = np.concatenate([slot.placeholders, more])
 
+    def lent_of(self, owner: str) -> frozenset[int]:
+        """The layers of `owner` lent, to whichever borrower."""
+        return frozenset().union(*(ledger.lent_of(owner) for ledger in self.ledgers.values()))
+
+    @property
+    def num_lent(self) -> int:
+        return sum(len(ledger.order) for ledger in self.ledgers.values())
+
     def _states(self, now_s: float) -> list[ModelState]:
-        return self.ledger.with_lent([
-            ModelState(n, s.spec.priority, s.last_used_s, n == self.active,
-                       s.spec.model.profile.shape.num_layers, s.spec.layer_bytes, cap=s.cap)
-            for n, s in self.slots.items()])
+        return [ModelState(n, s.spec.priority, s.last_used_s, n == self.active,
+                           s.spec.model.profile.shape.num_layers, s.spec.layer_bytes,
+                           lent=self.lent_of(n), cap=s.cap)
+                for n, s in self.slots.items()]
 
     def _transfer(self) -> dict[str, float]:
         return {n: self.cfg.transfer_s(s.spec.layer_bytes) for n, s in self.slots.items()}
@@ -392,7 +467,7 @@ class StreamingSimulator:
         """Compute, or the copy chain of its own lent layers (equations 4 and 5), or the end
         of a reload of layers given back to it, whichever is last."""
         name = slot.spec.model.name
-        alpha = len(self.ledger.lent_of(name))
+        alpha = len(self.lent_of(name))
         shape = slot.spec.model.profile.shape
         stream = streaming(shape.num_layers, alpha, self.cfg.transfer_s(slot.spec.layer_bytes),
                            step.alone_s)
@@ -404,6 +479,7 @@ class StreamingSimulator:
 
     def _push(self, at_s: float, name: str) -> None:
         self._seq += 1
+        self._stall_switches = 0
         heapq.heappush(self._heap, (at_s, self._seq, name))
 
 

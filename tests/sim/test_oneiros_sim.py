@@ -10,7 +10,10 @@ import math
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from fineslab.bench.loadgen_metrics import RequestOutcome
+from fineslab.errors import ConfigError
 from fineslab.sim.config import SimConfig
 from fineslab.sim.experiments.common import Traces
 from fineslab.sim.experiments.oneiros import (
@@ -20,7 +23,12 @@ from fineslab.sim.experiments.oneiros import (
     p99_ttft_s,
     run_oneiros,
 )
-from fineslab.sim.streaming import StreamingConfig, StreamingSimulator, simulate_streaming
+from fineslab.sim.streaming import (
+    StreamingConfig,
+    StreamingSimulator,
+    StreamModel,
+    simulate_streaming,
+)
 from fineslab.workload import AZURE_CONV, SHAREGPT_STATS, Request
 
 TRACES = Traces(Path(SHAREGPT_STATS), Path(AZURE_CONV))
@@ -53,6 +61,7 @@ def test_the_experiment_without_lending_reduces_nothing(tmp_path: Path) -> None:
                            links=("gh200",))
     control, _ = run_oneiros(cfg, SimConfig(), lending=False)
     assert control["p99_ttft_reduction"] == 0.0, "negative control: the same system twice"
+    assert control["preempt_p99_ttft_reduction"] == 0.0, "and in the preempt grid"
     acceptance, text = run_oneiros(cfg, SimConfig())
     assert "p99_ttft_reduction" in acceptance and "paper" in text
     assert (tmp_path / "oneiros.md").exists()
@@ -87,3 +96,95 @@ def test_p99_ttft_counts_unserved_requests_as_infinite() -> None:
                 for i in range(2)]
     assert math.isinf(p99_ttft_s(served + unserved)), "2 % unserved: P99 never reached"
     assert p99_ttft_s(served) == 1.0
+
+
+class _SwitchRecorder(StreamingSimulator):
+    """Records, at every switch, the paused models' lent layers and their running requests'
+    KV blocks just before and just after the GPU moves."""
+
+    def __init__(self, models: list[StreamModel], config: SimConfig,
+                 streaming_config: StreamingConfig) -> None:
+        super().__init__(models, GPU_BYTES, config, streaming_config)
+        self.switches: list[tuple[float, str | None, dict[str, object], dict[str, object]]] = []
+
+    def _held(self) -> dict[str, object]:
+        return {name: (list(self.ledgers[name].order),
+                       [(r.request.request_id, [list(b) for b in r.blocks])
+                        for r in slot.engine.prefilling + slot.engine.decoding],
+                       int(slot.placeholders.size))
+                for name, slot in self.slots.items()}
+
+    def _switch(self, now_s: float) -> None:
+        before, leaving = self._held(), self.last_active
+        super()._switch(now_s)
+        self.switches.append((now_s, leaving, before, self._held()))
+
+
+def _long_then_short() -> list[Request]:
+    # OPT-30b decodes 1,000 tokens (about 20 s of steps); OPT-6.7b's request arrives at 0.5 s.
+    return [Request("long", "opt-30b", 0.0, 500, 1000), Request("short", "opt-6.7b", 0.5, 200, 10)]
+
+
+def test_preempt_switches_at_the_slice_end_without_draining() -> None:
+    models = mix_models("C2", TRACES)
+    config = SimConfig(check_integrity=True)
+    ttft = {}
+    for switch in ("drain", "preempt"):
+        outcomes, _ = simulate_streaming(models, GPU_BYTES, _long_then_short(), config,
+                                         StreamingConfig(switch=switch))
+        by_id = {o.request_id: o for o in outcomes}
+        assert all(o.completed for o in outcomes), f"{switch}: both requests served"
+        ttft[switch] = by_id["short"].ttft_s
+    slice_s = StreamingConfig().slice_s
+    assert ttft["drain"] is not None and ttft["drain"] > 5 * slice_s, \
+        "drain: the short request waits for the long one to finish"
+    assert ttft["preempt"] is not None and ttft["preempt"] < slice_s, \
+        "preempt: the GPU moves at the first step past the slice end (arrival 0.5 s, slice 2 s)"
+
+
+def test_preempt_pauses_running_requests_with_their_kv_and_lent_layers() -> None:
+    # OPT-30b's burst outgrows its own KV, so it borrows layers; OPT-6.7b's request at 0.5 s
+    # takes the GPU at the slice end while OPT-30b's requests still run.
+    models = mix_models("C2", TRACES)
+    config = SimConfig(check_integrity=True)
+    requests = [Request(f"a{i}", "opt-30b", 0.01 * i, 900, 400) for i in range(12)] + [
+        Request("b", "opt-6.7b", 0.5, 200, 20)]
+    sim = _SwitchRecorder(models, config, StreamingConfig(switch="preempt"))
+    try:
+        outcomes = sim.run(requests)
+    finally:
+        sim.close()
+    paused = [(now_s, before, after) for now_s, leaving, before, after in sim.switches
+              if leaving == "opt-30b" and before["opt-30b"][1]]
+    assert paused, "OPT-30b was switched out with requests running"
+    assert any(before["opt-30b"][0] for _, before, _ in paused), \
+        "the case under test: it held lent layers when paused"
+    for now_s, before, after in paused:
+        assert after["opt-30b"] == before["opt-30b"], \
+            f"at {now_s:.2f} s: lent layers, running requests' blocks and placeholders kept"
+    assert sim.active is None or sim.num_lent == 0
+    assert sim.stats.layers_reverted == sim.stats.layers_lent, "every lent layer came back"
+    assert all(o.completed for o in outcomes) and len(outcomes) == len(requests)
+    by_id = {o.request_id: o for o in outcomes}
+    first_pause_s = paused[0][0]
+    assert by_id["b"].ttft_s is not None and by_id["b"].ttft_s < first_pause_s + 1.0, \
+        "OPT-6.7b ran at the first pause"
+
+
+def test_regression_round_robin_began_at_the_first_model_after_every_switch() -> None:
+    # Bug: `_switch` searched from the model after `self.active`, which was already None, so
+    # the first model took the GPU back while it had requests; the second waited for its
+    # whole queue. Here OPT-30b always has a request waiting when its slice ends.
+    models = mix_models("C2", TRACES)
+    requests = [Request(f"a{i}", "opt-30b", 0.5 * i, 300, 100) for i in range(40)] + [
+        Request("b", "opt-6.7b", 0.1, 200, 10)]
+    outcomes, _ = simulate_streaming(models, GPU_BYTES, requests, SimConfig(),
+                                     StreamingConfig(lending=False))
+    b = next(o for o in outcomes if o.request_id == "b")
+    assert b.ttft_s is not None and b.ttft_s < 8.0, \
+        "the second model runs after one slice and one drain of the first (~4 s), not at its end"
+
+
+def test_switch_mode_is_validated() -> None:
+    with pytest.raises(ConfigError):
+        StreamingConfig(switch="recompute")

@@ -27,9 +27,15 @@ TTFT percentiles count every request; one never served (dropped as larger than i
 ever be, or still waiting at the end) counts as an infinite TTFT, so both arms are ranked on
 the same requests (a P99 over the served ones only favoured the arm that dropped the long
 ones). Temporal sharing: round-robin, 2 s slices
-(`fineslab.sim.streaming`). Systems, on the same requests: `none` (each model its own KV, the
-vLLM baseline) and `oneiros` (lending, `scheduler/oneiros.py`); the GH200 link is the
-headline, and PCIe 5 (24 GiB/s, an H100/H200 host) shows where streaming stops hiding.
+(`fineslab.sim.streaming`), in two grids by what a slice end does to the running requests:
+`drain` (they run to their end first; the headline, as the paper's section 7.4 has inactive
+models hold no KV: "KV cache may be maintained only for models actively generating output
+tokens, while inactive models may not retain any") and `preempt` (they pause with their KV and
+resume at the model's next slice; the paper states no switch mechanism, so this grid is the
+alternative, not the setup). Both arms of a row share the mode. Systems, on the same
+requests: `none` (each model its own KV, the vLLM baseline) and `oneiros` (lending,
+`scheduler/oneiros.py`); the GH200 link is the headline, and PCIe 5 (24 GiB/s, an H100/H200
+host) shows where streaming stops hiding.
 """
 
 from __future__ import annotations
@@ -95,6 +101,8 @@ class OneirosExpConfig:
     rates_per_s: tuple[float, ...] = (0.25, 0.5, 1.0)  # each model's Poisson rate
     acceptance_rate_per_s: float = 0.5  # fixed from the setup, see the module docstring
     links: tuple[str, ...] = ("gh200", "h100")
+    #: `fineslab.sim.streaming.SWITCH_MODES`, one grid each; the first is the headline.
+    switches: tuple[str, ...] = ("drain", "preempt")
 
     @property
     def point_rates(self) -> tuple[float, ...]:
@@ -130,14 +138,15 @@ def mix_models(mix: str, traces: Traces) -> list[StreamModel]:
 
 
 def run_point(cfg: OneirosExpConfig, mix: str, seed: int, link: str, lending: bool,
-              config: SimConfig, rate_per_s: float) -> dict[str, float]:
+              config: SimConfig, rate_per_s: float, switch: str = "drain") -> dict[str, float]:
     models = mix_models(mix, cfg.traces)
     requests = [fit_context(r) for r in build_workload(WorkloadSpec(
         tuple(ModelLoad(m.model.name, rate_per_s) for m in models), cfg.duration_s,
         cfg.traces.sharegpt, max_prompt_tokens=MAX_PROMPT_TOKENS,
         max_output_tokens=MAX_OUTPUT_TOKENS, seed=seed))]
     outcomes, stats = simulate_streaming(models, GPU_BYTES, requests, config,
-                                         StreamingConfig(lending=lending, link=link))
+                                         StreamingConfig(lending=lending, link=link,
+                                                         switch=switch))
     summary = summarize(outcomes)
     tbt = sorted(stats.tbt_s)
     p99_tbt = tbt[min(len(tbt) - 1, int(0.99 * len(tbt)))] if tbt else float("nan")
@@ -147,8 +156,8 @@ def run_point(cfg: OneirosExpConfig, mix: str, seed: int, link: str, lending: bo
              "layers_lent": float(stats.layers_lent),
              "max_layers_lent": float(stats.max_layers_lent),
              "streamed_mib_per_step": stats.streamed_bytes_per_step / 2**20}
-    logger.info("oneiros %s seed %d %s %g req/s lending=%s: %s", mix, seed, link, rate_per_s,
-                lending, point)
+    logger.info("oneiros %s seed %d %s %g req/s %s lending=%s: %s", mix, seed, link,
+                rate_per_s, switch, lending, point)
     return point
 
 
@@ -165,34 +174,47 @@ def _s(value: float) -> str:
 
 def run_oneiros(cfg: OneirosExpConfig, config: SimConfig,
                 lending: bool = True) -> tuple[dict[str, float], str]:
-    """`lending=False` runs the negative control: both systems without lending."""
+    """`lending=False` runs the negative control: both systems without lending. Keys of the
+    first switch mode are bare (`p99_ttft_reduction`), the others' prefixed by the mode
+    (`preempt_p99_ttft_reduction`)."""
     acceptance: dict[str, float] = {}
-    rows = []
-    headline = []
-    for link in cfg.links:
-        for rate in cfg.point_rates:
-            for mix in MIXES:
-                for seed in cfg.seeds:
-                    base = run_point(cfg, mix, seed, link, False, config, rate)
-                    lend = run_point(cfg, mix, seed, link, lending, config, rate)
-                    ttft = _reduction(base["p99_ttft_s"], lend["p99_ttft_s"])
-                    tbt = _reduction(base["p99_tbt_s"], lend["p99_tbt_s"])
-                    gain = lend["tokens_per_s"] / base["tokens_per_s"] - 1.0
-                    if rate == cfg.acceptance_rate_per_s:
-                        key = f"{link}_{mix}_s{seed}"
-                        acceptance[f"{key}_p99_ttft_reduction"] = ttft
-                        acceptance[f"{key}_p99_tbt_reduction"] = tbt
-                        if link == cfg.links[0]:
-                            headline.append(ttft)
-                    rows.append(_row(link, rate, mix, seed, base, lend, ttft, tbt, gain))
-    acceptance["p99_ttft_reduction"] = sum(headline) / len(headline)
+    rows: list[list[object]] = []
+    for switch in cfg.switches:
+        prefix = "" if switch == cfg.switches[0] else f"{switch}_"
+        rows += _grid(cfg, config, lending, switch, prefix, acceptance)
     text = markdown_table(
-        ["link", "req/s per model", "mix", "seed", "served none", "served oneiros",
+        ["switch", "link", "req/s per model", "mix", "seed", "served none", "served oneiros",
          "P99 TTFT none (s)", "oneiros (s)", "reduction", "paper",
          "P99 TBT none (ms)", "oneiros (ms)", "reduction", "paper", "tokens/s",
          "paper", "max layers lent", "MiB streamed/step"], rows)
     write_report(cfg.out_dir, "oneiros", _body(cfg, text, acceptance))
     return acceptance, text
+
+
+def _grid(cfg: OneirosExpConfig, config: SimConfig, lending: bool, switch: str, prefix: str,
+          acceptance: dict[str, float]) -> list[list[object]]:
+    """One switch mode's grid: its rows; its acceptance keys (prefixed) go into `acceptance`."""
+    rows: list[list[object]] = []
+    headline = []
+    for link in cfg.links:
+        for rate in cfg.point_rates:
+            for mix in MIXES:
+                for seed in cfg.seeds:
+                    base = run_point(cfg, mix, seed, link, False, config, rate, switch)
+                    lend = run_point(cfg, mix, seed, link, lending, config, rate, switch)
+                    ttft = _reduction(base["p99_ttft_s"], lend["p99_ttft_s"])
+                    tbt = _reduction(base["p99_tbt_s"], lend["p99_tbt_s"])
+                    gain = lend["tokens_per_s"] / base["tokens_per_s"] - 1.0
+                    if rate == cfg.acceptance_rate_per_s:
+                        key = f"{prefix}{link}_{mix}_s{seed}"
+                        acceptance[f"{key}_p99_ttft_reduction"] = ttft
+                        acceptance[f"{key}_p99_tbt_reduction"] = tbt
+                        if link == cfg.links[0]:
+                            headline.append(ttft)
+                    rows.append([switch, *_row(link, rate, mix, seed, base, lend, ttft, tbt,
+                                               gain)])
+    acceptance[f"{prefix}p99_ttft_reduction"] = sum(headline) / len(headline)
+    return rows
 
 
 def _row(link: str, rate: float, mix: str, seed: int, base: dict[str, float],
@@ -218,13 +240,18 @@ def _body(cfg: OneirosExpConfig, text: str, acceptance: dict[str, float]) -> str
         "`fineslab/sim/experiments/oneiros.py` states the setup). `p99_ttft_reduction` is the "
         "mean over C1 and C2 and the seeds on the first link at the acceptance rate of "
         f"{cfg.acceptance_rate_per_s:g} req/s per model, fixed from the setup before any "
-        "result. P99 TTFT counts a request never served as infinite (`never`: over 1 % "
-        "unserved).", "",
+        f"result, with the `{cfg.switches[0]}` switch; keys prefixed by another mode "
+        "(`preempt_p99_ttft_reduction`) are that mode's grid. P99 TTFT counts a request never "
+        "served as infinite (`never`: over 1 % unserved). `switch`: at a slice end the active "
+        "model's running requests drain (run to their end before the GPU moves) or are "
+        "preempted (pause with their KV, resume at its next slice); both arms of a row share "
+        "it (`fineslab/sim/streaming.py`).", "",
         "```json", str(acceptance), "```", "", text, "",
         "Why ours differ from the paper's: Poisson arrivals, not the bursty Azure code trace "
         "(bursts are where a larger KV pool cuts queueing most); roofline step times, not "
         "measured vLLM ones; ShareGPT lengths only; FCFS admission of whole requests (prompt + "
         "output reserved up front, not vLLM's paged growth with preemption); a round-robin "
-        "scheduler with 2 s slices of our own (the paper does not state its slice); the cap "
+        "scheduler with 2 s slices of our own (the paper states neither its slice nor what a "
+        "switch does to running requests: hence the two switch modes); the cap "
         "from T_T * N <= prefill of one 2048-token chunk. On PCIe the cap and the copy chain "
         "bound what lending can give.", ""])
