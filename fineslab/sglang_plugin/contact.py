@@ -282,9 +282,22 @@ _POOL_CONTACTS = (
 )
 
 #: Every SGLang name the plugin relies on; `contact_check.check_contacts` checks them all.
+_LLAMA = "sglang.srt.models.llama"
+#: The layer streamer (streaming.py) finds the decoder layers as `<...>.layers.<i>` and brackets
+#: a forward pass with hooks on the module that holds them, which must be called through
+#: `__call__` by the causal LM's forward (checked on Llama, the model the streaming tests run).
+_STREAMING_CONTACTS = (
+    Contact(f"{_LLAMA}.LlamaModel.layers", _ATTRIBUTE,
+            "the decoder layers the layer streamer lends and streams, run by its forward",
+            in_source_of=("__init__", "forward")),
+    Contact(f"{_LLAMA}.LlamaForCausalLM.model", _ATTRIBUTE,
+            "the module whose call brackets a forward pass for the layer streamer",
+            in_source_of=("__init__", "forward")),
+)
+
 CONTACTS: tuple[Contact, ...] = (
     *_HOOKS, *_REGISTRY_CONTACTS, *_RUNNER_STATE, *_SCHEDULER_STATE, *_ALLOCATOR_CONTACTS,
-    *_POOL_CONTACTS)
+    *_POOL_CONTACTS, *_STREAMING_CONTACTS)
 
 #: The rows the plugin wraps with AROUND hooks, in the order SGLang calls them.
 HOOK_TARGETS: tuple[Contact, ...] = tuple(c for c in CONTACTS if c.hook is not None)

@@ -244,8 +244,8 @@ def install_hooks(streamer: LayerStreamer, model: torch.nn.Module) -> list[Any]:
                owner.register_forward_hook(lambda module, args, out: streamer.end_pass(),
                                            always_call=True)]  # also when the pass raises
     layers = decoder_layers(model)
-    for index, layer in layers.items():
-        handles.append(layer.register_forward_pre_hook(
+    for index, decoder in layers.items():
+        handles.append(decoder.register_forward_pre_hook(
             lambda module, args, index=index: streamer.before_layer(index)))
     return handles
 
