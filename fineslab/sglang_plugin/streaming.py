@@ -8,10 +8,14 @@ A runtime with `FINESLAB_LAYER_STREAMING=1` has each decoder layer on whole slab
              becomes inaccessible (`WeightRegion.lend`)
     slots    `slots` (1 or 2) slot buffers of the widest layer's slab count, taken from the
              arena once S is not empty (they are weight slabs of this runtime)
-    stream   before layer l in S runs (a forward pre-hook): slot k = l's rank in S mod
-             `slots` is mapped under l's own addresses (`WeightRegion.alias`: the layer's
-             tensors never move), after the layer it held before is covered, and l's bytes
-             are copied in from the host copy; a slot that already holds l copies nothing
+    map      while S and the slots stay, the range of layer l in S is mapped onto slot
+             k = (l's rank in S) mod `slots` (`WeightRegion.alias`: the layer's tensors never
+             move): the layers of one slot share its memory
+    stream   before layer l in S runs (a forward pre-hook), if its slot holds another layer,
+             l's bytes are copied in from the host copy, through l's own addresses (mapped
+             once, so the copy runs at a warm copy's speed: a first write after a fresh
+             mapping ran 4-5x slower here, 2.5 against 10-14 GiB/s); a slot that already
+             holds l copies nothing
     revert   layer l leaves S: slabs of its own are taken again (`reclaim`) and its bytes
              restored from the host copy
 
@@ -23,7 +27,9 @@ kernels, the overlap bench.hostlink measures (not built here).
 
     arena gain == (lent layers' slabs - slot slabs) * slab_bytes    (StreamState.net_lent_bytes)
     S empty    <=> no lent slab, no slot: the runtime holds exactly its weights' slabs
-    every layer's tensors: always at the same addresses; readable while the layer runs
+    every layer's tensors: always at the same addresses; their own bytes while the layer runs
+    (a streamed layer's range shows its slot, i.e. maybe another streamed layer's bytes,
+    between its turns; while S or the slots change, every lent range is inaccessible)
 
 The host copy is written at start, from the resident weights (before anything is lent), and
 shared with the sleeper, which may not read lent layers' ranges.
@@ -103,6 +109,7 @@ class LayerStreamer:
         request.check_against(len(self.spans))
         old, new = set(self.state.layers), set(request.layers)
         want = request.slots if new else 0
+        self._unmap_lent()
         missing = max(0, want - len(self._slots)) * self._slot_width
         kept: list[int] = []
         for layer in sorted(new - old):
@@ -114,14 +121,19 @@ class LayerStreamer:
             if not self._slots:  # lent layers and no slot to run them in: take them back
                 self._revert(sorted(new - old))
                 self.state.layers = sorted(old)
+            self._map_lent()
             self._account()
             raise
         try:
             self._revert(sorted(old - new))
+        except ArenaExhausted:
+            self._map_lent()
+            raise
         finally:
             self._account()
         self._resize_slots(want)  # fewer slots: after the reversion, which may fail
         self.state.layers = sorted(new)
+        self._map_lent()
         self.state.slots = request.slots
         self.state.seq = request.seq
         self.state.error = None
@@ -131,12 +143,10 @@ class LayerStreamer:
                     self.state.lent_bytes, self.state.slot_bytes)
 
     def _revert(self, layers: list[int]) -> None:
+        """Slabs of their own for `layers` (unmapped from the slots: `_unmap_lent` first),
+        their bytes from the host copy."""
         if not layers:
             return
-        for k, held in enumerate(self._slot_holds):  # the slots may sit under these layers
-            if held in layers:
-                self.region.cover(list(self.spans[held].slabs))
-                self._slot_holds[k] = None
         positions = [p for layer in layers for p in self.spans[layer].slabs]
         self.region.reclaim(positions)
         for layer in layers:
@@ -146,10 +156,8 @@ class LayerStreamer:
         """`count` slots: new ones from `spare` slabs (already this owner's) first, then from
         the arena (ArenaExhausted); spare slabs left over go back to the arena."""
         spare = list(spare or [])
-        while len(self._slots) > count:
-            held = self._slot_holds.pop()
-            if held is not None:
-                self.region.cover(list(self.spans[held].slabs))
+        while len(self._slots) > count:  # (nothing maps them: `_unmap_lent` first)
+            self._slot_holds.pop()
             self._release(self._slots.pop())
         try:
             while len(self._slots) < count:
@@ -163,6 +171,26 @@ class LayerStreamer:
         finally:
             if spare:
                 self._release(spare)
+
+    def _slot_of(self, layer: int) -> int:
+        return self.state.layers.index(layer) % len(self._slots)
+
+    def _map_lent(self) -> None:
+        """Map each streamed layer's range onto its slot (slot k = its rank in S mod slots), for
+        as long as S and the slots stay: layers sharing a slot share its memory, and the copy
+        before a layer runs goes through the layer's own, already mapped, addresses. A slot's
+        content is unknown after a remap, so every slot is marked empty."""
+        for layer in self.state.layers:
+            span = self.spans[layer]
+            self.region.alias(list(span.slabs), self._slots[self._slot_of(layer)]
+                              [:span.num_slabs])
+        self._slot_holds = [None] * len(self._slots)
+
+    def _unmap_lent(self) -> None:
+        """Make every streamed layer's range inaccessible again (before S or the slots change)."""
+        for layer in self.state.layers:
+            self.region.cover(list(self.spans[layer].slabs))
+        self._slot_holds = [None] * len(self._slots)
 
     def _release(self, slabs: list[int]) -> None:
         release_weight_slabs(self.region.table, self.region.slot,
@@ -179,13 +207,9 @@ class LayerStreamer:
         if layer not in self.spans or layer not in self.state.layers:
             return
         span = self.spans[layer]
-        k = self.state.layers.index(layer) % len(self._slots)
+        k = self._slot_of(layer)
         if self._slot_holds[k] == layer:
             return
-        held = self._slot_holds[k]
-        if held is not None:
-            self.region.cover(list(self.spans[held].slabs))
-        self.region.alias(list(span.slabs), self._slots[k][:span.num_slabs])
         self._slot_holds[k] = layer
         start_s = time.perf_counter()
         self._copy_in(span)
@@ -211,6 +235,7 @@ class LayerStreamer:
 
     def before_sleep(self) -> None:
         """Give the slots back; the lent layers stay lent (their slabs are the arena's)."""
+        self._unmap_lent()
         self._resize_slots(0)
 
     def after_wake(self) -> None:
