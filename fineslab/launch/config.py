@@ -373,24 +373,17 @@ def _model_problems(model: ModelConfig, config: FleetConfig) -> list[str]:
     names = sorted(k for k, _ in model.env if k.startswith(RESERVED_ENV_PREFIXES))
     if names:
         problems.append(f"env may not set {names}: the launcher sets them")
-    if model.layer_streaming is not None:
-        if model.elastic:
-            problems.append("a model streams layers or sleeps, not both, in this version: a "
-                            "wake restores every layer, so it needs the slabs its lent layers "
-                            "gave away (drop idle_timeout_s/pinned or layer_streaming)")
+    if model.layer_streaming is not None and model.elastic:
+        problems.append("a model streams layers or sleeps, not both, in this version: a wake "
+                        "restores every layer, so it needs the slabs its lent layers gave away "
+                        "(drop idle_timeout_s/pinned or layer_streaming)")
+    if model.weights_in_arena:
+        kind, uses = ("an elastic model (idle_timeout_s or pinned)", "keeps its weights in") \
+            if model.elastic else ("a streaming model", "lends weight slabs to")
         if config.kv_pool != "arena":
-            problems.append("layer streaming lends weight slabs to the slab arena; use "
-                            "kv_pool: arena")
+            problems.append(f"{kind} {uses} the slab arena; use kv_pool: arena")
         if (model.replicas or 1) > 1:
-            problems.append("a streaming model runs one replica in this version; set "
-                            "replicas: 1")
-    if model.elastic:
-        if config.kv_pool != "arena":
-            problems.append("an elastic model (idle_timeout_s or pinned) keeps its weights in "
-                            "the slab arena; use kv_pool: arena")
-        if (model.replicas or 1) > 1:
-            problems.append("an elastic model (idle_timeout_s or pinned) runs one replica in "
-                            "this version; set replicas: 1")
+            problems.append(f"{kind} runs one replica in this version; set replicas: 1")
     return problems
 
 

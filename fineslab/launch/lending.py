@@ -29,7 +29,6 @@ bytes, bytes streamed), read from each runtime's stream state.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from pathlib import Path
 
 from fineslab.launch.plan import FleetPlan, num_layers
 from fineslab.launch.reclaim import LOW_FREE_FRACTION
+from fineslab.launch.rounds import Rounds
 from fineslab.scheduler.oneiros import LendingLedger, ModelState, plan_lending, plan_reversion
 from fineslab.scheduler.selectn import offload_layers
 from fineslab.slabs.integrity import TableSnapshot
@@ -105,13 +105,14 @@ class _Device:
     ledger: LendingLedger = field(default_factory=LendingLedger)
 
 
-class Lender:
+class Lender(Rounds):
     """Oneiros' lending and reversion on a thread of its own (module doc)."""
 
     def __init__(self, fleet_id: str, folder: Path, specs: Sequence[LenderSpec],
                  snapshot_of: Callable[[str], TableSnapshot | None],
                  pressed: Callable[[str], bool], demand: Callable[[], Mapping[str, int]],
                  clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__("lender", INTERVAL_S)
         self.fleet_id, self.folder = fleet_id, folder
         self.devices: dict[str, _Device] = {}
         for spec in specs:
@@ -120,35 +121,6 @@ class Lender:
         self._clock = clock
         self._last_used: dict[str, float] = {}
         self._asked: dict[str, int] = {}  # runtime id -> seq of the request it has not answered
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.lent = self.reverted = 0
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="fineslab-lender", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(10)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(INTERVAL_S):
-            try:
-                self.run_once()
-            except Exception:  # a bug here must not end lending for good
-                logger.exception("layer lending round failed")
-
-    def states(self) -> dict[str, StreamState]:
-        """Each oneiros runtime's stream state (None-free: those not yet published left out)."""
-        out = {}
-        for device in self.devices.values():
-            for spec in device.specs:
-                state = read_state(self.fleet_id, spec.runtime_id, self.folder)
-                if state is not None:
-                    out[spec.runtime_id] = state
-        return out
 
     def run_once(self) -> list[tuple[str, str, int]]:
         """One round; returns the changes: (runtime id, "lend" or "revert", layer)."""
@@ -219,7 +191,6 @@ class Lender:
             return []
         device.ledger.apply(plan)
         device.pressed_rounds = 0  # give the runtimes a round to use it
-        self.lent += len(plan.order)
         return self._write(device, [(name, "lend", layer) for name, layer in plan.order])
 
     def _revert(self, device: _Device, states: Mapping[str, StreamState | None],
@@ -232,7 +203,6 @@ class Lender:
         if not back:
             return []
         device.ledger.revert(back)
-        self.reverted += len(back)
         return self._write(device, [(name, "revert", layer) for name, layer in back])
 
     def _write(self, device: _Device, changes: list[tuple[str, str, int]]

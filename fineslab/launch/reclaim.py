@@ -26,12 +26,12 @@ slabs return to the arena at once. Cost: one slab-table snapshot per device per 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
 import httpx
 
+from fineslab.launch.rounds import Rounds
 from fineslab.slabs.integrity import OwnerUsage, TableSnapshot
 
 logger = logging.getLogger(__name__)
@@ -42,39 +42,22 @@ LOW_FREE_FRACTION = 0.1
 STALL_S = 3.0
 
 
-class CacheReclaimer:
+class CacheReclaimer(Rounds):
     """The rule of the module docstring, on a thread of its own."""
 
     def __init__(self, devices: Mapping[str, Sequence[str]],
                  snapshot_of: Callable[[str], TableSnapshot | None],
                  demand: Callable[[], Mapping[str, int]], url_of: Callable[[str], str],
                  clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__("reclaim", INTERVAL_S)
         self.devices = devices  # device -> runtime ids on it
         self._snapshot_of, self._demand, self._url_of = snapshot_of, demand, url_of
         self._clock = clock
         self._last: dict[str, float] = {}
         self._blocks: dict[str, tuple[int, float]] = {}  # runtime -> (used blocks, since)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.flushes = 0
         #: per device, whether the last round found it pressed (the layer lender reads it)
         self.pressed: dict[str, bool] = {}
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="fineslab-reclaim", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(10)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(INTERVAL_S):
-            try:
-                self.run_once()
-            except Exception:  # a bug here must not end reclaiming for good
-                logger.exception("cache reclaim round failed")
 
     def run_once(self) -> list[str]:
         """One round; returns the runtimes whose caches were flushed."""

@@ -3,7 +3,8 @@
 `launch(example, folder, model_cache)` copies an example config with its own fleet id and a
 free router port, starts the launcher in a new session (so the test can signal the whole
 group), and waits for its `ready` line; `LaunchedFleet` reads the router's /health and
-/metrics. `group_alive` and `shm_files` check that a stopped fleet left nothing behind.
+/metrics. `group_alive` and `shm_files` check that a stopped fleet left nothing behind; `Hog`
+fills a fleet's arena.
 """
 
 from __future__ import annotations
@@ -107,3 +108,33 @@ def launched(example: str, folder: Path, model_cache: Path, fleet_id: str,
         if fleet.proc.poll() is None:
             os.killpg(fleet.proc.pid, stop_signal)
             fleet.proc.wait(120)
+
+
+class Hog:
+    """The free slabs of a launched fleet's CPU arena but `leave`, held by the test process as
+    weights (a real owner in the slab table), the way another model's weights would."""
+
+    def __init__(self, fleet: LaunchedFleet, leave: int = 0) -> None:
+        from fineslab.slabs import SlabArena, snapshot
+        from fineslab.slabs.weights import WeightRegion
+
+        self.arena = SlabArena.attach(fleet.fleet_id, "cpu:0")
+        take = snapshot(self.arena.table).free_slabs - leave
+        assert take > 0
+        self.region = WeightRegion(self.arena.table, self.arena.paths.data, "test-hog",
+                                   take * self.arena.spec.slab_bytes)
+        self.region.back()
+
+    def close(self) -> None:
+        self.region.close()
+        self.arena.close()
+
+
+def assert_no_slab_leaked(fleet: LaunchedFleet) -> None:
+    """The fleet's CPU arena passes its integrity check and no dead owner holds a slab."""
+    from fineslab.slabs import SlabArena, check_integrity, snapshot
+
+    with SlabArena.attach(fleet.fleet_id, "cpu:0") as arena:
+        check_integrity(arena.table)
+        dead = [o.runtime_id for o in snapshot(arena.table).owners if not o.alive]
+    assert dead == [], f"slabs still held by dead owners: {dead}"

@@ -26,10 +26,17 @@ from typing import Any
 
 import httpx
 import pytest
-from fleet_support import REPO, LaunchedFleet, group_alive, launched, shm_files
+from fleet_support import (
+    REPO,
+    Hog,
+    LaunchedFleet,
+    assert_no_slab_leaked,
+    group_alive,
+    launched,
+    shm_files,
+)
 
-from fineslab.slabs import SlabArena, check_integrity, snapshot
-from fineslab.slabs.weights import WeightRegion
+from fineslab.slabs import SlabArena, snapshot
 
 pytestmark = pytest.mark.slow
 
@@ -97,29 +104,6 @@ def _serves_again(fleet: LaunchedFleet, model: str) -> None:
         assert reply.status_code in (502, 503) and time.monotonic() < deadline, \
             (reply.text, fleet.output.read_text()[-3000:])
         time.sleep(2)
-
-
-def _assert_no_slab_leaked(fleet: LaunchedFleet) -> None:
-    with SlabArena.attach(fleet.fleet_id, "cpu:0") as arena:
-        check_integrity(arena.table)
-        dead = [o.runtime_id for o in snapshot(arena.table).owners if not o.alive]
-    assert dead == [], f"slabs still held by dead owners: {dead}"
-
-
-class Hog:
-    """The free slabs of the fleet's arena but `leave`, held by the test process as weights."""
-
-    def __init__(self, fleet: LaunchedFleet, leave: int = 0) -> None:
-        self.arena = SlabArena.attach(fleet.fleet_id, "cpu:0")
-        take = snapshot(self.arena.table).free_slabs - leave
-        assert take > 0
-        self.region = WeightRegion(self.arena.table, self.arena.paths.data, "test-hog",
-                                   take * self.arena.spec.slab_bytes)
-        self.region.back()
-
-    def close(self) -> None:
-        self.region.close()
-        self.arena.close()
 
 
 def test_a_model_the_arena_does_not_hold_awake_starts_asleep_and_its_first_request_wakes_it(
@@ -261,7 +245,7 @@ def test_a_runtime_killed_during_its_wake_leaks_no_slab_and_serves_again(
     _serves_again(fleet, "llama-a")
     assert fleet.runtime_pids()["llama-a-r0"] != pid
     assert _states(fleet)["llama-a"]["state"] == "awake"
-    _assert_no_slab_leaked(fleet)
+    assert_no_slab_leaked(fleet)
 
 
 def test_a_runtime_killed_during_its_sleep_leaks_no_slab_and_serves_again(
@@ -283,7 +267,7 @@ def test_a_runtime_killed_during_its_sleep_leaks_no_slab_and_serves_again(
     assert failed.returncode == 1, failed
     _serves_again(fleet, "llama-a")
     assert _states(fleet)["llama-a"]["state"] == "awake"
-    _assert_no_slab_leaked(fleet)
+    assert_no_slab_leaked(fleet)
 
 
 def test_a_runtime_that_dies_asleep_in_a_full_arena_makes_room_for_its_restart(

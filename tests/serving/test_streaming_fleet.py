@@ -24,10 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fleet_support import REPO, LaunchedFleet, launched
-
-from fineslab.slabs import SlabArena, check_integrity, snapshot
-from fineslab.slabs.weights import WeightRegion
+from fleet_support import REPO, Hog, LaunchedFleet, assert_no_slab_leaked, launched
 
 pytestmark = pytest.mark.slow
 
@@ -74,22 +71,6 @@ def _text(fleet: LaunchedFleet, model: str, prompt: str = "the slab arena") -> s
     return str(reply.json()["choices"][0]["text"])
 
 
-class Hog:
-    """Every free slab of the fleet's arena, held by the test process as weights."""
-
-    def __init__(self, fleet: LaunchedFleet) -> None:
-        self.arena = SlabArena.attach(fleet.fleet_id, "cpu:0")
-        take = snapshot(self.arena.table).free_slabs
-        assert take > 0
-        self.region = WeightRegion(self.arena.table, self.arena.paths.data, "test-hog",
-                                   take * self.arena.spec.slab_bytes)
-        self.region.back()
-
-    def close(self) -> None:
-        self.region.close()
-        self.arena.close()
-
-
 def test_selectn_streams_from_the_start_with_the_output_of_a_model_that_does_not(
         fleet: LaunchedFleet) -> None:
     assert _wait_lent(fleet, "llama-selectn", lambda layers: layers) == [1, 3]
@@ -133,7 +114,4 @@ def test_ctl_list_and_metrics_show_the_layers_lent(fleet: LaunchedFleet) -> None
 
 
 def test_nothing_leaks(fleet: LaunchedFleet) -> None:
-    with SlabArena.attach(fleet.fleet_id, "cpu:0") as arena:
-        check_integrity(arena.table)
-        dead = [o.runtime_id for o in snapshot(arena.table).owners if not o.alive]
-    assert dead == [], f"slabs still held by dead owners: {dead}"
+    assert_no_slab_leaked(fleet)
