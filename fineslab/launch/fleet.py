@@ -50,6 +50,7 @@ from fineslab.scheduler.predictors import ChunkedPrefillPredictor
 from fineslab.slabs import ArenaSpec, SlabArena, TableSnapshot, snapshot
 from fineslab.slabs.streamctl import StreamState
 from fineslab.slabs.table import SlabTable
+from fineslab.slabs.weights import free_weight_slabs
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +177,8 @@ class Fleet:
                              r.model.pinned) for r in self.plan.runtimes if r.model.elastic]
         if not specs:
             return None
-        return Elastic(specs, ArenaView(self._free_slabs, self._weight_slabs, self._set_asleep),
+        view = ArenaView(self._free_weight_slabs, self._weight_slabs, self._set_asleep)
+        return Elastic(specs, view,
                        retry_after_s=max(1, self.plan.config.router.retry_after_s),
                        asleep=asleep)
 
@@ -188,7 +190,7 @@ class Fleet:
         waiting = list(plans)
         while waiting:
             wave: list[RuntimePlan] = []
-            free = {d: self._free_slabs(d) or 0 for d in self.arenas}
+            free = {d: self._free_weight_slabs(d) or 0 for d in self.arenas}
             for r in waiting:
                 need = runtime_weight_slabs(r, self.arenas[r.device.name].spec.slab_bytes)
                 if not wave or need <= free[r.device.name]:
@@ -262,9 +264,10 @@ class Fleet:
         runtime = next((r for r in self.plan.runtimes if r.runtime_id == runtime_id), None)
         return self.arenas.get(runtime.device.name) if runtime is not None else None
 
-    def _free_slabs(self, device: str) -> int | None:
+    def _free_weight_slabs(self, device: str) -> int | None:
+        """Free slabs that weights can take (not slab 0: `FIRST_WEIGHT_SLAB`)."""
         arena = self.arenas.get(device)
-        return snapshot(arena.table).free_slabs if arena is not None else None
+        return free_weight_slabs(arena.table) if arena is not None else None
 
     def _weight_slabs(self, runtime_id: str) -> int | None:
         """The weight slabs a runtime holds now (its owner `<runtime id>:w` in the table)."""
@@ -376,7 +379,7 @@ class Fleet:
                 or router.loop is None or arena is None:
             return
         need = runtime_weight_slabs(plan, arena.spec.slab_bytes)
-        if (self._free_slabs(plan.device.name) or 0) >= need:
+        if (self._free_weight_slabs(plan.device.name) or 0) >= need:
             return
         self.progress(f"making room for {plan.runtime_id}'s weights ({need} slabs) before its "
                       "restart")

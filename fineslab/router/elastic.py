@@ -120,7 +120,7 @@ class ElasticModel:
 class ArenaView:
     """What the manager reads of the arenas (the fleet gives it; tests give fakes)."""
 
-    free_slabs: Callable[[str], int | None]  # device -> free slabs now (None: unknown)
+    free_slabs: Callable[[str], int | None]  # device -> free slabs weights can take (or None)
     weight_slabs: Callable[[str], int | None]  # runtime id -> weight slabs it holds now
     on_asleep: Callable[[str, bool], None]  # runtime id asleep or not (the supervisor)
 

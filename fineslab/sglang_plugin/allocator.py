@@ -43,9 +43,9 @@ neighbours. Refusing CUDA graphs would close it too, but costs the GPU its decod
 (graphs are SGLang's default on CUDA) and would have to list every other padding path (CPU
 graphs, graph capture). Cost: one slab of the arena holds no KV (1/num_slabs: 4% of the 24-slab
 test arena, 0.1% of a 1,000-slab GPU arena); whichever runtime first draws from slab 0 holds it,
-parked. `available_size` may count slab 0's blocks while slab 0 is free or not yet all parked
-(at most one slab too many); the first reservation that reaches them parks them, and every
-allocation and SGLang's prefill check follow a reservation.
+parked. `available_size` leaves slab 0's blocks out while slab 0 is free, so it never promises
+SGLang room the parking then takes (a prefill admitted on it ran out of memory and killed the
+runtime).
 
 Zeroed pages: with `page_bytes` given (on CUDA, `needs_zeroed_pages`), every page is zeroed as
 SGLang gets it. A page may hold stale bytes of another format (a slab freed and carved again, or
@@ -80,6 +80,8 @@ class BlockSource(Protocol):
     def free(self, block_ids: list[int]) -> None: ...
 
     def available_blocks(self) -> int: ...
+
+    def padding_slab_free(self) -> bool: ...
 
     def limit_blocks(self) -> int | None: ...
 
@@ -155,9 +157,15 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
 
     def available_size(self) -> int:
         """Tokens this runtime could allocate now: its reserve, its free blocks, and what the
-        shared free slabs would give it."""
+        shared free slabs would give it, less the padding slab while it is free (the draw that
+        reaches it parks it whole). Counting it let SGLang admit a prefill one slab larger than
+        the arena could give ("Prefill out of memory", a crash: found once weights stopped
+        taking slab 0, which then stayed free for the first KV draw)."""
         room = self._max_pages - self._num_used() - len(self._reserved)
-        shared = max(0, min(self._source.available_blocks(), room))
+        free = self._source.available_blocks()
+        if self._source.padding_slab_free():
+            free -= self._padding_pages
+        shared = max(0, min(free, room))
         return (len(self._reserved) + shared) * self.page_size
 
     def used_tokens(self) -> int:

@@ -34,7 +34,7 @@ from fineslab.errors import ArenaExhausted, IntegrityError, InvalidBlockError
 from fineslab.slabs.formats import BlockFormat
 from fineslab.slabs.integrity import OwnerUsage, check_integrity, snapshot
 from fineslab.slabs.shm import ArenaPaths
-from fineslab.slabs.table import SlabState, SlabTable
+from fineslab.slabs.table import PADDING_SLAB, SlabState, SlabTable
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,10 @@ class SlabClient:
         """`ids` sorted."""
         if ids.size > 1 and not np.all(np.diff(ids)):
             raise InvalidBlockError(f"{self.runtime_id}: a block id repeats in one free")
+
+    def padding_slab_free(self) -> bool:
+        """Whether the padding slab (slab 0) is in the free space (lock-free read)."""
+        return bool(self.table.state[PADDING_SLAB] == SlabState.FREE)
 
     def close(self) -> None:
         """Unregister: the table frees every block this runtime still holds."""

@@ -76,6 +76,14 @@ MAGIC = 0x3142_5441_4C53_4946  # "FISLATB1" little-endian
 VERSION = 3  # 2: key pools (block_owner, rt_pooled); 3: KV limits
 NO_OWNER = -1
 POOLED = -2
+#: Slab 0 holds slot 0 of every format, where SGLang writes its padded tokens, so it only ever
+#: holds KV, parked whole by the runtime that draws from it first (sglang_plugin/allocator.py).
+PADDING_SLAB = 0
+#: Weights are carved from this slab on: padded writes would land in a model's weights, and a
+#: model whose weights leave slab 0 when it sleeps would hand the arena a slab that a KV runtime
+#: then parks whole, one slab fewer for the KV the eviction made room for (the restart test
+#: found it).
+FIRST_WEIGHT_SLAB = PADDING_SLAB + 1
 HANDLE_CAPACITY_BYTES = 4096
 _READY_TIMEOUT_S = 5.0
 
@@ -316,14 +324,17 @@ class SlabTable(KVLimitRows):
         with self.lock():
             return self.carve_locked(slot, num_slabs, slot)
 
-    def carve_locked(self, slot: int, num_slabs: int, owner: int) -> np.ndarray:
-        """`carve` for a caller holding the lock; `owner` is `slot` or POOLED."""
-        free = np.flatnonzero(self.state == SlabState.FREE)
+    def carve_locked(self, slot: int, num_slabs: int, owner: int,
+                     lowest: int = 0) -> np.ndarray:
+        """`carve` for a caller holding the lock; `owner` is `slot` or POOLED. Only slabs
+        from `lowest` on (weights pass FIRST_WEIGHT_SLAB)."""
+        free = np.flatnonzero(self.state[lowest:] == SlabState.FREE) + lowest
         if free.size < num_slabs and self._reclaim_dead_locked():
-            free = np.flatnonzero(self.state == SlabState.FREE)
+            free = np.flatnonzero(self.state[lowest:] == SlabState.FREE) + lowest
         if free.size < num_slabs:
             raise ArenaExhausted(
-                f"{num_slabs} slab(s) wanted, {free.size} free of {self.dims.num_slabs}")
+                f"{num_slabs} slab(s) wanted, {free.size} free of {self.dims.num_slabs}"
+                + (f" from slab {lowest} on" if lowest else ""))
         limit = self.kv_limit(slot)
         if limit is not None and owner != POOLED:
             held = int(np.count_nonzero(self.owner == slot))

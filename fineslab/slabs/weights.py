@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from fineslab.errors import ConfigError, IntegrityError
-from fineslab.slabs.table import SlabState, SlabTable
+from fineslab.slabs.table import FIRST_WEIGHT_SLAB, SlabState, SlabTable
 
 logger = logging.getLogger(__name__)
 
@@ -212,14 +212,20 @@ class WeightRegion:
 
 def carve_weight_slabs(table: SlabTable, slot: int, num_slabs: int) -> np.ndarray:
     """Take `num_slabs` free slabs for weight owner `slot` (registered with key = slab_bytes),
-    each one block, FULL at once; ArenaExhausted (nothing changed) when short. The simulator's
+    each one block, FULL at once, never slab 0 (`FIRST_WEIGHT_SLAB`); ArenaExhausted (nothing
+    changed) when short. The simulator's
     weights take slabs through this too (`fineslab.sim.elastic`)."""
     with table.lock():
-        slabs = table.carve_locked(slot, num_slabs, slot)
+        slabs = table.carve_locked(slot, num_slabs, slot, lowest=FIRST_WEIGHT_SLAB)
         table.free_map[slabs, 0] = 0
         table.used[slabs] = 1
         table.state[slabs] = SlabState.FULL
     return slabs
+
+
+def free_weight_slabs(table: SlabTable) -> int:
+    """The free slabs weights can take now (lock-free read): every free slab but slab 0."""
+    return int(np.count_nonzero(table.state[FIRST_WEIGHT_SLAB:] == SlabState.FREE))
 
 
 def release_weight_slabs(table: SlabTable, slot: int, slabs: np.ndarray, name: str) -> None:

@@ -111,15 +111,16 @@ def launched(example: str, folder: Path, model_cache: Path, fleet_id: str,
 
 
 class Hog:
-    """The free slabs of a launched fleet's CPU arena but `leave`, held by the test process as
-    weights (a real owner in the slab table), the way another model's weights would."""
+    """The free slabs of a launched fleet's CPU arena that weights can take (all but slab 0)
+    but `leave`, held by the test process as weights (a real owner in the slab table), the way
+    another model's weights would."""
 
     def __init__(self, fleet: LaunchedFleet, leave: int = 0) -> None:
-        from fineslab.slabs import SlabArena, snapshot
-        from fineslab.slabs.weights import WeightRegion
+        from fineslab.slabs import SlabArena
+        from fineslab.slabs.weights import WeightRegion, free_weight_slabs
 
         self.arena = SlabArena.attach(fleet.fleet_id, "cpu:0")
-        take = snapshot(self.arena.table).free_slabs - leave
+        take = free_weight_slabs(self.arena.table) - leave
         assert take > 0
         self.region = WeightRegion(self.arena.table, self.arena.paths.data, "test-hog",
                                    take * self.arena.spec.slab_bytes)

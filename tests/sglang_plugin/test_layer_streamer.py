@@ -14,10 +14,9 @@ import torch
 from fineslab.errors import ArenaExhausted, ConfigError
 from fineslab.sglang_plugin.streaming import LayerStreamer, install_hooks
 from fineslab.sglang_plugin.weights import SHARED, collect, move_into_region
-from fineslab.slabs import snapshot
 from fineslab.slabs.arena import ArenaSpec, SlabArena
 from fineslab.slabs.streamctl import StreamRequest
-from fineslab.slabs.weights import WeightRegion
+from fineslab.slabs.weights import WeightRegion, free_weight_slabs
 
 SLAB = 64 * 1024
 WIDTH = 96  # one layer: 2 * 96 * 96 * 4 B = 72 KiB: two slabs
@@ -78,7 +77,8 @@ def _streamed_toy(arena: SlabArena, tmp_path: Path) -> tuple[Toy, LayerStreamer]
 
 
 def _free_slabs(arena: SlabArena) -> int:
-    return snapshot(arena.table).free_slabs
+    """Free slabs weights can take (all but slab 0, which no weights here touch)."""
+    return free_weight_slabs(arena.table)
 
 
 def test_layers_get_whole_slabs_of_their_own_and_a_shared_module_stays_shared(

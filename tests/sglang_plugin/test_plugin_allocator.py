@@ -205,6 +205,27 @@ def test_a_neighbour_holding_slab_0_leaves_this_runtime_nothing_to_park(setup: t
     _check(allocator, source)
 
 
+def test_available_size_leaves_out_a_free_padding_slab_so_an_admitted_prefill_fits(
+        setup: tuple) -> None:
+    """Counted while free, slab 0 promised SGLang one slab that the first draw then parks: a
+    prefill admitted on the promise ran out of memory and killed the runtime (the streaming
+    fleet, once weights stopped taking slab 0). Every page promised is a page allocated."""
+    allocator, source, neighbour, _ = setup
+    held = neighbour.alloc(3 * BPS)  # slabs 0-2; then slab 0 goes back: the arena binds
+    neighbour.free(sorted(held)[:BPS])
+    free_slabs = NUM_SLABS - 2  # slab 0 and slabs 3..7
+    assert allocator.available_size() == (free_slabs - 1) * BPS * PAGE, "slab 0 is not room"
+    everything = allocator.alloc(allocator.available_size())
+    assert everything is not None, "the whole promise is allocatable"
+    assert allocator.available_size() == 0
+    allocator.free(everything)
+    allocator.clear()
+    padding = neighbour.alloc(BPS)  # the neighbour holds slab 0 again: nothing to leave out
+    assert max(padding) < BPS and allocator.available_size() == (free_slabs - 1) * BPS * PAGE
+    neighbour.free(padding + sorted(held)[BPS:])
+    _check(allocator, source)
+
+
 def test_pages_are_zeroed_as_sglang_gets_them_where_asked(setup: tuple) -> None:
     """On CUDA (`needs_zeroed_pages`) a page may hold another format's stale bytes, NaN in this
     one; it is zeroed as SGLang gets it. Shown on CPU with the zeroing forced on."""

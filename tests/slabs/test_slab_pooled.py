@@ -41,6 +41,19 @@ def test_two_runtimes_share_one_slab(arena: SlabArena) -> None:
     assert a.available_blocks() == 3 + (NUM_SLABS - 1) * 8
 
 
+def test_both_block_sources_say_whether_the_padding_slab_is_free(arena: SlabArena) -> None:
+    """SlabAllocator asks its source (pooled or not) whether slab 0 is free, to leave it out of
+    its room; the pooled source once lacked the call and every pooled runtime died."""
+    a, _ = _pair(arena)
+    private = arena.client("p", FMT_B)
+    assert a.padding_slab_free() and private.padding_slab_free()
+    held = a.alloc(1)
+    assert held == [0] and not a.padding_slab_free() and not private.padding_slab_free()
+    a.free(held)
+    assert a.padding_slab_free()
+    private.close()
+
+
 def test_blocks_a_runtime_frees_are_reused_by_the_other(arena: SlabArena) -> None:
     a, b = _pair(arena)
     held = a.alloc(8)

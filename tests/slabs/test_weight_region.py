@@ -19,7 +19,7 @@ from fineslab.errors import ArenaExhausted, ConfigError
 from fineslab.slabs.arena import ArenaSpec, SlabArena
 from fineslab.slabs.integrity import check_integrity, snapshot
 from fineslab.slabs.table import SlabState
-from fineslab.slabs.weights import WeightRegion
+from fineslab.slabs.weights import WeightRegion, free_weight_slabs
 
 SLAB = 16 * 1024
 SLABS = 8
@@ -63,9 +63,9 @@ def test_unback_returns_the_slabs_and_back_maps_other_ones_at_the_same_address(
     region.unback()
     assert not region.backed
     assert all(arena.table.state[s] == SlabState.FREE for s in first.tolist())
-    # Another runtime takes the freed slabs: the wake must land elsewhere.
+    # Another runtime takes slab 0 and the freed slabs: the wake must land elsewhere.
     kv = arena.client("other", FMT_A)
-    kv.alloc(2 * FMT_A.blocks_per_slab(SLAB))
+    kv.alloc(3 * FMT_A.blocks_per_slab(SLAB))
     second = region.back()
     assert not set(first.tolist()) & set(second.tolist()), (first, second)
     assert region.base == base, "the tensors built over the region never move"
@@ -88,6 +88,29 @@ def test_back_is_all_or_nothing_when_the_arena_is_short(arena: SlabArena) -> Non
     assert int(np.count_nonzero(arena.table.state == SlabState.FREE)) == free_before
     check_integrity(arena.table)
     region.close()
+    kv.close()
+
+
+def test_weights_never_take_slab_0_where_every_formats_padded_tokens_land(
+        arena: SlabArena) -> None:
+    """Slab 0 holds slot 0 of every format (SGLang's padded writes) and only ever holds KV. The
+    failure it names: a model asleep gave slab 0 back, a KV runtime parked it whole, and the
+    restart's eviction, which had made room for weights plus one slab of KV, left none
+    (tests/serving/test_elastic_fleet.py's restart test, CI stop 25)."""
+    region = WeightRegion(arena.table, arena.paths.data, "m-r0", (SLABS - 1) * SLAB)
+    assert free_weight_slabs(arena.table) == SLABS - 1
+    slabs = region.back()
+    assert 0 not in slabs.tolist() and sorted(slabs.tolist()) == list(range(1, SLABS))
+    assert arena.table.state[0] == SlabState.FREE and free_weight_slabs(arena.table) == 0
+    region.unback()
+    bigger = WeightRegion(arena.table, arena.paths.data, "m-r1", SLABS * SLAB)
+    with pytest.raises(ArenaExhausted):  # every slab is free, but slab 0 is not for weights
+        bigger.back()
+    kv = arena.client("other", FMT_A)
+    assert kv.alloc(1)[0] < FMT_A.blocks_per_slab(SLAB), "KV still draws from slab 0"
+    check_integrity(arena.table)
+    for owner in (region, bigger):
+        owner.close()
     kv.close()
 
 
