@@ -145,7 +145,8 @@ def keep_order(interval: int) -> float:
     return math.inf if interval == 0 else float(interval)
 
 
-def _most_conservative(a: int | None, b: int | None) -> int | None:
+def most_conservative(a: int | None, b: int | None) -> int | None:
+    """The interval keeping more layers resident (`keep_order`); None if either is None."""
     if a is None or b is None:
         return None
     return max(a, b, key=keep_order)
@@ -217,7 +218,7 @@ class LayerCosts:
                                     self.prefill_layer_s(batch, seq_len), ttft_slo_s)
         decode = smallest_interval(self.num_layers, self.layer_transfer_s,
                                    self.decode_layer_s(batch, seq_len), tpot_slo_s)
-        return _most_conservative(prefill, decode)
+        return most_conservative(prefill, decode)
 
 
 def _powers_of_two(name: str, values: Sequence[int]) -> tuple[int, ...]:
@@ -294,7 +295,7 @@ class PerformanceRecord:
             decode = {slo: smallest_interval(costs.num_layers, costs.layer_transfer_s,
                                              decode_s, slo) for slo in tpot_slos_s}
             for ttft, tpot in itertools.product(ttft_slos_s, tpot_slos_s):
-                entries[(ttft, tpot, batch, seq_len)] = _most_conservative(prefill[ttft],
+                entries[(ttft, tpot, batch, seq_len)] = most_conservative(prefill[ttft],
                                                                            decode[tpot])
         return cls(ttft_slos_s, tpot_slos_s, batch_sizes, seq_lens, entries)
 

@@ -28,7 +28,8 @@ rules that span fields (unique names, KV dtype vs activation dtype, precision pe
         extra_args: []              # more SGLang arguments (not those precision/kv_dtype set)
         env: {}                     # more environment for the runtime (e.g. OMP_NUM_THREADS)
         idle_timeout_s: null        # elastic: sleeps when idle this long (or pinned: true)
-        layer_streaming: null       # {policy: selectn, interval: 4} or {policy: oneiros,
+        layer_streaming: null       # {policy: selectn, interval: 4}, {policy: selectn,
+                                    #   interval: auto, tpot_slo_s: 0.2} or {policy: oneiros,
                                     #   cap: 2, priority: 0} (docs/streaming.md)
     supervision: {probe_interval_s: 5, probe_timeout_s: 20, probe_failures: 2,
                   backoff_max_s: 60, stable_after_s: 300, health_timeout_s: 600}
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -91,10 +92,17 @@ class StreamingConfig:
     device runs out of KV (lower `priority` lends first) and takes them back when it is over."""
 
     policy: str
+    #: selectn's interval; None with `auto` (below) until the plan resolves it
     interval: int | None = None
     cap: int | None = None
     priority: int = 0
     slots: int = 1
+    #: selectn `interval: auto`: the smallest interval whose predicted TTFT (the model's
+    #: ttft_slo_s) and TPOT (`tpot_slo_s`) hold (launch/selectn_interval.py)
+    auto: bool = False
+    tpot_slo_s: float | None = None
+    #: host -> device copy bandwidth the interval is sized for (default per device kind)
+    host_link_gib_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -233,21 +241,37 @@ class _Router(_Strict):
 
 class _Streaming(_Strict):
     policy: Literal["selectn", "oneiros"]
-    interval: int | None = Field(default=None, ge=2)
+    interval: Annotated[int, Field(ge=2)] | Literal["auto"] | None = None
     cap: int | None = Field(default=None, ge=1)
     priority: int = 0
     slots: Literal[1, 2] = 1
+    tpot_slo_s: float | None = Field(default=None, gt=0, le=3600)
+    host_link_gib_s: float | None = Field(default=None, gt=0, le=10000)
 
     @model_validator(mode="after")
     def _policy_fields(self) -> _Streaming:
         if self.policy == "selectn" and self.interval is None:
             raise ValueError("selectn streams the last layer of every `interval` layers: give "
-                             "interval (>= 2)")
+                             "interval (>= 2, or auto with tpot_slo_s)")
         if self.policy == "selectn" and self.cap is not None:
             raise ValueError("`cap` is oneiros': selectn's `interval` decides its layers")
         if self.policy == "oneiros" and self.interval is not None:
             raise ValueError("`interval` is selectn's: oneiros lends up to `cap` layers")
+        auto = self.interval == "auto"
+        if auto and self.tpot_slo_s is None:
+            raise ValueError("interval: auto sizes the interval for the model's ttft_slo_s and "
+                             "a TPOT SLO: give tpot_slo_s (seconds)")
+        if not auto and (self.tpot_slo_s is not None or self.host_link_gib_s is not None):
+            raise ValueError("tpot_slo_s and host_link_gib_s size selectn's interval: they go "
+                             "with interval: auto")
         return self
+
+    def resolved(self) -> StreamingConfig:
+        fields = self.model_dump()
+        fields["auto"] = fields["interval"] == "auto"
+        if fields["auto"]:
+            fields["interval"] = None
+        return StreamingConfig(**fields)
 
 
 class _Model(_Strict):
@@ -319,8 +343,7 @@ def _to_dataclasses(fleet: _Fleet, source: str, base_dir: Path) -> FleetConfig:
                     m.tp, m.ttft_slo_s, m.request_rate_per_s, m.replicas, m.profile,
                     m.max_running_requests, tuple(m.extra_args), tuple(sorted(m.env.items())),
                     m.idle_timeout_s, m.pinned,
-                    None if m.layer_streaming is None
-                    else StreamingConfig(**m.layer_streaming.model_dump()))
+                    None if m.layer_streaming is None else m.layer_streaming.resolved())
         for m in fleet.models)
     r = fleet.router
     router = RouterConfig(r.host, r.port, r.api_key_env, r.on_drop, r.drop_status,

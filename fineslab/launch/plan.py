@@ -32,6 +32,7 @@ from fineslab.launch.config import (
     ModelConfig,
 )
 from fineslab.launch.profiles import find_profile, profile_dirs
+from fineslab.launch.selectn_interval import resolve_intervals
 from fineslab.models.generate import ensure_model
 from fineslab.quant.fleet import KV_DTYPES, describe_serving, served_dir_name
 from fineslab.scheduler.placement import GpuSpec, ModelDemand, PlacementPlan, get_placement_policy
@@ -165,8 +166,11 @@ def _streams_cell(runtime: RuntimePlan) -> str:
     if streaming.policy == "selectn" and streaming.interval is not None:
         from fineslab.scheduler.selectn import offload_layers
 
+        auto = " (auto)" if streaming.auto else ""
+        if streaming.interval == 0:
+            return f"selectn i=0{auto}: nothing streams"
         layers = offload_layers(num_layers(Path(runtime.model_dir)), streaming.interval)
-        return f"selectn i={streaming.interval}: layers {layers}"
+        return f"selectn i={streaming.interval}{auto}: layers {layers}"
     cap = "half the layers" if streaming.cap is None else f"{streaming.cap} layers"
     return f"oneiros: lends up to {cap} under KV pressure"
 
@@ -401,6 +405,7 @@ def make_plan(config: FleetConfig, cache_dir: str | None = None, *,
     dirs = profile_dirs(config.profile_dirs)
     profiles = {m.name: find_profile(m, kinds[0], dirs, model_dirs[m.name])
                 for m in config.models}
+    config, _ = resolve_intervals(config, profiles, model_dirs, kinds[0])
     gpus = [GpuSpec(i, d.memory_bytes, d.kind) for i, d in enumerate(devices)]
     placement = get_placement_policy(config.placement).place(_demands(config, profiles), gpus)
     if placement.unplaced:  # place() raises first; kept for a policy that does not
