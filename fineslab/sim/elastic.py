@@ -51,7 +51,7 @@ from fineslab.sim.simulator import FleetModel
 from fineslab.slabs import RuntimeSlabs, SlabPlan, SlabTable
 from fineslab.slabs.integrity import check_integrity
 from fineslab.slabs.table import TableDims
-from fineslab.slabs.weights import carve_weight_slabs, release_weight_slabs
+from fineslab.slabs.weights import carve_weight_slabs, free_weight_slabs, release_weight_slabs
 from fineslab.workload import Request
 
 GIB = 1 << 30
@@ -257,7 +257,7 @@ class ElasticSimulator:
                 ResidentView(s.model.name, arena.weight_slabs_of(s.model), s.last_used_s,
                              self._busy(s), rate_weight=_rate_weight(s.model))
                 for s in self.slots.values() if s.gpu == gpu_id)
-            free = int(np.count_nonzero(arena.table.state == 0))
+            free = free_weight_slabs(arena.table)  # as the launcher counts: not slab 0
             views.append(GpuView(gpu_id, arena.table.dims.num_slabs, free,
                                  arena.plan.slab_bytes, residents))
         return views
