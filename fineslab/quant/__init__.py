@@ -15,6 +15,7 @@ Public API
         raises ConfigError naming every missing or mis-shaped tensor
     quantize_kv4(x) -> (packed, params); dequantize_kv4(packed, params, dtype); Kv4Reader
                                                                       (fineslab.quant.kv4)
+    quantize_qoq(w, QoQConfig(group_size)) -> QoQWeight; w4a8_linear(x, w)  (fineslab.quant.qoq)
     kv4_decode_attention(...)   Triton decode kernel over KV4 slots   (fineslab.quant.kv4_triton,
                                 imports triton; CPU only under TRITON_INTERPRET=1)
     prepare_served_model(name, weights, kv, src, out, device=) -> PrecisionRuntime
