@@ -118,6 +118,18 @@ def _selectn(args: argparse.Namespace) -> int:
                    acceptance)
 
 
+def _swiftcache(args: argparse.Namespace) -> int:
+    from fineslab.sim.experiments.swiftcache import SwiftCacheExpConfig, run_swiftcache
+
+    out, traces, _ = _common(args, "swiftcache")
+    cfg = SwiftCacheExpConfig(out, traces, quick=args.quick,
+                              duration_s=args.duration or (300.0 if args.quick else 600.0),
+                              seeds=(args.seed, args.seed + 1))
+    acceptance, text = run_swiftcache(cfg)
+    return _finish(args, "swiftcache: master P99 TTFT, prefix KV recomputed / on host / lent",
+                   text, acceptance)
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
     "fig10": ("end-to-end SLO attainment and tokens/s on 4 H100s", _fig10),
     "fig11": ("SLO attainment from 8 to 16 GPUs", _fig11),
@@ -127,6 +139,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
     "fidelity": ("live server versus simulator on one workload", _fidelity),
     "oneiros": ("Oneiros layer lending under temporal sharing, C1/C2 on one GPU", _oneiros),
     "selectn": ("Select-N: offloading interval and host memory per SLO", _selectn),
+    "swiftcache": ("SwiftCache: a master's prefix KV lent to co-located workers", _swiftcache),
 }
 
 
