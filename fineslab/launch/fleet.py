@@ -36,7 +36,13 @@ from fineslab.env import WEIGHTS_DIR_VAR
 from fineslab.errors import ConfigError, EnvironmentSetupError
 from fineslab.launch.leftovers import RunRecord, sweep
 from fineslab.launch.lending import Lender, start_lender, stream_states, write_selectn_requests
-from fineslab.launch.plan import FleetPlan, RuntimePlan, arena_device, runtime_weight_slabs
+from fineslab.launch.plan import (
+    START_KV_SLABS,
+    FleetPlan,
+    RuntimePlan,
+    arena_device,
+    runtime_weight_slabs,
+)
 from fineslab.launch.reclaim import CacheReclaimer
 from fineslab.launch.runtimes import server_spec
 from fineslab.launch.supervisor import SupervisedRuntime, Supervisor
@@ -192,7 +198,9 @@ class Fleet:
             wave: list[RuntimePlan] = []
             free = {d: self._free_weight_slabs(d) or 0 for d in self.arenas}
             for r in waiting:
-                need = runtime_weight_slabs(r, self.arenas[r.device.name].spec.slab_bytes)
+                # its weights and its warmup's KV (a wave's first member goes regardless)
+                need = runtime_weight_slabs(r, self.arenas[r.device.name].spec.slab_bytes) \
+                    + START_KV_SLABS
                 if not wave or need <= free[r.device.name]:
                     wave.append(r)
                     free[r.device.name] -= need

@@ -303,12 +303,21 @@ def _arena_for(device: DeviceConfig, runtimes: list[RuntimePlan], fixed_bytes: i
     slab = slab_plan.slab_bytes
     room, asleep = _weight_room(device, [r for r in runtimes if r.weights_in_arena], slab,
                                 budget // slab)
-    arena_bytes = (budget // slab + room) * slab
+    # Weights never take slab 0, the padding slab, which the first KV draw parks whole: with
+    # weights in the arena it is one slab on top of the KV budget and the weight room, so
+    # neither loses it (without it a start-asleep wave filled the arena and its warmup hung).
+    padding = 1 if room else 0
+    arena_bytes = (budget // slab + room + padding) * slab
     if arena_bytes < slab * len(runtimes):
         raise ConfigError(f"device {device.name}: a {budget} B arena holds fewer than one "
                           f"{slab} B slab per runtime; raise kv_arena_mib")
     pages = {r.runtime_id: slab_plan.format_of(r.runtime_id).tokens_per_block for r in runtimes}
     return ArenaPlan(device, slab_plan, arena_bytes), pages, asleep
+
+
+#: KV slabs a runtime that starts asleep needs beside its weights: SGLang's warmup request
+#: allocates KV before the runtime is healthy and can be put to sleep.
+START_KV_SLABS = 1
 
 
 def _weight_room(device: DeviceConfig, elastic: list[RuntimePlan], slab_bytes: int,
@@ -318,7 +327,8 @@ def _weight_room(device: DeviceConfig, elastic: list[RuntimePlan], slab_bytes: i
     Without `weights_arena_mib`, room for all of them. With it, the device is over-committed:
     pinned models are awake (they must fit), then the others in config order while they fit;
     the rest start asleep. Each of those starts after the awake ones, loads into the free
-    slabs (the KV budget is empty then) and sleeps at once, so it must fit there."""
+    slabs (the KV budget is empty then) with one slab of KV for its warmup, and sleeps at
+    once, so it must fit there."""
     need = {r.runtime_id: runtime_weight_slabs(r, slab_bytes) for r in elastic}
     if device.weights_arena_bytes is None:
         return sum(need.values()), set()
@@ -337,7 +347,7 @@ def _weight_room(device: DeviceConfig, elastic: list[RuntimePlan], slab_bytes: i
                 "weights_arena_mib or unpin a model")
         else:
             asleep.add(r.runtime_id)
-    free_at_start = kv_slabs + room - used
+    free_at_start = kv_slabs + room - used - START_KV_SLABS  # its warmup's KV slab
     too_big = sorted(f"{r.model.name} ({need[r.runtime_id]})" for r in elastic
                      if r.runtime_id in asleep and need[r.runtime_id] > free_at_start)
     if too_big:
