@@ -333,3 +333,19 @@ def test_a_kv_limit_is_this_runtimes_own_cap_so_a_lone_request_over_it_is_not_he
     assert allocator.cap_allows(PAGE), "with the limit lifted, only capacity counts"
     allocator.free(out)
     _check(allocator, source)
+
+
+def test_an_idle_runtime_gives_back_a_reserve_no_allocation_took(setup: tuple) -> None:
+    """SGLang calls verify_byte_accounting only when its scheduler is fully idle; a reserve
+    (a prefill budget's or a decode check's) that no allocation took is then memory no
+    neighbour could get (CI: a neighbour could not admit two requests that fit the rest)."""
+    allocator, source, neighbour, _ = setup
+    assert allocator.check_decode_capacity(num_tokens=2 * BPS * PAGE, tree_cache=None)
+    held = source.num_used_blocks()
+    assert held >= 2 * BPS, "the check reserved two slabs' pages in the table"
+    others = neighbour.available_blocks()
+    assert allocator.verify_byte_accounting() == []
+    assert source.num_used_blocks() <= BPS, "only the parked padding slab stays held"
+    assert neighbour.available_blocks() >= others + 2 * BPS, "the neighbour can take them"
+    assert allocator.used_tokens() == 0
+    _check(allocator, source)
