@@ -30,7 +30,7 @@ from pathlib import Path
 
 from fineslab.errors import ConfigError
 from fineslab.launch.config import FleetConfig, ModelConfig
-from fineslab.quant.verify import read_headers
+from fineslab.quant.verify import DTYPE_BYTES, read_headers
 from fineslab.scheduler.profile_schema import ModelProfile
 from fineslab.scheduler.selectn import (
     LayerCosts,
@@ -46,8 +46,6 @@ GIB = 1 << 30
 #: below both, so an interval sized for it holds on a busier machine. GPU kinds have no default:
 #: the link differs by bus (PCIe 4 or 5, NVLink-C2C), so the config names it.
 DEFAULT_LINK_GIB_S = {"cpu": 8.0}
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2,
-                "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -83,14 +81,11 @@ def decoder_layer_bytes(model_dir: Path) -> int:
         match = _LAYER.search(name)
         if match is None:
             continue
-        if info.dtype not in _DTYPE_BYTES:
+        if info.dtype not in DTYPE_BYTES:
             raise ConfigError(f"checkpoint {model_dir}: tensor {name} has dtype {info.dtype}, "
                               "which selectn's interval sizing does not know")
-        count = 1
-        for dim in info.shape:
-            count *= dim
         index = int(match.group(1))
-        per_layer[index] = per_layer.get(index, 0) + count * _DTYPE_BYTES[info.dtype]
+        per_layer[index] = per_layer.get(index, 0) + info.num_elements * DTYPE_BYTES[info.dtype]
     if not per_layer:
         raise ConfigError(f"checkpoint {model_dir}: no tensor named `*.layers.<j>.*`: "
                           "selectn cannot size a layer")

@@ -27,7 +27,6 @@ import json
 import logging
 import platform
 import random
-import struct
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any
 
 from fineslab import cpu_mode
 from fineslab.models.generate import ensure_model
+from fineslab.quant.verify import read_headers
 from fineslab.runtime import cpu_engine_kwargs, shutdown_engine
 from fineslab.scheduler.curves import PiecewiseLinear
 from fineslab.scheduler.kv_format import kv_token_bytes
@@ -49,9 +49,6 @@ from fineslab.scheduler.profile_schema import (
 logger = logging.getLogger(__name__)
 
 TORCH_DTYPE_TO_KV = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1}
-
-
 @dataclass(frozen=True)
 class MeasureConfig:
     model: str
@@ -94,18 +91,8 @@ def read_shape(model_dir: Path) -> tuple[ModelShape, str]:
 
 def safetensors_bytes_and_params(model_dir: Path) -> tuple[int, int]:
     """Tensor bytes and element count from the safetensors headers (no tensor is loaded)."""
-    total_bytes = total_params = 0
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header: dict[str, Any] = json.loads(f.read(header_len))
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            begin, end = info["data_offsets"]
-            total_bytes += end - begin
-            total_params += (end - begin) // DTYPE_BYTES.get(info["dtype"], 1)
-    return total_bytes, total_params
+    infos = read_headers(model_dir).values()
+    return sum(i.nbytes for i in infos), sum(i.num_elements for i in infos)
 
 
 class _Timer:

@@ -28,10 +28,23 @@ _INT32 = ("I32",)
 _HALF = ("F16", "BF16")
 
 
+#: bytes an element of each safetensors dtype takes
+DTYPE_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2,
+               "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
+    nbytes: int  # on disk, from the header's data offsets
+
+    @property
+    def num_elements(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count
 
 
 def read_headers(model_dir: Path) -> dict[str, TensorInfo]:
@@ -46,7 +59,8 @@ def read_headers(model_dir: Path) -> dict[str, TensorInfo]:
             header = json.loads(fh.read(length))
         for name, meta in header.items():
             if name != "__metadata__":
-                infos[name] = TensorInfo(meta["dtype"], tuple(meta["shape"]))
+                begin, end = meta["data_offsets"]
+                infos[name] = TensorInfo(meta["dtype"], tuple(meta["shape"]), end - begin)
     return infos
 
 

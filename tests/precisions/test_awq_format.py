@@ -114,3 +114,17 @@ def test_missing_scales_is_a_clear_error(awq_dir: Path, tmp_path: Path) -> None:
                    lambda t: t.pop("model.layers.0.self_attn.k_proj.scales"))
     with pytest.raises(ConfigError, match=r"k_proj\.scales: missing"):
         verify_checkpoint(bad)
+
+
+def test_header_reading_counts_each_dtype_by_its_width(tmp_path: Path) -> None:
+    """The profile's weight bytes and parameter count come from the safetensors headers alone
+    (one table of dtype widths, `quant.verify.DTYPE_BYTES`, shared with Select-N's sizing):
+    an int16 or float64 tensor is counted by its elements, not its bytes."""
+    from fineslab.profile.measure import safetensors_bytes_and_params
+
+    tensors = {"a": torch.zeros(3, 5, dtype=torch.float64),
+               "b": torch.zeros(7, dtype=torch.int16),
+               "c": torch.zeros(2, 4, dtype=torch.bfloat16),
+               "d": torch.zeros(6, dtype=torch.uint8)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    assert safetensors_bytes_and_params(tmp_path) == (15 * 8 + 7 * 2 + 8 * 2 + 6, 15 + 7 + 8 + 6)
