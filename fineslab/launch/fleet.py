@@ -353,14 +353,15 @@ class Fleet:
 
     def kv_free_tokens(self, runtime_id: str) -> int | None:
         """Tokens the runtime can still get: the free blocks it can take (its slabs', or its key
-        pool's) plus the free slabs' worth, within its KV limit."""
+        pool's) plus the free slabs' worth (a free padding slab left out, as its allocator
+        does), within its KV limit."""
         runtime = next(r for r in self.plan.runtimes if r.runtime_id == runtime_id)
         snap = self.slab_snapshots().get(runtime.device.name)
         owner = next((o for o in snap.owners if o.runtime_id == runtime_id), None) \
             if snap else None
         if snap is None or owner is None or owner.key <= 0 or runtime.page_size is None:
             return None
-        return owner.available_blocks(snap.free_slabs, snap.slab_bytes) * runtime.page_size
+        return owner.available_blocks(snap.kv_free_slabs, snap.slab_bytes) * runtime.page_size
 
     def _runtime_down(self, runtime_id: str, reason: str, back_in_s: float) -> None:
         if self.router is not None:

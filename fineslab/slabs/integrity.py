@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fineslab.errors import IntegrityError
-from fineslab.slabs.table import NO_OWNER, POOLED, SlabState, SlabTable
+from fineslab.slabs.table import NO_OWNER, PADDING_SLAB, POOLED, SlabState, SlabTable
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,17 @@ class TableSnapshot:
     num_slabs: int
     slabs_by_key_state: dict[tuple[int, str], int]
     owners: tuple[OwnerUsage, ...]
+    padding_slab_free: bool = False
 
     @property
     def free_slabs(self) -> int:
         return sum(c for (_, state), c in self.slabs_by_key_state.items() if state == "FREE")
+
+    @property
+    def kv_free_slabs(self) -> int:
+        """Free slabs a runtime can fill with KV: a free padding slab (slab 0) does not count,
+        as the runtime that draws it parks it whole (`SlabAllocator.available_size`)."""
+        return self.free_slabs - int(self.padding_slab_free)
 
     @property
     def free_bytes(self) -> int:
@@ -194,4 +201,5 @@ def snapshot(table: SlabTable) -> TableSnapshot:
         owners.append(OwnerUsage(name, identity.pid, identity.is_alive(), slot_key, num_slabs,
                                  used_blocks, free_blocks, bool(table.rt_pooled[slot]),
                                  table.kv_limit(slot)))
-    return TableSnapshot(table.dims.slab_bytes, table.dims.num_slabs, counts, tuple(owners))
+    return TableSnapshot(table.dims.slab_bytes, table.dims.num_slabs, counts, tuple(owners),
+                         bool(state[PADDING_SLAB] == SlabState.FREE))

@@ -137,3 +137,15 @@ def test_check_integrity_finds_a_slot_whose_limit_differs_from_its_ids(arena: Sl
     arena.table.rt_limit[rt.slot] = 3 * SLAB_BYTES  # a slot copy that went stale
     with pytest.raises(IntegrityError, match="KV limit"):
         check_integrity(arena.table)
+
+
+def test_a_free_padding_slab_is_not_counted_as_room_for_kv(arena: SlabArena) -> None:
+    """The router's free-KV figure (`Fleet.kv_free_tokens`) leaves out a free slab 0, as the
+    allocator's available size does: the runtime that draws it parks it whole."""
+    free = snapshot(arena.table)
+    assert free.padding_slab_free and free.kv_free_slabs == NUM_SLABS - 1
+    client = arena.client("a", FMT_A)
+    client.alloc(1)  # the first draw takes slab 0
+    drawn = snapshot(arena.table)
+    assert not drawn.padding_slab_free and drawn.kv_free_slabs == drawn.free_slabs == NUM_SLABS - 1
+    client.close()
