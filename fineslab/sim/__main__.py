@@ -1,4 +1,5 @@
-"""CLI: `python -m fineslab.sim {fig10,fig11,fig12,fig13,elastic,fidelity} [--quick] [--json]`.
+"""CLI: `python -m fineslab.sim {fig10,fig11,fig12,fig13,capacity,elastic,fidelity,oneiros,selectn,
+swiftcache} [--quick] [--json]`.
 
 Each experiment writes `<out>/<name>.md` and PNG plots (default out: results/<name>/), prints
 a table, and with --json prints its acceptance numbers as the last line.
@@ -70,6 +71,19 @@ def _ablation(args: argparse.Namespace) -> int:
     return _finish(args, f"{args.command} results", text, acceptance)
 
 
+def _capacity(args: argparse.Namespace) -> int:
+    from fineslab.sim.experiments.capacity import CapacityConfig, run_capacity
+
+    out, traces, config = _common(args, "capacity")
+    cfg = CapacityConfig(out, traces, quick=args.quick,
+                         duration_s=args.duration or (60.0 if args.quick else 120.0),
+                         seeds=(args.seed,) if args.quick else (args.seed, args.seed + 1),
+                         tolerance=0.25 if args.quick else 0.125)
+    acceptance, text = run_capacity(cfg, config)
+    return _finish(args, "capacity: largest rate scale at 99% SLO attainment (Poisson, SLO "
+                   "scale 5) and GPUs for 99%", text, acceptance)
+
+
 def _fidelity(args: argparse.Namespace) -> int:
     from fineslab.env import FineslabEnv
     from fineslab.sim.experiments.fidelity import FidelityConfig, run_fidelity
@@ -135,6 +149,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
     "fig11": ("SLO attainment from 8 to 16 GPUs", _fig11),
     "fig12": ("placer ablation: MME versus KVPR, static KV, FCFS", _ablation),
     "fig13": ("local scheduler ablation: one model, static KV", _ablation),
+    "capacity": ("largest rate scale at 99% SLO attainment, and GPUs for 99%", _capacity),
     "elastic": ("more models than fit: sleep/wake, fineslab vs Prism* vs no sleep", _elastic),
     "fidelity": ("live server versus simulator on one workload", _fidelity),
     "oneiros": ("Oneiros layer lending under temporal sharing, C1/C2 on one GPU", _oneiros),
