@@ -12,14 +12,18 @@ via `alloc(num_pages * page_size)` (token indices), free via `free_segment` (its
 whole pages: no torch.unique).
 Slab: each process a `RuntimeSlabs` on one table shared by both, behind `SlabTokenAdapter`, the
 same token-index interface (`slab_raw_ns_per_page`: block ids only); and each process a
-`PooledSlabs` in one key pool shared by both (`slab_pooled_ns_per_page`, `pooled_ratio`: the
-price of key pools, every operation under the table lock).
+`PooledSlabs` in one key pool shared by both (`slab_pooled_ns_per_page`: the price of key
+pools, every operation under the table lock).
 Two processes run at once, each replaying its own op list through its private SGLang allocator,
 then through its RuntimeSlabs, alternately (best of --repeats), so both allocators see the same
 CPU contention (this 2-core machine is shared) and only the slab one shares a table.
-Result: CPU ns per allocated page (process CPU time, user + system, so that time a process spends
-descheduled on a loaded machine does not count), including the page's free, averaged over the two
-processes; ratio = slab / sglang (target <= 1.5).
+Result: ns per allocated page, including the page's free, averaged over the two processes,
+two ways:
+    CPU time (`*_ns_per_page`, `ratio`, `pooled_ratio_cpu`): user + system, so time a process
+        spends descheduled on a loaded machine does not count, nor does waiting on a lock
+    wall time (`*_wall_ns_per_page`, `ratio_wall`, `pooled_ratio`): what a runtime waits,
+        the key pool's lock included (issue #18 measures key pools this way)
+ratio = slab / sglang (target <= 1.5); pooled_ratio = key pool / sglang (target <= 1.5).
 
 `--device cuda` puts both on a GPU as a runtime there has them: SGLang's free pages and the
 token indices it returns live on the device, and the adapter does what `SlabAllocator` does
@@ -102,29 +106,34 @@ def make_ops(num_steps: int, page_size: int, seed: int, concurrency: int = 48) -
 
 
 class ReplayClock:
-    """Seconds of one replay: process CPU time on the CPU, wall time to a synchronize on CUDA."""
+    """Seconds of one replay, both ways: process CPU time on the CPU (wall time to a
+    synchronize on CUDA), and wall time, which counts a process waiting on the table lock."""
 
     def __init__(self, device: str) -> None:
         self.device = device
-        self._start = 0.0
+        self._start = self._start_wall = 0.0
 
-    def _now(self) -> float:
-        if self.device == "cpu":
-            return time.process_time()
-        import torch
+    def _sync(self) -> None:
+        if self.device != "cpu":
+            import torch
 
-        torch.cuda.synchronize()
-        return time.perf_counter()
+            torch.cuda.synchronize()
 
     def start(self) -> None:
-        self._start = self._now()
+        self._sync()
+        self._start, self._start_wall = time.process_time(), time.perf_counter()
 
-    def seconds(self) -> float:
-        return self._now() - self._start
+    def seconds(self) -> tuple[float, float]:
+        """(CPU seconds on the CPU or wall seconds on CUDA, wall seconds)."""
+        self._sync()
+        wall = time.perf_counter() - self._start_wall
+        return (time.process_time() - self._start if self.device == "cpu" else wall), wall
 
 
-def replay_sglang(ops: OpList, page_size: int, pool_pages: int, device: str = "cpu") -> float:
-    """Seconds to replay `ops` through SGLang's PagedTokenToKVPoolAllocator on `device`."""
+def replay_sglang(ops: OpList, page_size: int, pool_pages: int, device: str = "cpu"
+                  ) -> tuple[float, float]:
+    """Seconds (`ReplayClock.seconds`) to replay `ops` through SGLang's
+    PagedTokenToKVPoolAllocator on `device`."""
     if device == "cpu":
         from fineslab import cpu_mode
 
@@ -190,9 +199,10 @@ class SlabTokenAdapter:
 
 
 def replay_slab(ops: OpList, runtime: object, page_size: int, to_torch: bool,
-                device: str = "cpu") -> float:
-    """Seconds to replay `ops` through a RuntimeSlabs or PooledSlabs, with the plugin's token
-    adapter on `device` or not (block ids only: CPU time, whatever the device)."""
+                device: str = "cpu") -> tuple[float, float]:
+    """Seconds (`ReplayClock.seconds`) to replay `ops` through a RuntimeSlabs or PooledSlabs,
+    with the plugin's token adapter on `device` or not (block ids only: as on the CPU,
+    whatever the device)."""
     import torch
 
     from fineslab.slabs.client import RuntimeSlabs
@@ -242,16 +252,19 @@ def _worker(shm_dir: str, index: int, spec: ReplaySpec,
     replay_sglang(ops, page_size, spec.pool_pages, device)
     replay_slab(ops, runtime, page_size, to_torch=True, device=device)
     replay_slab(ops, pooled, page_size, to_torch=True, device=device)
-    best = {"sglang": np.inf, "slab": np.inf, "slab_raw": np.inf, "slab_pooled": np.inf}
+    kinds = ("sglang", "slab", "slab_raw", "slab_pooled")
+    best = {name: np.inf for kind in kinds for name in (kind, f"{kind}_wall")}
     for _ in range(spec.repeats):
-        for kind in best:
+        for kind in kinds:
             barrier.wait()  # both processes run the same allocator at the same time
             if kind == "sglang":
-                seconds = replay_sglang(ops, page_size, spec.pool_pages, device)
+                seconds, wall = replay_sglang(ops, page_size, spec.pool_pages, device)
             else:
-                seconds = replay_slab(ops, pooled if kind == "slab_pooled" else runtime,
-                                      page_size, to_torch=kind != "slab_raw", device=device)
+                seconds, wall = replay_slab(ops, pooled if kind == "slab_pooled" else runtime,
+                                            page_size, to_torch=kind != "slab_raw",
+                                            device=device)
             best[kind] = min(best[kind], seconds / ops.total_pages)
+            best[f"{kind}_wall"] = min(best[f"{kind}_wall"], wall / ops.total_pages)
     runtime.check_integrity()
     pooled.check_integrity()
     runtime.close()
@@ -310,11 +323,19 @@ def main(argv: list[str] | None = None) -> None:
     seconds, num_pages, num_ops = run(spec)
     sglang_ns, slab_ns, slab_raw_ns, pooled_ns = (
         seconds[k] * 1e9 for k in ("sglang", "slab", "slab_raw", "slab_pooled"))
+    sglang_wall_ns, slab_wall_ns, pooled_wall_ns = (
+        seconds[f"{k}_wall"] * 1e9 for k in ("sglang", "slab", "slab_pooled"))
     result = {
         "slab_ns_per_page": round(slab_ns, 1), "slab_raw_ns_per_page": round(slab_raw_ns, 1),
         "sglang_ns_per_page": round(sglang_ns, 1), "ratio": round(slab_ns / sglang_ns, 3),
         "slab_pooled_ns_per_page": round(pooled_ns, 1),
-        "pooled_ratio": round(pooled_ns / sglang_ns, 3),
+        "pooled_ratio_cpu": round(pooled_ns / sglang_ns, 3),
+        # wall time: a process waiting for the key pool's lock counts (issue #18's measure)
+        "sglang_wall_ns_per_page": round(sglang_wall_ns, 1),
+        "slab_wall_ns_per_page": round(slab_wall_ns, 1),
+        "slab_pooled_wall_ns_per_page": round(pooled_wall_ns, 1),
+        "ratio_wall": round(slab_wall_ns / sglang_wall_ns, 3),
+        "pooled_ratio": round(pooled_wall_ns / sglang_wall_ns, 3),
         "pages_per_replay": num_pages, "ops_per_replay": num_ops,
         "page_size": args.page_size, "processes": NUM_PROCESSES, "device": args.device,
     }
@@ -324,6 +345,10 @@ def main(argv: list[str] | None = None) -> None:
         ["slab RuntimeSlabs, block ids only (shared table)", slab_raw_ns,
          slab_raw_ns / sglang_ns],
         ["slab PooledSlabs + token adapter (one key pool)", pooled_ns, pooled_ns / sglang_ns],
+        ["wall: sglang (private)", sglang_wall_ns, 1.0],
+        ["wall: slab RuntimeSlabs + token adapter", slab_wall_ns, slab_wall_ns / sglang_wall_ns],
+        ["wall: slab PooledSlabs + token adapter", pooled_wall_ns,
+         pooled_wall_ns / sglang_wall_ns],
     ]
     emit(f"Allocator cost per page on {args.device}, {NUM_PROCESSES} processes at once "
          f"({num_pages} pages, {num_ops} ops, page size {args.page_size})",

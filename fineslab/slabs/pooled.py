@@ -16,11 +16,13 @@ POOLED slab happen under the table lock)
     free_map[s, j] == 1  <=>  block_owner[s, j] == 0          for j < bps
     a POOLED slab with used[s] == 0 is FREE at once (returned in the call that emptied it)
 
-Cost: every alloc and free takes the table lock (an flock: about 2 us here) and scans the pool's
-partial slabs (vectorized). That is the price of sharing; a runtime alone on its key keeps the
-lock-free `RuntimeSlabs`. Measured in docs/slabs.md (`python -m fineslab.bench.alloc`, key
-`pooled_ratio`: 3.7-3.8x SGLang's own allocator per page when two processes allocate back to
-back, against 1.0x for RuntimeSlabs).
+Cost: every alloc and free takes the table lock (an flock pair and a thread lock) and looks at
+the pool's slabs: their ids are cached by the table's slab epoch (which moves only when some
+slab is carved or freed), so a call reads the state of the pool's slabs, not the whole table,
+and a batch that fits the lowest partial slab takes it from there directly. That is the price
+of sharing; a runtime alone on its key keeps the lock-free `RuntimeSlabs`. Measured in
+docs/slabs.md (`python -m fineslab.bench.alloc`: `pooled_ratio_cpu`, CPU time, and
+`pooled_ratio`, wall time, which counts waiting on the lock).
 
 Placement follows RuntimeSlabs: a prefill of a slab or more takes whole fresh slabs for its
 whole-slab part; a hinted batch (decode) fills the hint's slab first; the rest comes from the
@@ -62,6 +64,11 @@ class PooledSlabs(SlabClient):
         self.key = fmt.block_stride_bytes
         self.mark = self.slot + 1  # this runtime's value in block_owner
         self._num_held = 0  # blocks it holds: the KV limit check reads it per call
+        # The pool's slabs (owner POOLED, this key), ascending, as of slab epoch
+        # `_pool_epoch`: refreshed under the lock when the epoch moved (a slab was carved or
+        # freed anywhere), so most calls scan the pool's slabs only, not the whole table.
+        self._pool_epoch = -1
+        self._pool_ids = np.empty(0, dtype=np.int64)
 
     # -- allocation -----------------------------------------------------------------------------
     def alloc_array(self, num_blocks: int, near_block: int | None = None) -> np.ndarray:
@@ -77,7 +84,15 @@ class PooledSlabs(SlabClient):
                 raise ArenaExhausted(
                     f"{self.runtime_id}: {num_blocks} block(s) wanted beyond its KV limit of "
                     f"{self.table.kv_limit(self.slot)} B ({self._num_held} held)")
-            partial = self._pool_partial()
+            partial = self._pool_partial(locked=True)
+            if near_block is None and num_blocks < bps and partial.size:
+                # The common case (a decode page, a short prefill): the lowest partial slab
+                # has room, which is where the general path below would take them from too.
+                lowest = int(partial[0])
+                if bps - int(self.table.used[lowest]) >= num_blocks:
+                    taken = self._take_from(lowest, num_blocks)
+                    self._num_held += num_blocks
+                    return taken
             pool_free = int(bps * partial.size - self.table.used[partial].sum())
             whole = 0 if near_block is not None else num_blocks // bps
             whole_slabs, fresh = self._carve(num_blocks, whole, pool_free)
@@ -101,10 +116,22 @@ class PooledSlabs(SlabClient):
         limit = self.limit_blocks()
         return None if limit is None else max(0, limit - self._num_held)
 
-    def _pool_partial(self) -> np.ndarray:
-        """The pool's slabs with a free block, ascending."""
+    def _pool_slabs(self, locked: bool) -> np.ndarray:
+        """The pool's slabs, ascending; cached by slab epoch, the cache refreshed only by a
+        caller holding the lock (a lock-free reader may see a carve half done)."""
         t = self.table
-        return np.flatnonzero((t.state == _PARTIAL) & (t.key == self.key) & (t.owner == POOLED))
+        if t.slab_epoch == self._pool_epoch:
+            return self._pool_ids
+        epoch = t.slab_epoch
+        ids = np.flatnonzero((t.key == self.key) & (t.owner == POOLED))
+        if locked:
+            self._pool_epoch, self._pool_ids = epoch, ids
+        return ids
+
+    def _pool_partial(self, locked: bool = False) -> np.ndarray:
+        """The pool's slabs with a free block, ascending."""
+        ids = self._pool_slabs(locked)
+        return ids[self.table.state[ids] == _PARTIAL]
 
     def _carve(self, num_blocks: int, whole: int, pool_free: int
                ) -> tuple[np.ndarray, np.ndarray]:
@@ -148,16 +175,22 @@ class PooledSlabs(SlabClient):
         t, bps = self.table, self.blocks_per_slab
         row = t.free_map[slab, :bps]
         if num_blocks == 1:  # the decode case: scalar operations only
-            local = np.array([int(row.argmax())], dtype=np.int64)
+            j = int(row.argmax())
+            row[j] = 0
+            t.block_owner[slab, j] = self.mark
+            taken = 1
+            out = np.array([slab * bps + j], dtype=np.int64)
         else:
             local = row.nonzero()[0][:num_blocks]
-        row[local] = 0
-        t.block_owner[slab, local] = self.mark
-        now_used = int(t.used[slab]) + local.size
+            row[local] = 0
+            t.block_owner[slab, local] = self.mark
+            taken = local.size
+            out = local + slab * bps
+        now_used = int(t.used[slab]) + taken
         t.used[slab] = now_used
         if now_used == bps:
             t.state[slab] = _FULL
-        return local + slab * bps
+        return out
 
     # -- free -----------------------------------------------------------------------------------
     def free(self, block_ids: Iterable[int] | np.ndarray) -> None:

@@ -54,13 +54,13 @@ Ownership and locking
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import fcntl
 import logging
 import os
+import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +109,7 @@ class _Hdr(enum.IntEnum):
     BACKING = 9
     HANDLE_LEN = 10
     READY = 11
+    SLAB_EPOCH = 12  # +1 whenever a slab changes owner or key (carve, free): see slab_epoch
 
 
 _HEADER_WORDS = 16
@@ -163,6 +164,22 @@ class TableDims:
         return offsets, cursor
 
 
+class _TableLock:
+    """`with table.lock():` (a class, not a generator context manager: the key pools take the
+    lock on every allocation and free, and a generator costs microseconds there)."""
+
+    __slots__ = ("_table",)
+
+    def __init__(self, table: SlabTable) -> None:
+        self._table = table
+
+    def __enter__(self) -> None:
+        self._table._acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._table._release()
+
+
 class SlabTable(KVLimitRows):
     """The shared slab table of one device. Use `create` (launcher) or `open` (everyone else)."""
 
@@ -185,6 +202,9 @@ class SlabTable(KVLimitRows):
             views["lim_set"], views["lim_bytes"], views["lim_name"])
         self.me = ProcessIdentity.current()
         self._repaired_ids: list[str] = []  # runtimes dropped by a repair, for reclaim's report
+        self._lock = _TableLock(self)
+        self._thread_lock = threading.RLock()
+        self._depth = 0  # nesting of `lock()` in the thread that holds it
 
     # -- create / open / close ------------------------------------------------------------------
     @classmethod
@@ -252,24 +272,56 @@ class SlabTable(KVLimitRows):
     def handle_bytes(self) -> bytes:
         return self.handle[: int(self.header[_Hdr.HANDLE_LEN])].tobytes()
 
+    @property
+    def slab_epoch(self) -> int:
+        """A counter that changes whenever any slab changes owner or key. A reader that saw
+        the same epoch under the lock before knows which slabs each owner and key has without
+        scanning the table again (`PooledSlabs` caches its key pool's slabs by it)."""
+        return int(self.header[_Hdr.SLAB_EPOCH])
+
     # -- the lock -------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def lock(self) -> Iterator[None]:
-        """Hold the table lock; repairs the table first if the previous holder died in it."""
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+    def lock(self) -> _TableLock:
+        """Hold the table lock (`with table.lock():`); repairs the table first if the previous
+        holder died in it."""
+        return self._lock
+
+    def _acquire(self) -> None:
+        # flock excludes other open files of the table, not other threads of this process
+        # sharing this object (the launcher's reclaimer, elastic manager and ctl handlers):
+        # the thread lock does that, and keeps a second thread from taking the first one's
+        # LOCK_HOLDER mark for a holder that died. Reentrant: a nested `with table.lock()`
+        # in one thread holds the file lock until the outermost one ends.
+        self._thread_lock.acquire()
+        self._depth += 1
+        if self._depth > 1:
+            return
         try:
-            holder = int(self.header[_Hdr.LOCK_HOLDER])
-            if self.writable:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except BaseException:
+            self._depth -= 1
+            self._thread_lock.release()
+            raise
+        if self.writable:
+            try:
+                holder = int(self.header[_Hdr.LOCK_HOLDER])
                 if holder:
                     logger.warning("slab table %s: pid %d died holding the lock; repairing",
                                    self.path, holder)
                     self._repaired_ids = self._repair_locked()
                 self.header[_Hdr.LOCK_HOLDER] = self.me.pid
-            yield
+            except BaseException:
+                self._release()
+                raise
+
+    def _release(self) -> None:
+        self._depth -= 1
+        try:
+            if self._depth == 0:
+                if self.writable:
+                    self.header[_Hdr.LOCK_HOLDER] = 0
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
         finally:
-            if self.writable:
-                self.header[_Hdr.LOCK_HOLDER] = 0
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._thread_lock.release()
 
     # -- registry (under the lock) --------------------------------------------------------------
     def register(self, runtime_id: str, key: int, pooled: bool = False) -> int:
@@ -348,6 +400,7 @@ class SlabTable(KVLimitRows):
         self.free_map[chosen, : self.dims.slab_bytes // key] = 1
         self.owner[chosen] = owner
         self.state[chosen] = SlabState.PARTIAL
+        self.header[_Hdr.SLAB_EPOCH] += 1
         return chosen
 
     def release(self, slot: int, slab_ids: Collection[int]) -> None:
@@ -376,6 +429,7 @@ class SlabTable(KVLimitRows):
         self.owner[slab], self.key[slab], self.used[slab] = NO_OWNER, 0, 0
         self.free_map[slab] = 0
         self.block_owner[slab] = 0
+        self.header[_Hdr.SLAB_EPOCH] += 1
 
     def _drop_runtime_locked(self, slot: int) -> None:
         for slab in np.flatnonzero(self.owner == slot):

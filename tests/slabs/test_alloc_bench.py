@@ -14,12 +14,18 @@ def test_alloc_bench_reports_private_and_pooled_costs(capsys: pytest.CaptureFixt
     alloc.main(["--steps", "3000", "--repeats", "1", "--json"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in ("slab_ns_per_page", "sglang_ns_per_page", "ratio", "slab_pooled_ns_per_page",
-                "pooled_ratio", "slab_raw_ns_per_page"):
+                "pooled_ratio", "pooled_ratio_cpu", "slab_raw_ns_per_page",
+                "sglang_wall_ns_per_page", "slab_wall_ns_per_page",
+                "slab_pooled_wall_ns_per_page", "ratio_wall"):
         assert result[key] > 0, f"{key} is measured"
     assert result["ratio"] == pytest.approx(
         result["slab_ns_per_page"] / result["sglang_ns_per_page"], abs=2e-3)
-    assert result["pooled_ratio"] == pytest.approx(
+    assert result["pooled_ratio_cpu"] == pytest.approx(
         result["slab_pooled_ns_per_page"] / result["sglang_ns_per_page"], abs=2e-3)
+    assert result["pooled_ratio"] == pytest.approx(  # wall time: lock waits count
+        result["slab_pooled_wall_ns_per_page"] / result["sglang_wall_ns_per_page"], abs=2e-3)
+    assert result["ratio_wall"] == pytest.approx(
+        result["slab_wall_ns_per_page"] / result["sglang_wall_ns_per_page"], abs=2e-3)
 
 
 @pytest.mark.gpu

@@ -231,3 +231,76 @@ def test_slab_bytes_hold_their_blocks(arena: SlabArena) -> None:
     slab = block // rt.blocks_per_slab
     assert slab == 1 and int(touched.min()) >= slab * SLAB_BYTES
     assert int(touched.max()) < (slab + 1) * SLAB_BYTES, "a block's bytes lie in its slab"
+
+
+def test_the_slab_epoch_moves_when_a_slab_changes_owner_and_only_then(arena: SlabArena) -> None:
+    """Key pools cache their pool's slabs by this counter, so every carve and free must move it
+    and a block taken from a slab already carved need not."""
+    client = arena.client("a", FMT_A)
+    epoch = arena.table.slab_epoch
+    blocks = client.alloc(1)  # carves a slab
+    assert arena.table.slab_epoch > epoch
+    carved = arena.table.slab_epoch
+    more = client.alloc(1)  # same slab
+    assert arena.table.slab_epoch == carved
+    client.free(blocks + more)  # the slab empties and goes back
+    assert arena.table.slab_epoch > carved
+    client.close()
+
+
+def test_a_key_pool_sees_a_slab_another_table_handle_carved(arena: SlabArena,
+                                                            tmp_path: object) -> None:
+    """Two processes' views of one table (here two handles): a slab the other carved into the
+    pool, partly used, is where this runtime's next block comes from (the lowest partial)."""
+    from fineslab.slabs.pooled import PooledSlabs
+    from fineslab.slabs.table import SlabTable
+
+    other_table = SlabTable.open(arena.table.path)
+    mine = arena.client("mine", FMT_A, pooled=True)
+    other = PooledSlabs(other_table, "other", FMT_A)
+    held = mine.alloc_array(3)  # slab 0, cached by epoch
+    filler = other.alloc_array(8 - 3)  # fills slab 0
+    assert np.all(filler < 8), "the other runtime fills the pool's lowest partial slab first"
+    theirs = other.alloc_array(1)  # carves slab 1 into the pool: the epoch moves
+    got = mine.alloc_array(1)
+    assert int(got[0]) // 8 == int(theirs[0]) // 8 == 1, (
+        "this runtime must find the slab the other handle carved, not carve one of its own")
+    mine.free(np.concatenate([held, got]))
+    other.free(np.concatenate([filler, theirs]))
+    check_integrity(arena.table)
+    mine.close()
+    other.close()
+    other_table.close()
+
+
+def test_threads_sharing_one_table_handle_take_the_lock_in_turn(
+        arena: SlabArena, caplog: pytest.LogCaptureFixture) -> None:
+    """flock excludes other open files, not two threads on one handle (the launcher's
+    reclaimer, elastic manager and ctl handlers share the arena's). Without the thread lock the
+    second thread entered at once and, seeing the first one's holder mark, "repaired" the table
+    under it as if its holder had died."""
+    import threading
+    import time
+
+    table = arena.table
+    inside = threading.Event()
+    order: list[str] = []
+
+    def first() -> None:
+        with table.lock():
+            inside.set()
+            time.sleep(0.3)
+            order.append("first leaves")
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    inside.wait(5)
+    with table.lock():
+        order.append("second enters")
+        with table.lock():  # nested in one thread: no deadlock, the file lock still held
+            assert table.lock_holder_pid == table.me.pid
+        assert table.lock_holder_pid == table.me.pid, "the inner exit must not release it"
+    thread.join(5)
+    assert order == ["first leaves", "second enters"]
+    assert "died holding the lock" not in caplog.text
+    assert table.lock_holder_pid == 0
