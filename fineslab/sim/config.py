@@ -7,6 +7,9 @@ KV mode); the paper's systems are peers in `SYSTEMS`:
     prism      KVPR placer               + Moore-Hodgson                   + shared slabs
     static     MME placement, partitions   + FCFS                          + static partitions
                proportional to F_M (the "static" placer)
+    kvcached   KVPR placer               + Moore-Hodgson                   + kvcached's 2 MB
+               pages mapped on demand (`sim.pages`): Prism* without the slabs, so the two
+               differ by the memory mechanism alone
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 
 from fineslab.errors import ConfigError
 
-KV_MODES = ("shared", "static")
+KV_MODES = ("shared", "static", "pages")
 MIB = 1 << 20
 
 
@@ -35,6 +38,7 @@ SYSTEMS: dict[str, SystemSpec] = {
     "fineslab": SystemSpec("fineslab", "mme", "adaptive", "shared"),
     "prism": SystemSpec("prism", "kvpr", "moore-hodgson", "shared"),
     "static": SystemSpec("static", "static", "fcfs", "static"),
+    "kvcached": SystemSpec("kvcached", "kvpr", "moore-hodgson", "pages"),
 }
 
 
@@ -61,6 +65,11 @@ class SimConfig:
         replica. With one SLO per model EDF order is arrival order, so a longer queue only adds
         requests that would be decided later anyway; the cap keeps a 5,000-deep FCFS queue from
         costing O(n log n) per step.
+    page_map_s, page_set_access_s: kvcached's cost to map one 2 MB page (cuMemMap) and to set
+        its access (cuMemSetAccess), issue #18's anchors (about 1.5 us and 36 us); only the
+        "pages" KV mode pays them (`sim.pages`).
+    page_reserve_min, page_reserve_max: kvcached's pre-mapped reserve, in page groups (one
+        2 MB page per layer, K and V): KVCACHED_MIN_RESERVED_PAGES / _MAX_ defaults, 5 and 10.
     """
 
     interference_per_neighbor: float = 0.2
@@ -70,6 +79,10 @@ class SimConfig:
     min_slab_bytes: int = 32 * MIB
     gpu_memory_fraction: float = 0.9
     check_integrity: bool = False
+    page_map_s: float = 1.5e-6
+    page_set_access_s: float = 36e-6
+    page_reserve_min: int = 5
+    page_reserve_max: int = 10
 
     def __post_init__(self) -> None:
         if self.interference_per_neighbor < 0:
@@ -79,3 +92,7 @@ class SimConfig:
             raise ConfigError("engine limits must be >= 1")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ConfigError("gpu_memory_fraction must be in (0, 1]")
+        if min(self.page_map_s, self.page_set_access_s) < 0:
+            raise ConfigError("page map times must be >= 0")
+        if not 0 <= self.page_reserve_min <= self.page_reserve_max:
+            raise ConfigError("page reserve sizes must satisfy 0 <= min <= max")

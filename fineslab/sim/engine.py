@@ -26,6 +26,9 @@ nothing and the replica has nothing else to do, the oldest deferred request is a
 (Prism serves late requests after the on-time ones; without this a Moore-Hodgson queue of late
 requests would wait forever on an idle GPU).
 
+A step also pays the page map/unmap time it owes (kvcached's KV mode only, `sim.pages`),
+added after the co-location factor: it is driver work, which co-located kernels do not slow.
+
     waiting + prefilling + decoding + finished + dropped == requests routed here   (always)
 """
 
@@ -65,6 +68,8 @@ class Step:
     kind: str  # "prefill" | "decode"
     alone_s: float
     prefill_tokens: tuple[tuple[Running, int], ...] = ()
+    #: Synchronous page map/unmap time on this step's path (0 unless KV is kvcached's pages).
+    map_s: float = 0.0
 
 
 class MemoTtftPredictor:
@@ -179,11 +184,13 @@ class ReplicaEngine:
                 taken.append((running, tokens))
                 budget -= tokens
             num_tokens = self.profile.chunk_tokens - budget
-            return Step("prefill", self.profile.prefill_s(num_tokens), tuple(taken))
+            return Step("prefill", self.profile.prefill_s(num_tokens), tuple(taken),
+                        self.kv.settle_step())
         if self.decoding:
             context = sum(r.request.prompt_tokens + r.generated_tokens
                           for r in self.decoding) / len(self.decoding)
-            return Step("decode", self.profile.decode.step_s(len(self.decoding), context))
+            return Step("decode", self.profile.decode.step_s(len(self.decoding), context),
+                        map_s=self.kv.settle_step())
         return None
 
     # -- 3 finish -------------------------------------------------------------------------------

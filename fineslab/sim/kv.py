@@ -8,6 +8,8 @@ it, so the simulator's memory behaviour is the allocator's, not a model of it.
                        slabs from it on demand (fineslab and Prism*)
     static             one table per (replica, GPU) sized to the replica's fixed partition
                        (Static*): a replica can never use another's free memory
+    pages              no slab table: one pool of 2 MB pages per GPU sized to the same KV space,
+                       each replica rank a `PageLease` on it (kvcached; see `sim.pages`)
 
 Sizes, per GPU g with residents R(g) (bytes):
 
@@ -29,10 +31,21 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from fineslab.errors import ArenaExhausted, ConfigError
 from fineslab.scheduler.profile_schema import ModelProfile
-from fineslab.slabs import KVDtype, KVShape, RuntimeSlabs, SlabPlan, SlabTable, plan_slabs
+from fineslab.sim.config import SimConfig
+from fineslab.sim.pages import GpuPagePool, PageLease
+from fineslab.slabs import (
+    BlockFormat,
+    KVDtype,
+    KVShape,
+    RuntimeSlabs,
+    SlabPlan,
+    SlabTable,
+    plan_slabs,
+)
 from fineslab.slabs.integrity import check_integrity
 from fineslab.slabs.table import TableDims
 
@@ -41,6 +54,8 @@ logger = logging.getLogger(__name__)
 KV_DTYPES = {"fp16": KVDtype.FP16, "bf16": KVDtype.BF16, "fp8": KVDtype.FP8_E4M3,
              "int4": KVDtype.INT4}
 _BACKING_NONE = 0
+#: A replica rank's block lease: a slab runtime, or a kvcached page lease (`sim.pages`).
+LeaseT = TypeVar("LeaseT", RuntimeSlabs, PageLease)
 
 
 def kv_shape(name: str, profile: ModelProfile) -> KVShape:
@@ -52,11 +67,11 @@ def kv_shape(name: str, profile: ModelProfile) -> KVShape:
                    profile.tp)
 
 
-class ReplicaKv:
+class ReplicaKv(Generic[LeaseT]):
     """One replica's block leases, one per GPU of its group (all-or-none allocation)."""
 
-    def __init__(self, leases: Sequence[RuntimeSlabs]) -> None:
-        self.leases = tuple(leases)
+    def __init__(self, leases: Sequence[LeaseT]) -> None:
+        self.leases: tuple[LeaseT, ...] = tuple(leases)
         self.tokens_per_block = leases[0].fmt.tokens_per_block
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -91,6 +106,12 @@ class ReplicaKv:
     def used_blocks(self) -> int:
         return self.leases[0].num_used_blocks()
 
+    def settle_step(self) -> float:
+        """Seconds of page mapping the step about to start owes: 0 on slabs; on kvcached's
+        pages the slowest rank's (a TP group's ranks map in parallel)."""
+        return max((lease.settle_step() for lease in self.leases
+                    if isinstance(lease, PageLease)), default=0.0)
+
 
 @dataclass(frozen=True)
 class GpuKvPlan:
@@ -105,10 +126,12 @@ class GpuKvPlan:
 class FleetKv:
     """The tables and leases of a whole simulated fleet; `close()` removes the files."""
 
-    def __init__(self, shm_dir: Path | None = None) -> None:
+    def __init__(self, shm_dir: Path | None = None, config: SimConfig | None = None) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="fineslab-sim-", dir=shm_dir or _shm()))
+        self.config = config or SimConfig()
         self.tables: list[SlabTable] = []
-        self._leases: list[RuntimeSlabs] = []
+        self.pools: dict[int, GpuPagePool] = {}
+        self._leases: list[RuntimeSlabs | PageLease] = []
         self._shared: dict[int, SlabTable] = {}
 
     def _table(self, label: str, kv_bytes: int, slab_plan: SlabPlan) -> SlabTable:
@@ -121,10 +144,13 @@ class FleetKv:
         self.tables.append(table)
         return table
 
-    def lease(self, gpu: GpuKvPlan, key: str, model: str, static: bool) -> RuntimeSlabs:
-        """A `RuntimeSlabs` for replica `key` (model `model`) on `gpu`."""
+    def lease(self, gpu: GpuKvPlan, key: str, model: str,
+              kv_mode: str) -> RuntimeSlabs | PageLease:
+        """The block lease of replica `key` (model `model`) on `gpu` in `kv_mode`."""
         fmt = gpu.slab_plan.format_of(model)
-        if static:
+        if kv_mode == "pages":
+            return self._page_lease(gpu, key, fmt)
+        if kv_mode == "static":
             table = self._table(f"g{gpu.gpu_id}-{_safe(key)}", gpu.partition_kv_bytes[key],
                                 gpu.slab_plan)
         else:
@@ -136,9 +162,22 @@ class FleetKv:
         self._leases.append(slabs)
         return slabs
 
+    def _page_lease(self, gpu: GpuKvPlan, key: str, fmt: BlockFormat) -> PageLease:
+        """kvcached: the GPU's page pool holds the KV space the shared slab table would."""
+        if gpu.gpu_id not in self.pools:
+            self.pools[gpu.gpu_id] = GpuPagePool(gpu.gpu_id, gpu.shared_kv_bytes)
+        cfg = self.config
+        lease = PageLease(self.pools[gpu.gpu_id], _safe(key), fmt,
+                          map_s_per_page=cfg.page_map_s + cfg.page_set_access_s,
+                          min_reserve=cfg.page_reserve_min, max_reserve=cfg.page_reserve_max)
+        self._leases.append(lease)
+        return lease
+
     def check_integrity(self) -> None:
         for table in self.tables:
             check_integrity(table)
+        for pool in self.pools.values():
+            pool.check_integrity()
         for lease in self._leases:
             lease.check_integrity()
 
@@ -147,7 +186,7 @@ class FleetKv:
             lease.close()
         for table in self.tables:
             table.close()
-        self._leases, self.tables = [], []
+        self._leases, self.tables, self.pools = [], [], {}
         shutil.rmtree(self.folder, ignore_errors=True)
 
 

@@ -3,8 +3,9 @@ workload in; every request's outcome out. Single process, deterministic (no wall
 unseeded randomness; ties broken by event sequence numbers).
 
     place     the real placer (`fineslab.scheduler.placement`) places the models' demands
-    build     per GPU a real slab table (`sim.kv`), per replica a `ReplicaEngine` with the real
-              local scheduler (`fineslab.scheduler.local`)
+    build     per GPU a real slab table (`sim.kv`; kvcached's system: a page pool, `sim.pages`),
+              per replica a `ReplicaEngine` with the real local scheduler
+              (`fineslab.scheduler.local`)
     run       two event sources merged in time order: request arrivals (from the workload) and
               step ends (a heap); a step end at the same instant as an arrival goes first, so
               memory it frees is visible to the arrival
@@ -128,7 +129,7 @@ class Simulator:
         self.system, self.config = system, config
         self.models = {m.name: m for m in models}
         self.plan = plan or place(models, gpus, system.placer, config)
-        self.kv = FleetKv()
+        self.kv = FleetKv(config=config)
         try:
             self.engines = self._build()
         except BaseException:
@@ -149,11 +150,11 @@ class Simulator:
     def _build(self) -> list[ReplicaEngine]:
         profiles = {name: m.profile for name, m in self.models.items()}
         gpu_kv = kv_plans(self.plan, profiles, self.config)
-        static = self.system.kv_mode == "static"
         engines = []
         for r in self.plan.replicas:
             key = f"{r.model}#{r.replica}"
-            leases = [self.kv.lease(gpu_kv[g], key, r.model, static) for g in r.gpu_ids]
+            leases = [self.kv.lease(gpu_kv[g], key, r.model, self.system.kv_mode)
+                      for g in r.gpu_ids]
             model = self.models[r.model]
             engines.append(ReplicaEngine(
                 key, r.model, model.profile, r.gpu_ids, get_batch_policy(self.system.batch_policy),
@@ -215,7 +216,7 @@ class Simulator:
         if step is None:
             return
         engine.step = step
-        end_s = now_s + step.alone_s * self._interference(index)
+        end_s = now_s + step.alone_s * self._interference(index) + step.map_s
         self._seq += 1
         heapq.heappush(self._heap, (end_s, self._seq, index))
 
