@@ -295,9 +295,50 @@ _STREAMING_CONTACTS = (
             in_source_of=("__init__", "forward")),
 )
 
+_QUANT = "sglang.srt.layers.quantization"
+_QUANT_CONFIG = f"{_QUANT}.base_config.QuantizationConfig"
+_LINEAR_METHOD = f"{_QUANT}.base_config.LinearMethodBase"
+#: The `fineslab_qoq` linear method (qoq_method.py): a QuantizationConfig and LinearMethodBase
+#: of SGLang's, built by its model loader. `register()` checks these rows in every process
+#: before it adds the method to the dicts of `_QUANT` (whose identity it checks itself: a row
+#: cannot name a module's dict).
+QOQ_CONTACTS: tuple[Contact, ...] = (
+    Contact(_QUANT, Kind.MODULE, "holds QUANTIZATION_METHODS, the dict fineslab_qoq joins"),
+    Contact("sglang.srt.configs.model_config", Kind.MODULE,
+            "ModelConfig accepts a quant_method its QUANTIZATION_METHODS (the same dict) holds"),
+    Contact(_QUANT_CONFIG, Kind.CLASS, "QoQLinearConfig's base"),
+    Contact(f"{_QUANT_CONFIG}.__init__", _METHOD, "called by QoQLinearConfig.__init__"),
+    Contact(f"{_QUANT_CONFIG}.from_config", _METHOD,
+            "the loader builds the config from config.json's quantization_config",
+            ("config",)),
+    Contact(f"{_QUANT_CONFIG}.get_quant_method", _METHOD,
+            "gives each linear layer its method", ("layer", "prefix")),
+    *_members(_QUANT_CONFIG, _METHOD, (
+        "get_name", "get_supported_act_dtypes", "get_min_capability", "get_config_filenames",
+        "get_scaled_act_names"), "overridden: what the loader asks of every method"),
+    Contact(_LINEAR_METHOD, Kind.CLASS, "QoQLinearMethod's base"),
+    Contact(f"{_LINEAR_METHOD}.create_weights", _METHOD,
+            "overridden: the four QoQ tensors of a layer",
+            ("layer", "input_size_per_partition", "output_partition_sizes", "input_size",
+             "output_size", "params_dtype")),
+    Contact(f"{_LINEAR_METHOD}.process_weights_after_loading", _METHOD,
+            "overridden: checks the tensors and caches the INT8 weight", ("layer",)),
+    Contact(f"{_LINEAR_METHOD}.apply", _METHOD, "overridden: the W4A8 product",
+            ("layer", "x", "bias")),
+    Contact("sglang.srt.layers.linear.LinearBase", Kind.CLASS,
+            "the layers fineslab_qoq quantizes"),
+    Contact(f"{_QUANT}.unquant.UnquantizedLinearMethod", Kind.CLASS,
+            "for a linear layer the QoQ writer left 16-bit"),
+    Contact("sglang.srt.server_args.add_quantization_method_choices", Kind.FUNCTION,
+            "SGLang's own way to add a --quantization choice"),
+    Contact("sglang.srt.utils.set_weight_attrs", Kind.FUNCTION,
+            "gives the QoQ tensors SGLang's loader and their output/input dims",
+            ("weight", "weight_attrs")),
+)
+
 CONTACTS: tuple[Contact, ...] = (
     *_HOOKS, *_REGISTRY_CONTACTS, *_RUNNER_STATE, *_SCHEDULER_STATE, *_ALLOCATOR_CONTACTS,
-    *_POOL_CONTACTS, *_STREAMING_CONTACTS)
+    *_POOL_CONTACTS, *_STREAMING_CONTACTS, *QOQ_CONTACTS)
 
 #: The rows the plugin wraps with AROUND hooks, in the order SGLang calls them.
 HOOK_TARGETS: tuple[Contact, ...] = tuple(c for c in CONTACTS if c.hook is not None)

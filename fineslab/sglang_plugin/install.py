@@ -18,11 +18,16 @@ handler does not catch): the process stops at start-up with the message.
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Callable, Sequence
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from fineslab.errors import ConfigError, EnvironmentSetupError, FineslabError
+from fineslab.quant.qoq_checkpoint import QUANT_METHOD
 from fineslab.sglang_plugin.config import TESTED_SGLANG_VERSION, ArenaJoin
 from fineslab.sglang_plugin.contact import CONTACTS, HOOK_TARGETS, Contact
 from fineslab.sglang_plugin.contact_check import check_contacts, sglang_version
@@ -82,13 +87,44 @@ def install(join: ArenaJoin, contacts: Sequence[Contact] = CONTACTS) -> PluginSe
     return session
 
 
+#: Set to 1 to register the `fineslab_qoq` quantization method whatever the model (an
+#: in-process engine, whose argv names no model).
+QOQ_ENV = "FINESLAB_QOQ"
+
+
+def wants_qoq(argv: Sequence[str], environ: Mapping[str, str]) -> bool:
+    """Whether this SGLang process needs the `fineslab_qoq` method: FINESLAB_QOQ=1, or the
+    `--model-path` on its command line (SGLang's spawned processes inherit it) is a checkpoint
+    whose config.json says `quant_method: fineslab_qoq`. Registering imports SGLang's layer
+    modules (about 5 s of CPU), which a detokenizer or a stock runtime should not pay."""
+    if environ.get(QOQ_ENV) == "1":
+        return True
+    for flag in ("--model-path", "--model"):
+        if flag in argv[:-1]:
+            config = Path(argv[argv.index(flag) + 1]) / "config.json"
+            try:
+                quant = json.loads(config.read_text()).get("quantization_config") or {}
+            except (OSError, ValueError, AttributeError):
+                return False
+            return isinstance(quant, dict) and quant.get("quant_method") == QUANT_METHOD
+    return False
+
+
 def register() -> None:
-    """Entry point of `sglang.srt.plugins`: join the arena named in the environment, if any.
+    """Entry point of `sglang.srt.plugins`: register the `fineslab_qoq` quantization method
+    (`qoq_method.py`) where the model needs it (`wants_qoq`), then join the arena named in the
+    environment, if any.
 
     A quantized KV format named by FINESLAB_KV_FORMAT (KV4, scaled FP8) gets its own pool
     (`quant_session`); otherwise the runtime gets the plain slab pool.
     """
     try:
+        if wants_qoq(sys.argv, os.environ):
+            from fineslab.sglang_plugin.contact import QOQ_CONTACTS
+            from fineslab.sglang_plugin.qoq_method import register_qoq_method
+
+            check_contacts(QOQ_CONTACTS)
+            register_qoq_method()
         join = ArenaJoin.from_env()
         if join is None:
             return
