@@ -1,9 +1,13 @@
-"""The mixed-precision fleet the SGLang tests of this folder share: one arena, four runtimes.
+"""The mixed-precision fleet of test_precision_fleet.py: one arena, four runtimes.
 
-Started once per session through the launcher (`fineslab.quant.fleet.run_fleet` ->
+Started once for that module through the launcher (`fineslab.quant.fleet.run_fleet` ->
 `fineslab.launch.Fleet`; about 2-3 minutes on the 2-core CI machine: four SGLang servers start
-in parallel), stopped at the end. The model is SmolLM2-135M-Instruct when set-up installed it,
-else the generated `llama-tiny`.
+in parallel), stopped when the module ends. Not kept for the session: an in-process
+`sglang.Engine`'s shutdown kills every child process of the test process, so each later test
+that ran an engine killed these four runtimes, and the fleet's supervisor restarted them, over
+and over, for the rest of the suite (seen in a CI rehearsal: 11 restarts each in 40 minutes,
+load average 10). The model is SmolLM2-135M-Instruct when set-up installed it, else the
+generated `llama-tiny`.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ def source_model(cache: Path) -> Path:
     return cache / "llama-tiny"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def fleet(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningFleet]:
     work = tmp_path_factory.mktemp("precisions")
     src = source_model(model_cache)
