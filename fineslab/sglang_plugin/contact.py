@@ -299,9 +299,9 @@ _QUANT = "sglang.srt.layers.quantization"
 _QUANT_CONFIG = f"{_QUANT}.base_config.QuantizationConfig"
 _LINEAR_METHOD = f"{_QUANT}.base_config.LinearMethodBase"
 #: The `fineslab_qoq` linear method (qoq_method.py): a QuantizationConfig and LinearMethodBase
-#: of SGLang's, built by its model loader. `register()` checks these rows in every process
-#: before it adds the method to the dicts of `_QUANT` (whose identity it checks itself: a row
-#: cannot name a module's dict).
+#: of SGLang's, built by its model loader. `register()` checks these rows where it registers
+#: the method (`install.wants_qoq`), before it adds it to the dicts of `_QUANT` (whose identity
+#: it checks itself: a row cannot name a module's dict).
 QOQ_CONTACTS: tuple[Contact, ...] = (
     Contact(_QUANT, Kind.MODULE, "holds QUANTIZATION_METHODS, the dict fineslab_qoq joins"),
     Contact("sglang.srt.configs.model_config", Kind.MODULE,
@@ -336,9 +336,13 @@ QOQ_CONTACTS: tuple[Contact, ...] = (
             ("weight", "weight_attrs")),
 )
 
-CONTACTS: tuple[Contact, ...] = (
+#: What a runtime joining an arena relies on: `install` checks these (not QOQ_CONTACTS, which
+#: only a runtime serving a QoQ checkpoint needs, checked where the method is registered).
+ARENA_CONTACTS: tuple[Contact, ...] = (
     *_HOOKS, *_REGISTRY_CONTACTS, *_RUNNER_STATE, *_SCHEDULER_STATE, *_ALLOCATOR_CONTACTS,
-    *_POOL_CONTACTS, *_STREAMING_CONTACTS, *QOQ_CONTACTS)
+    *_POOL_CONTACTS, *_STREAMING_CONTACTS)
+#: Every SGLang name the plugin relies on.
+CONTACTS: tuple[Contact, ...] = (*ARENA_CONTACTS, *QOQ_CONTACTS)
 
 #: The rows the plugin wraps with AROUND hooks, in the order SGLang calls them.
-HOOK_TARGETS: tuple[Contact, ...] = tuple(c for c in CONTACTS if c.hook is not None)
+HOOK_TARGETS: tuple[Contact, ...] = tuple(c for c in ARENA_CONTACTS if c.hook is not None)

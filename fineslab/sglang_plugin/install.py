@@ -8,11 +8,12 @@ Two ways in, one code path (`install_session`):
 - `install(join)`: for a custom SGLang build or an embedding program; call it in the process that
   builds the KV pool (the scheduler) before the pool is built.
 
-Both first check every SGLang name the plugin relies on (`contact.CONTACTS`, checked by
-`contact_check`), then register the AROUND hooks (`contact.HOOK_TARGETS`) and verify SGLang
-applied each. SGLang runs plugin entry points under `except Exception` and only logs what they
-raise, and it only logs hooks that fail to apply. A runtime told to join an arena must never fall
-back to its own pool silently, so `register()` turns every failure into `SystemExit` (which that
+Both first check every SGLang name a runtime in an arena relies on
+(`contact.ARENA_CONTACTS`, checked by `contact_check`; the QoQ method's names only where it is
+registered), then register the AROUND hooks (`contact.HOOK_TARGETS`) and verify SGLang applied
+each. SGLang runs plugin entry points under `except Exception` and only logs what they raise,
+and it only logs hooks that fail to apply. A runtime told to join an arena must never fall back
+to its own pool silently, so `register()` turns every failure into `SystemExit` (which that
 handler does not catch): the process stops at start-up with the message.
 """
 
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, TypeVar
 from fineslab.errors import ConfigError, EnvironmentSetupError, FineslabError
 from fineslab.quant.qoq_checkpoint import QUANT_METHOD
 from fineslab.sglang_plugin.config import TESTED_SGLANG_VERSION, ArenaJoin
-from fineslab.sglang_plugin.contact import CONTACTS, HOOK_TARGETS, Contact
+from fineslab.sglang_plugin.contact import ARENA_CONTACTS, HOOK_TARGETS, QOQ_CONTACTS, Contact
 from fineslab.sglang_plugin.contact_check import check_contacts, sglang_version
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def apply_session_hooks(session: object, targets: Sequence[Contact]) -> None:
             "SGLang's own KV pool")
 
 
-def install_session(session: Session, contacts: Sequence[Contact] = CONTACTS) -> Session:
+def install_session(session: Session, contacts: Sequence[Contact] = ARENA_CONTACTS) -> Session:
     """Check `contacts`, then install `session`'s hooks on those of them that are hook targets.
 
     Raises EnvironmentSetupError naming the SGLang version if a contact broke or SGLang did not
@@ -77,7 +78,7 @@ def install_session(session: Session, contacts: Sequence[Contact] = CONTACTS) ->
     return session
 
 
-def install(join: ArenaJoin, contacts: Sequence[Contact] = CONTACTS) -> PluginSession:
+def install(join: ArenaJoin, contacts: Sequence[Contact] = ARENA_CONTACTS) -> PluginSession:
     """Make this process's SGLang keep its KV in the arena `join` names; returns the session."""
     from fineslab.sglang_plugin.hooks import PluginSession
 
@@ -120,7 +121,6 @@ def register() -> None:
     """
     try:
         if wants_qoq(sys.argv, os.environ):
-            from fineslab.sglang_plugin.contact import QOQ_CONTACTS
             from fineslab.sglang_plugin.qoq_method import register_qoq_method
 
             check_contacts(QOQ_CONTACTS)
