@@ -49,6 +49,8 @@ from fineslab.scheduler.profile_schema import (
 logger = logging.getLogger(__name__)
 
 TORCH_DTYPE_TO_KV = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
 @dataclass(frozen=True)
 class MeasureConfig:
     model: str
