@@ -9,10 +9,15 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fineslab.errors import FatalError
-from fineslab.launch.config import load_fleet_config
+from fineslab.launch.config import FleetConfig, load_fleet_config
 from fineslab.launch.plan import FleetPlan, make_plan
+
+if TYPE_CHECKING:
+    from fineslab.launch.fleet import Fleet
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +49,11 @@ def stop_with_fd(fd: int) -> None:
 
 
 def run_fleet(plan: FleetPlan, port: int | None = None, log_dir: str | None = None,
-              stop_fd: int | None = None) -> int:
+              stop_fd: int | None = None,
+              on_ready: Callable[[Fleet], None] | None = None) -> int:
     """Start the fleet, serve until SIGINT/SIGTERM, stop everything (whatever phase it is in).
 
+    `on_ready(fleet)` runs once everything serves (a cluster node reports its router there).
     Both signals raise KeyboardInterrupt in the main thread (EOF on `stop_fd` sends SIGTERM);
     the `finally` stops the router, every runtime's process group and the arenas, with further
     signals ignored meanwhile.
@@ -60,10 +67,39 @@ def run_fleet(plan: FleetPlan, port: int | None = None, log_dir: str | None = No
     fleet = Fleet(plan, port, log_dir, _progress)
     try:
         fleet.start()
+        if on_ready is not None:
+            on_ready(fleet)
         _progress("ready")
         threading.Event().wait()
     except KeyboardInterrupt:
         _progress("stopping the fleet")
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        fleet.stop()
+    return 0
+
+
+def run_cluster(config: FleetConfig, address: str | None, port: int | None = None,
+                log_dir: str | None = None, stop_fd: int | None = None,
+                dry_run: bool = False) -> int:
+    """`run_fleet` over a Ray cluster (fineslab.cluster.driver): the same signals and stop."""
+    from fineslab.cluster.driver import ClusterFleet
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    if stop_fd is not None:
+        stop_with_fd(stop_fd)
+    fleet = ClusterFleet(config, port, log_dir, _progress, address)
+    try:
+        if dry_run:
+            fleet.make_plan()
+            return 0
+        fleet.start()
+        _progress("ready")
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        _progress("stopping the cluster fleet")
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -80,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=None, help="router port (overrides YAML)")
     parser.add_argument("--log-dir", default=None,
                         help="runtime logs (default: a temporary folder, printed at start)")
+    parser.add_argument("--ray", default=None, metavar="ADDRESS",
+                        help="serve over the nodes of the Ray cluster at ADDRESS ('auto': the "
+                             "one this machine is part of); the config's `cluster:` does the "
+                             "same (docs/cluster.md)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--stop-with-fd", type=int, default=None, metavar="FD",
                         help="stop the fleet when this inherited pipe reads EOF (its writer, "
@@ -92,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        plan = make_plan(load_fleet_config(args.config))
+        config = load_fleet_config(args.config)
+        if config.cluster is not None or args.ray is not None:
+            return run_cluster(config, args.ray, port=args.port, log_dir=args.log_dir,
+                               stop_fd=args.stop_with_fd, dry_run=args.dry_run)
+        plan = make_plan(config)
         print(plan.describe(), flush=True)
         if args.dry_run:
             return 0

@@ -33,6 +33,9 @@ rules that span fields (unique names, KV dtype vs activation dtype, precision pe
                                     #   cap: 2, priority: 0} (docs/streaming.md)
     supervision: {probe_interval_s: 5, probe_timeout_s: 20, probe_failures: 2,
                   backoff_max_s: 60, stable_after_s: 300, health_timeout_s: 600}
+    cluster: null                   # {engine: ray, address: auto, min_nodes: 1, wait_nodes_s: 60}:
+                                    #   the fleet over every node of a Ray cluster; `devices`
+                                    #   are each node's (docs/cluster.md)
 """
 
 from __future__ import annotations
@@ -191,6 +194,17 @@ class SupervisionPolicy:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """The fleet over the nodes of a Ray cluster (docs/cluster.md): `address` is Ray's ("auto":
+    the cluster this machine is part of); start waits up to `wait_nodes_s` for `min_nodes`."""
+
+    engine: str = "ray"
+    address: str = "auto"
+    min_nodes: int = 1
+    wait_nodes_s: float = 60.0
+
+
+@dataclass(frozen=True)
 class FleetConfig:
     fleet_id: str
     devices: tuple[DeviceConfig, ...] | None  # None: "auto", resolved by the launcher
@@ -202,6 +216,8 @@ class FleetConfig:
     profile_dirs: tuple[str, ...]
     source: str = "<dict>"
     supervision: SupervisionPolicy = SupervisionPolicy()
+    #: None: one machine, Ray never imported
+    cluster: ClusterConfig | None = None
 
     def model(self, name: str) -> ModelConfig:
         for model in self.models:
@@ -312,6 +328,13 @@ class _Supervision(_Strict):
     health_timeout_s: float = Field(default=600.0, gt=0)
 
 
+class _Cluster(_Strict):
+    engine: Literal["ray"] = "ray"
+    address: str = Field(default="auto", min_length=1)
+    min_nodes: int = Field(default=1, ge=1, le=4096)
+    wait_nodes_s: float = Field(default=60.0, ge=0, le=86400)
+
+
 class _Fleet(_Strict):
     fleet_id: str = Field(default="fineslab", pattern=_NAME)
     devices: Literal["auto"] | list[_Device] = "auto"
@@ -322,6 +345,7 @@ class _Fleet(_Strict):
     models: list[_Model] = Field(min_length=1)
     profile_dirs: list[str] = Field(default_factory=list)
     supervision: _Supervision = Field(default_factory=_Supervision)
+    cluster: _Cluster | None = None
 
 
 def _format_errors(exc: ValidationError, source: str) -> str:
@@ -352,7 +376,9 @@ def _to_dataclasses(fleet: _Fleet, source: str, base_dir: Path) -> FleetConfig:
     dirs = tuple(_resolve_path(d, base_dir) or d for d in fleet.profile_dirs)
     return FleetConfig(fleet.fleet_id, devices, fleet.kv_pool, fleet.placement,
                        fleet.batch_policy, router, models, dirs, source,
-                       SupervisionPolicy(**fleet.supervision.model_dump()))
+                       SupervisionPolicy(**fleet.supervision.model_dump()),
+                       None if fleet.cluster is None else
+                       ClusterConfig(**fleet.cluster.model_dump()))
 
 
 def _resolve_path(path: str | None, base_dir: Path) -> str | None:

@@ -399,11 +399,14 @@ def key_pooled(slab_plan: SlabPlan) -> set[str]:
 
 def make_plan(config: FleetConfig, cache_dir: str | None = None, *,
               prepared_dir: str | Path | None = None,
-              page_sizes: tuple[int, ...] = DEFAULT_PAGE_SIZES) -> FleetPlan:
+              page_sizes: tuple[int, ...] = DEFAULT_PAGE_SIZES,
+              placement: PlacementPlan | None = None) -> FleetPlan:
     """Everything the launcher will do, decided; raises ConfigError/PlacementInfeasible.
 
     `prepared_dir` (default `<model cache>/prepared`) receives the quantized checkpoints;
-    `page_sizes` are the arena block sizes the slab plan may choose from."""
+    `page_sizes` are the arena block sizes the slab plan may choose from. `placement`, one
+    decided already (a cluster's node share of the global placement, fineslab.cluster.plan),
+    replaces the placer's; its GPU ids index this node's devices."""
     devices = resolve_devices(config)
     if not devices:
         raise ConfigError("devices: auto found no device")
@@ -416,8 +419,13 @@ def make_plan(config: FleetConfig, cache_dir: str | None = None, *,
     profiles = {m.name: find_profile(m, kinds[0], dirs, model_dirs[m.name])
                 for m in config.models}
     config, _ = resolve_intervals(config, profiles, model_dirs, kinds[0])
-    gpus = [GpuSpec(i, d.memory_bytes, d.kind) for i, d in enumerate(devices)]
-    placement = get_placement_policy(config.placement).place(_demands(config, profiles), gpus)
+    if placement is None:
+        gpus = [GpuSpec(i, d.memory_bytes, d.kind) for i, d in enumerate(devices)]
+        placement = get_placement_policy(config.placement).place(_demands(config, profiles),
+                                                                 gpus)
+    elif len(placement.gpus) != len(devices):
+        raise ConfigError(f"the given placement is over {len(placement.gpus)} devices, the node "
+                          f"has {len(devices)}")
     if placement.unplaced:  # place() raises first; kept for a policy that does not
         raise PlacementInfeasible("the placer could not place every model:\n  " + "\n  ".join(
             f"{u.model}: {u.reason}" for u in placement.unplaced))

@@ -315,7 +315,7 @@ def bad_request(exc: BadRequest) -> JSONResponse:
     return JSONResponse(error_body(str(exc), "invalid_request_error", exc.code, exc.param), 400)
 
 
-async def _read_body(request: Request, limit_bytes: int) -> bytes:
+async def read_body(request: Request, limit_bytes: int) -> bytes:
     """The request body, refusing (BodyTooLarge) as soon as it passes `limit_bytes`."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit_bytes:
@@ -345,13 +345,13 @@ def create_app(router: Router) -> FastAPI:
         if not authorized(request, router.settings.api_key):
             return JSONResponse(unauthorized, 401)
         try:
-            raw = await _read_body(request, limit)
+            raw = await read_body(request, limit)
         except BodyTooLarge:
             return JSONResponse(error_body(
                 f"the request body is over this router's limit of {limit} bytes",
                 "invalid_request_error", "request_too_large"), 413,
                 headers={"Connection": "close"})
-        return await _guarded(router.handle(raw, path, chat))
+        return await guarded(router.handle(raw, path, chat))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -386,11 +386,11 @@ def create_app(router: Router) -> FastAPI:
         return Response(router.metrics.exposition(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    _install_error_handlers(app)
+    install_error_handlers(app)
     return app
 
 
-async def _guarded(work: Awaitable[Response]) -> Response:
+async def guarded(work: Awaitable[Response]) -> Response:
     """A defect in the router answers 500 in the OpenAI shape and keeps the connection."""
     try:
         return await work
@@ -400,7 +400,7 @@ async def _guarded(work: Awaitable[Response]) -> Response:
                                        "internal_error", "internal_error"), 500)
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI) -> None:
     """FastAPI's own errors (unknown path, wrong method, ...) in the one error shape."""
 
     async def http_error(request: Request, exc: Exception) -> Response:

@@ -1,0 +1,135 @@
+"""Benchmark: the CPU demo fleet over a two-node Ray cluster on this machine.
+
+    python -m fineslab.bench.cluster [--json] [--requests 40] [--config examples/cpu-demo.yaml]
+
+Two Ray nodes ("a", the head, and "b") on this machine (`fineslab.cluster.local`), the fleet
+placed over both by its placer, each node's share run by its agent, the front router in this
+process. Measured, in one run:
+    ready_s              launch (cluster up) to every model serving through the front router
+    front_router_p50_ms, front_router_p99_ms
+                         what the front hop adds: the same short completions (max_tokens 1), one
+                         at a time, alternately through the front router and straight to the
+                         node router that serves the model; p50/p99 of front minus direct,
+                         pairwise by request order
+    replace_s            node b SIGKILLed (its raylet reaped, as a lost machine) to its models
+                         serving again on node a
+    all_served           every model answered through the front router before the loss and
+                         after the re-placement
+Results in docs/cluster.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fineslab.bench.report import add_json_flag, emit
+
+REPO = Path(__file__).resolve().parents[2]
+SERVING_TIMEOUT_S = 300.0
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _complete(client: Any, url: str, model: str) -> float:
+    started = time.perf_counter()
+    reply = client.post(f"{url}/v1/completions", json={"model": model, "prompt": "Hi",
+                                                       "max_tokens": 1})
+    reply.raise_for_status()
+    return (time.perf_counter() - started) * 1000
+
+
+def _serves(client: Any, url: str, model: str) -> bool:
+    reply = client.post(f"{url}/v1/completions",
+                        json={"model": model, "prompt": "Hello", "max_tokens": 2})
+    return bool(reply.status_code == 200 and reply.json()["choices"][0]["text"])
+
+
+def run(config_path: Path, requests: int) -> dict[str, Any]:
+    import httpx
+
+    from fineslab.cluster.local import LocalCluster
+    from fineslab.launch.config import fleet_from_dict
+
+    data = yaml.safe_load(config_path.read_text())
+    data["fleet_id"] = f"bench-cluster-{uuid.uuid4().hex[:6]}"
+    data["router"]["port"] = 0
+    data["devices"] = [{**d, "memory_gib": d.get("memory_gib", 0.5)}
+                       for d in data.get("devices") or
+                       [{"name": "cpu", "kind": "cpu", "kv_arena_mib": 16}]]
+    data["cluster"] = {"engine": "ray", "min_nodes": 2, "wait_nodes_s": 30}
+    config = fleet_from_dict(data, str(config_path), config_path.parent)
+    cluster = LocalCluster(["a", "b"])
+    from fineslab.cluster.driver import ClusterFleet
+
+    fleet = ClusterFleet(config, port=0, progress=lambda m: print(m, file=sys.stderr),
+                         address=cluster.address)
+    result: dict[str, Any] = {"nodes": 2, "requests": requests}
+    try:
+        started = time.monotonic()
+        fleet.start()
+        result["ready_s"] = round(time.monotonic() - started, 2)
+        assert fleet.plan is not None and fleet.server is not None
+        front = fleet.server.base_url
+        on_a, on_b = fleet.plan.models_on("a"), fleet.plan.models_on("b")
+        direct = {m: f.url for n in fleet.table.nodes.values() for f in n.fleets.values()
+                  for m in f.models}
+        with httpx.Client(timeout=120) as client:
+            served_before = all(_serves(client, front, m) for m in on_a + on_b)
+            model = on_a[0]
+            _complete(client, front, model)  # warm both paths
+            _complete(client, str(direct[model]), model)
+            added = []
+            for _ in range(requests):
+                through_front = _complete(client, front, model)
+                straight = _complete(client, str(direct[model]), model)
+                added.append(through_front - straight)
+            result["front_router_p50_ms"] = round(statistics.median(added), 2)
+            result["front_router_p99_ms"] = round(_percentile(added, 0.99), 2)
+            cluster.kill("b")
+            lost = time.monotonic()
+            deadline = lost + SERVING_TIMEOUT_S
+            while time.monotonic() < deadline and fleet.replaced_s is None:
+                time.sleep(0.2)
+            result["replace_s"] = None if fleet.replaced_s is None else round(
+                fleet.replaced_s, 2)
+            served_after = all(_serves(client, front, m) for m in on_a + on_b)
+        result["models_on_b"] = on_b
+        result["all_served"] = bool(served_before and served_after)
+    finally:
+        fleet.stop()
+        cluster.close()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fineslab.bench.cluster",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=REPO / "examples" / "cpu-demo.yaml")
+    parser.add_argument("--requests", type=int, default=40,
+                        help="request pairs for the front hop's added latency")
+    add_json_flag(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("FINESLAB_LOG_LEVEL", "WARNING"))
+    result = run(args.config, max(2, args.requests))
+    rows = [[k, json.dumps(v) if isinstance(v, list) else v] for k, v in sorted(result.items())]
+    emit("two-node CPU cluster (fineslab.bench.cluster)", ["figure", "value"], rows, result,
+         args.json)
+    return 0 if result.get("all_served") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

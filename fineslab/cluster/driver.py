@@ -1,0 +1,398 @@
+"""The fleet over a Ray cluster: agents, the global placement, node fleets, the front router.
+
+    start: front port bound (a taken port fails at once) -> Ray connected -> wait for
+           `min_nodes` -> one NodeAgent per node -> each node's devices -> the global placement
+           (fineslab.cluster.plan) -> each node's share started by its agent (arenas, runtimes,
+           node router) -> all serving -> front router routes by model to the node routers
+    watch: every WATCH_S each agent's fleets; a lost agent (its node or process died) or an
+           exited node fleet: its routes go (requests there end 502 at once; its models answer
+           503 + Retry-After), its models are placed on what the survivors have left and
+           started there as a new node fleet beside the running ones (nothing serving is
+           restarted); models that fit nowhere wait for a node to join, which is given an
+           agent when seen and used at the next placement
+    stop:  watch -> front router -> every node fleet (runtimes, node routers, arenas) -> the
+           agents -> Ray disconnected (when this driver connected it)
+
+The one-machine launcher (`fineslab.launch.fleet.Fleet`) is what each node runs; nothing here
+imports SGLang.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fineslab.cluster.front import FrontRouter, FrontSettings
+from fineslab.cluster.front_app import FrontServer
+from fineslab.cluster.node import NodeSpec
+from fineslab.cluster.nodes import (
+    Node,
+    NodeFleet,
+    NodeTable,
+    alive_nodes,
+    node_name,
+    wait_for_nodes,
+)
+from fineslab.cluster.plan import (
+    ClusterPlan,
+    NodeDevices,
+    cluster_profiles,
+    make_cluster_plan,
+    place_on_residual,
+)
+from fineslab.errors import ConfigError, EnvironmentSetupError
+from fineslab.launch.config import FleetConfig
+from fineslab.router.server import bind_router_socket
+from fineslab.scheduler.profile_schema import ModelProfile
+
+logger = logging.getLogger(__name__)
+
+#: How often the driver asks every agent for its node fleets.
+WATCH_S = 0.5
+#: How long one agent call may take before it counts as not answering (not as lost).
+CALL_TIMEOUT_S = 10.0
+#: How often the driver looks for nodes that joined.
+JOIN_CHECK_S = 5.0
+#: How long a new agent may take to start and report its node's devices.
+AGENT_START_S = 120.0
+
+
+class ClusterFleet:
+    """A fleet over every node of the Ray cluster at `address` (None: the config's)."""
+
+    def __init__(self, config: FleetConfig, port: int | None = None,
+                 log_dir: str | None = None, progress: Callable[[str], None] = logger.info,
+                 address: str | None = None) -> None:
+        if config.cluster is None and address is None:
+            raise ConfigError("a cluster fleet needs `cluster:` in the config or an address")
+        self.config, self.progress = config, progress
+        self.address = address or (config.cluster.address if config.cluster else "auto")
+        self.port = config.router.port if port is None else port
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"fineslab-{config.fleet_id}-"))
+        self.table = NodeTable()
+        self.plan: ClusterPlan | None = None
+        self.profiles: dict[str, ModelProfile] = {}
+        self.unplaced: list[str] = []
+        self.front: FrontRouter | None = None
+        self.server: FrontServer | None = None
+        self._socket: socket.socket | None = None
+        self._connected = False
+        self._stop = threading.Event()
+        self._watch: threading.Thread | None = None
+        self._generation = 0
+        self._run = uuid.uuid4().hex[:6]
+        #: node loss -> its models serving again, for the last re-placement (bench.cluster)
+        self.replaced_s: float | None = None
+        self._replacing: tuple[float, set[str]] | None = None
+        self.api_key = self._api_key()
+
+    def _api_key(self) -> str | None:
+        name = self.config.router.api_key_env
+        if name is None:
+            return None
+        key = os.environ.get(name)
+        if not key:
+            raise ConfigError(f"router.api_key_env names {name}, which is not set")
+        return key
+
+    # -- start ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        router = self.config.router
+        self._socket = bind_router_socket(router.host, self.port)
+        self.port = self._socket.getsockname()[1]
+        self.plan = self.make_plan()
+        self._start_share(self.plan)
+        self._wait_serving(self.config.supervision.health_timeout_s + 120)
+        self.front = FrontRouter(FrontSettings(
+            api_key=self.api_key, max_body_bytes=router.max_body_bytes,
+            upstream_timeout_s=router.upstream_timeout_s,
+            retry_after_s=max(1, router.retry_after_s), node_api_key=self.api_key))
+        self._publish_routes()
+        self.server = FrontServer(self.front, router.host, self.port, sock=self._socket)
+        self._socket = None
+        self.server.start()
+        self._watch = threading.Thread(target=self._watch_loop, name="fineslab-cluster-watch",
+                                       daemon=True)
+        self._watch.start()
+        self.progress(f"front router serving {[m.name for m in self.config.models]} on "
+                      f"{self.server.base_url}/v1 over {len(self.table.nodes)} node(s)")
+
+    def make_plan(self) -> ClusterPlan:
+        """Connect, give every node an agent, place the fleet over their devices (what
+        `--dry-run` prints; `stop()` undoes it)."""
+        self._connect()
+        cluster = self.config.cluster
+        for info in wait_for_nodes(self.address, cluster.min_nodes if cluster else 1,
+                                   cluster.wait_nodes_s if cluster else 0):
+            self._add_node(info)
+        nodes = [NodeDevices(n.name, n.devices) for n in self.table.live()]
+        kinds = sorted({d.kind for n in nodes for d in n.devices})
+        if len(kinds) != 1:
+            raise ConfigError(f"the cluster's devices must be of one kind, found {kinds}")
+        self.profiles = cluster_profiles(self.config, kinds[0])
+        plan = make_cluster_plan(self.config, nodes, profiles=self.profiles)
+        self.progress(plan.describe())
+        return plan
+
+    def _connect(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            try:
+                ray.init(address=self.address, logging_level=logging.WARNING,
+                         log_to_driver=False)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise EnvironmentSetupError(
+                    f"cannot connect to the Ray cluster at {self.address} ({exc}); start it "
+                    "with `ray start --head` or give its address (--ray, cluster.address)"
+                    ) from None
+            self._connected = True
+        self.progress(f"connected to the Ray cluster at {self.address}")
+
+    def _add_node(self, info: dict[str, Any]) -> Node:
+        import ray
+
+        from fineslab.cluster.agent import spawn_agent
+
+        name = node_name(info)
+        agent = spawn_agent(name, node_id=info["NodeID"],
+                            num_gpus=float(info.get("Resources", {}).get("GPU", 0)),
+                            actor_name=f"fineslab-{self.config.fleet_id}-{self._run}-{name}")
+        try:
+            described = ray.get(agent.describe.remote(), timeout=AGENT_START_S)
+            devices = tuple(ray.get(agent.devices.remote(self.config), timeout=AGENT_START_S))
+        except ray.exceptions.GetTimeoutError:
+            raise EnvironmentSetupError(
+                f"node {name}: its agent did not start within {AGENT_START_S:.0f} s (it needs "
+                "all of the node's GPUs: does other Ray work hold some?)") from None
+        node = Node(name, info["NodeID"], agent, described["address"] or "127.0.0.1", devices)
+        self.table.add(node)
+        self.progress(f"node {name} ({node.address}): agent pid {described['pid']}, devices "
+                      f"{[d.name for d in node.devices]}")
+        return node
+
+    def _start_share(self, plan: ClusterPlan) -> None:
+        """Start each node's share of `plan` as a new node fleet of that node."""
+        import ray
+
+        fleet = f"g{self._generation}"
+        self._generation += 1
+        for share in plan.nodes:
+            models = plan.models_on(share.node)
+            if not models:
+                continue
+            node = self.table.nodes[share.node]
+            spec = NodeSpec(plan.node_config(share.node, self._generation - 1),
+                            plan.node_placement(share.node), node.address,
+                            str(self.log_dir / f"{share.node}-{fleet}"))
+            env = {self.config.router.api_key_env: self.api_key} if self.api_key and \
+                self.config.router.api_key_env else {}
+            with self.table.lock:
+                node.fleets[fleet] = NodeFleet(fleet, models)
+            ray.get(node.agent.start_fleet.remote(fleet, spec, env), timeout=CALL_TIMEOUT_S * 6)
+            self.progress(f"node {share.node}: starting {models} (fleet {fleet}, logs in "
+                          f"{spec.log_dir})")
+
+    def _wait_serving(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        said: dict[str, str] = {}
+        while True:
+            pending = []
+            for node in self.table.live():
+                for name, status in self._statuses(node).items():
+                    fleet = node.fleets.get(name)
+                    if fleet is None:
+                        continue
+                    self.table.note(fleet, status)
+                    if status["state"] == "exited":
+                        raise EnvironmentSetupError(
+                            f"node {node.name}: fleet {name} exited with {status.get('rc')} "
+                            f"while starting; its log ({status.get('log')}) ends:\n"
+                            f"{status.get('log_tail', '')}")
+                    if status["state"] == "starting":
+                        pending.append(node.name)
+                        line = str(status.get("progress", "")).strip()
+                        if line and said.get(node.name) != line:
+                            said[node.name] = line
+                            self.progress(f"node {node.name}: {line[-200:]}")
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise EnvironmentSetupError(f"nodes {sorted(set(pending))} not serving after "
+                                            f"{timeout_s:.0f} s")
+            time.sleep(WATCH_S)
+
+    def _statuses(self, node: Node) -> dict[str, dict[str, Any]]:
+        import ray
+
+        return dict(ray.get(node.agent.fleet_status.remote(), timeout=CALL_TIMEOUT_S))
+
+    def _publish_routes(self) -> None:
+        assert self.front is not None
+        self.front.set_routes(self.table.routes([m.name for m in self.config.models]))
+
+    # -- watch ----------------------------------------------------------------------------------
+
+    def _watch_loop(self) -> None:
+        next_join = time.monotonic() + JOIN_CHECK_S
+        while not self._stop.wait(WATCH_S):
+            try:
+                self._watch_once()
+                if time.monotonic() >= next_join:
+                    next_join = time.monotonic() + JOIN_CHECK_S
+                    self._look_for_joins()
+            except Exception:  # the watch must outlive any one bad round
+                logger.exception("cluster watch round failed")
+
+    def _watch_once(self) -> None:
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        from fineslab.cluster.agent import is_lost
+
+        changed = False
+        for node in self.table.live():
+            try:
+                statuses = self._statuses(node)
+            except RayActorError as exc:
+                if is_lost(exc) and not self._stop.is_set():
+                    self._node_lost(node, f"its agent is gone ({type(exc).__name__})")
+                continue
+            except GetTimeoutError:
+                logger.warning("node %s: agent did not answer within %.0f s", node.name,
+                               CALL_TIMEOUT_S)
+                continue
+            for name, status in statuses.items():
+                fleet = node.fleets.get(name)
+                if fleet is None or fleet.state == "exited":
+                    continue
+                if self.table.note(fleet, status):
+                    changed = True
+                    self.progress(f"node {node.name}: fleet {name} serving {fleet.models}")
+                elif status["state"] == "exited" and not self._stop.is_set():
+                    self._fleet_lost(node, fleet, f"fleet {name} exited with {status.get('rc')}")
+        if changed:
+            self._publish_routes()
+            self._check_replaced()
+
+    def _node_lost(self, node: Node, reason: str) -> None:
+        lost_at = time.monotonic()
+        with self.table.lock:
+            node.lost = True
+            models = sorted({m for f in node.fleets.values() if f.active for m in f.models})
+        self.progress(f"node {node.name} lost: {reason}; re-placing {models}")
+        assert self.front is not None
+        for fleet in node.fleets.values():
+            self.front.mark_node_lost(node.route_label(fleet.name), reason)
+        self._publish_routes()
+        self._replace(models, lost_at)
+
+    def _fleet_lost(self, node: Node, fleet: NodeFleet, reason: str) -> None:
+        lost_at = time.monotonic()
+        fleet.state = "exited"
+        self.progress(f"node {node.name}: {reason}; re-placing {fleet.models}")
+        assert self.front is not None
+        self.front.mark_node_lost(node.route_label(fleet.name), reason)
+        self._publish_routes()
+        self._replace(fleet.models, lost_at)
+
+    def _replace(self, models: list[str], since: float) -> None:
+        """Place `models` on what the live nodes have left and start them there."""
+        assert self.front is not None
+        models = [m for m in models if not self.table.placed(m)]
+        if not models:
+            return
+        survivors = [NodeDevices(n.name, n.devices) for n in self.table.live()]
+        plan, left = place_on_residual(self.config, survivors, self.table.used_bytes(), models,
+                                       self.profiles)
+        self.unplaced = sorted(set(self.unplaced) | set(left))
+        if left:
+            self.progress(f"models {left} fit on no surviving node; they answer 503 until a "
+                          "node joins")
+        if plan is not None:
+            placed = [m for m in models if m not in left]
+            self.front.mark_moving(placed)
+            self._replacing = (since, set(placed))
+            self.progress(plan.describe())
+            self._start_share(plan)
+
+    def _check_replaced(self) -> None:
+        if self._replacing is None:
+            return
+        since, models = self._replacing
+        if all(self.table.serving(model) for model in models):
+            self.replaced_s = time.monotonic() - since
+            self._replacing = None
+            self.progress(f"re-placed {sorted(models)}: serving again {self.replaced_s:.1f} s "
+                          "after the loss")
+
+    def _look_for_joins(self) -> None:
+        known = self.table.known_ids()
+        for info in alive_nodes():
+            if info["NodeID"] in known:
+                continue
+            try:
+                node = self._add_node(info)
+            except Exception as exc:  # a node that cannot take an agent is skipped, not fatal
+                logger.warning("node %s joined but its agent did not start: %s",
+                               node_name(info), exc)
+                continue
+            self.progress(f"node {node.name} joined; used at the next placement")
+            if self.unplaced:
+                waiting, self.unplaced = self.unplaced, []
+                self._replace(waiting, time.monotonic())
+
+    # -- stop -----------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop everything this fleet started, whatever phase it is in."""
+        import ray
+
+        self._stop.set()
+        if self._watch is not None:
+            self._watch.join(CALL_TIMEOUT_S + 5)
+        if self.server is not None:
+            self.server.stop()
+        if self._socket is not None:
+            self._socket.close()
+        live = self.table.live()
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(live))) as pool:
+            list(pool.map(self._close_node, live))
+        for node in self.table.nodes.values():
+            with contextlib.suppress(Exception):
+                ray.kill(node.agent)
+        if self._connected:
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+        self.progress("cluster fleet stopped")
+
+    def _close_node(self, node: Node) -> None:
+        import ray
+
+        try:
+            stopped = ray.get(node.agent.close.remote(), timeout=120)
+            logger.info("node %s: fleets stopped %s", node.name, stopped)
+        except Exception as exc:
+            logger.warning("node %s: stopping its fleets failed (%s); its runtimes' lifelines "
+                           "stop them when the agent goes", node.name, exc)
+
+    def __enter__(self) -> ClusterFleet:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,120 @@
+"""One node's share of a cluster fleet, run by that node's agent as its own process.
+
+    python -m fineslab.cluster.node --spec SPEC.pickle --work-dir DIR --stop-with-fd N
+
+SPEC (written by `NodeAgent.start_fleet`) holds the node's fleet config and its share of the
+global placement. This is the one-machine launcher (`fineslab.launch`) with the placement
+given: arenas, supervised SGLang runtimes and the node router with its local scheduler, on the
+node's address and a free port.
+
+It first forks and the parent exits, so that the node fleet is not a child of the agent's
+worker: Ray SIGKILLs a worker's direct children when the worker exits (its node lost,
+`ray.kill`), and a SIGKILLed launcher cannot stop its runtimes gracefully. The fleet then
+stops cleanly on SIGTERM/SIGINT or when fd N reads EOF, which happens however the agent goes;
+if it is itself killed, each runtime's lifeline (fineslab.lifeline) stops that runtime and
+removes the arena files. Files in DIR, for the agent:
+    pid.json    [pid, start ticks] of the node fleet (after the fork)
+    ready.json  once it serves: {"url", "pid", "used_bytes"} (`used_bytes`: per device, the
+                placed footprints plus the arena, what a later placement there must leave alone)
+    exit.json   {"rc"} when it has stopped
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import pickle
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fineslab.errors import FatalError
+from fineslab.launch.config import FleetConfig
+from fineslab.scheduler.placement import PlacementPlan
+
+if TYPE_CHECKING:
+    from fineslab.launch.fleet import Fleet
+    from fineslab.launch.plan import FleetPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    config: FleetConfig
+    placement: PlacementPlan
+    host: str  # the node router binds here (the node's address as Ray knows it)
+    log_dir: str
+
+
+def used_bytes(plan: FleetPlan) -> dict[str, int]:
+    """Per device name: the footprints the placement put there plus the arena's bytes."""
+    used = {d.name: plan.placement.fixed_bytes_on(i) for i, d in enumerate(plan.devices)}
+    for arena in plan.arenas:
+        used[arena.device.name] = used.get(arena.device.name, 0) + arena.arena_bytes
+    return used
+
+
+def _write_json(path: Path, payload: object) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fineslab.cluster.node", description=(
+        "Run one node's share of a cluster fleet (started by the node agent)."))
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--work-dir", required=True, type=Path)
+    parser.add_argument("--stop-with-fd", type=int, default=None)
+    args = parser.parse_args(argv)
+    if os.fork():  # before any thread or heavy import: the parent only lets go of the child
+        os._exit(0)
+    from fineslab.slabs.shm import ProcessIdentity
+
+    me = ProcessIdentity.current()
+    _write_json(args.work_dir / "pid.json", [me.pid, me.start_ticks])
+    rc = 1
+    try:
+        rc = _serve(args)
+    finally:
+        _write_json(args.work_dir / "exit.json", {"rc": rc})
+    return rc
+
+
+def _serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from fineslab.launch.__main__ import run_fleet
+    from fineslab.launch.plan import make_plan
+
+    try:
+        # written by our own agent; its class is this module's by its import name, not __main__
+        from fineslab.cluster.node import NodeSpec as Spec
+
+        spec = pickle.loads(Path(args.spec).read_bytes())
+        if not isinstance(spec, Spec):
+            raise FatalError(f"{args.spec} is not a node spec ({type(spec).__name__})")
+        config = dataclasses.replace(spec.config, router=dataclasses.replace(
+            spec.config.router, host=spec.host, port=0))
+        plan = make_plan(config, placement=spec.placement)
+        print(plan.describe(), flush=True)
+        ready = args.work_dir / "ready.json"
+
+        def on_ready(fleet: Fleet) -> None:
+            _write_json(ready, {"url": f"http://{spec.host}:{fleet.port}",
+                                 "pid": os.getpid(), "used_bytes": used_bytes(plan)})
+
+        return run_fleet(plan, port=0, log_dir=spec.log_dir, stop_fd=args.stop_with_fd,
+                         on_ready=on_ready)
+    except FatalError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
