@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -54,10 +55,12 @@ class _NodeFleet:
     process group (the starter's pid) is the fleet's."""
 
     name: str
+    fleet_id: str
     starter: subprocess.Popen[bytes]
     stop_fd: int  # the write end the node fleet watches; closed to stop it
     work_dir: Path
     log_path: Path
+    swept: bool = False
 
     def _read(self, name: str) -> Any:
         try:
@@ -83,11 +86,13 @@ class _NodeFleet:
         if not self.running():
             done = self._read("exit.json")
             rc = done["rc"] if done else ("killed" if identity else self.starter.poll())
+            if done is None and identity is not None:
+                self.sweep()
             return state | {"state": "exited", "rc": rc, "log_tail": _tail(self.log_path)}
         ready = self._read("ready.json")
         if ready is not None:
             return state | {"state": "serving", **ready}
-        return state | {"state": "starting", "progress": _tail(self.log_path, 1)}
+        return state | {"state": "starting", "progress": _last_progress(self.log_path)}
 
     def stop(self, timeout_s: float) -> object:
         """Close the stop pipe and wait for the fleet's clean stop; SIGKILL its process group
@@ -105,7 +110,36 @@ class _NodeFleet:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.starter.pid, signal.SIGKILL)
         done = self._read("exit.json")
+        if done is None:
+            self.sweep()
         return done["rc"] if done else "killed"
+
+    def sweep(self) -> None:
+        """What a killed node fleet left on this node (its runtimes' lifelines stop them and
+        unlink its arenas; this removes the rest: its run record, folders, any straggler),
+        once."""
+        if self.swept:
+            return
+        self.swept = True
+        from fineslab.launch.leftovers import sweep
+        from fineslab.slabs.arena import remove_dead_arenas
+
+        sweep(self.fleet_id, progress=logger.info).remove()
+        for table in remove_dead_arenas(self.fleet_id):
+            logger.info("node fleet %s: removed its arena %s", self.name, table.name)
+        logger.warning("node fleet %s (%s) was killed; swept what it left", self.name,
+                       self.fleet_id)
+
+
+def _last_progress(path: Path) -> str:
+    """The node launcher's last progress line (its log records, which start with a date,
+    skipped)."""
+    lines = [line for line in _tail(path, 40).splitlines()
+             if line.strip() and not _LOG_RECORD.match(line)]
+    return lines[-1] if lines else ""
+
+
+_LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d ")
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -173,7 +207,8 @@ class NodeAgent:
             raise
         finally:
             os.close(read_fd)
-        self.fleets[name] = _NodeFleet(name, starter, write_fd, work_dir, log_path)
+        self.fleets[name] = _NodeFleet(name, spec.config.fleet_id, starter, write_fd, work_dir,
+                                       log_path)
         logger.info("node %s: fleet %s started (group %d, log %s)", self.node_name, name,
                     starter.pid, log_path)
         return self.fleets[name].status()

@@ -12,9 +12,7 @@
            agent when seen and used at the next placement
     stop:  watch -> front router -> every node fleet (runtimes, node routers, arenas) -> the
            agents -> Ray disconnected (when this driver connected it)
-
-The one-machine launcher (`fineslab.launch.fleet.Fleet`) is what each node runs; nothing here
-imports SGLang.
+Each node runs the one-machine launcher (fineslab.cluster.node); nothing here imports SGLang.
 """
 
 from __future__ import annotations
@@ -98,12 +96,9 @@ class ClusterFleet:
 
     def _api_key(self) -> str | None:
         name = self.config.router.api_key_env
-        if name is None:
-            return None
-        key = os.environ.get(name)
-        if not key:
+        if name is not None and not os.environ.get(name):
             raise ConfigError(f"router.api_key_env names {name}, which is not set")
-        return key
+        return None if name is None else os.environ[name]
 
     # -- start ----------------------------------------------------------------------------------
 
@@ -214,7 +209,8 @@ class ClusterFleet:
                     fleet = node.fleets.get(name)
                     if fleet is None:
                         continue
-                    self.table.note(fleet, status)
+                    if self.table.note(fleet, status):
+                        self._say_serving(node, fleet, status)
                     if status["state"] == "exited":
                         raise EnvironmentSetupError(
                             f"node {node.name}: fleet {name} exited with {status.get('rc')} "
@@ -237,6 +233,10 @@ class ClusterFleet:
         import ray
 
         return dict(ray.get(node.agent.fleet_status.remote(), timeout=CALL_TIMEOUT_S))
+
+    def _say_serving(self, node: Node, fleet: NodeFleet, status: dict[str, Any]) -> None:
+        self.progress(f"node {node.name}: fleet {fleet.name} serving {fleet.models} on "
+                      f"{fleet.url} (node fleet pid {status.get('pid')})")
 
     def _publish_routes(self) -> None:
         assert self.front is not None
@@ -278,7 +278,7 @@ class ClusterFleet:
                     continue
                 if self.table.note(fleet, status):
                     changed = True
-                    self.progress(f"node {node.name}: fleet {name} serving {fleet.models}")
+                    self._say_serving(node, fleet, status)
                 elif status["state"] == "exited" and not self._stop.is_set():
                     self._fleet_lost(node, fleet, f"fleet {name} exited with {status.get('rc')}")
         if changed:
