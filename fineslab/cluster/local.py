@@ -64,6 +64,7 @@ class LocalCluster:
         from ray.cluster_utils import Cluster
 
         self._ray = ray
+        self._cpus_per_node = cpus_per_node
         self.temp_dir = tempfile.mkdtemp(prefix="fsray", dir="/tmp")
         # `Cluster` writes /tmp/ray/ray_current_cluster whatever temp_dir says, and fails when
         # the folder is missing; fineslab never reads it (explicit addresses only).
@@ -88,6 +89,16 @@ class LocalCluster:
             raise
         logger.info("local Ray cluster of %d node(s) up in %.1f s", len(names),
                     time.monotonic() - started)
+
+    def add(self, name: str) -> None:
+        """Start one more node `name` (a node that joins the running cluster)."""
+        if name in self.nodes:
+            raise ValueError(f"node {name} exists")
+        self.nodes[name] = self._cluster.add_node(
+            num_cpus=self._cpus_per_node, resources={node_resource(name): 1},
+            node_ip_address="127.0.0.1", object_store_memory=OBJECT_STORE_BYTES,
+            include_dashboard=False)
+        self._cluster.wait_for_nodes()
 
     @property
     def address(self) -> str:

@@ -6,8 +6,11 @@ own process over two Ray nodes on this machine (real Ray, real SGLang runtimes, 
    is room (node b again: node a's memory is taken), and it answers again.
 
 Each node's memory (0.02 GiB for the placer) holds one of the two models, so each node runs one.
-2. SIGKILL of the launcher (the Ray driver): Ray ends its agents, each node fleet reads EOF on
+2. SIGKILL of node b itself: node a has no room for b's model, which answers 503 with
+   Retry-After; node c joins, gets an agent, and the model is placed there and answers.
+3. SIGKILL of the launcher (the Ray driver): Ray ends its agents, each node fleet reads EOF on
    its stop pipe and stops cleanly: no runtime, arena or run record is left on any node.
+All through the front router with the fleet's API key, which the node routers require too.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import pytest
 import yaml
@@ -29,13 +32,14 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 SERVING_TIMEOUT_S = 240.0
+KEY_ENV, KEY = "FINESLAB_TEST_CLUSTER_KEY", "cluster-test-key"
 
 
 def _fleet_yaml(tmp_path: Path, fleet_id: str) -> Path:
     data = {
         "fleet_id": fleet_id,
         "devices": [{"name": "cpu", "kind": "cpu", "memory_gib": 0.02, "kv_arena_mib": 16}],
-        "router": {"host": "127.0.0.1", "port": 0},
+        "router": {"host": "127.0.0.1", "port": 0, "api_key_env": KEY_ENV},
         "models": [
             {"name": "tiny-a", "preset": "llama-tiny", "precision": "bf16", "ttft_slo_s": 5.0,
              "request_rate_per_s": 1.0},
@@ -76,18 +80,25 @@ def _fleet_pids(fleet_id: str) -> list[int]:
     return pids
 
 
+def _post(base: str, model: str, key: str | None = KEY) -> Any:
+    import httpx
+
+    return httpx.post(f"{base}/v1/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {key}"} if key else {},
+                      json={"model": model, "prompt": "Hi", "max_tokens": 2})
+
+
 def _answers(base: str, model: str) -> bool:
     import httpx
 
     try:
-        reply = httpx.post(f"{base}/v1/completions", timeout=60,
-                           json={"model": model, "prompt": "Hi", "max_tokens": 2})
+        reply = _post(base, model)
     except httpx.HTTPError:
         return False
     return reply.status_code == 200 and bool(reply.json()["choices"][0]["text"])
 
 
-def test_a_killed_node_fleet_is_placed_again_and_a_killed_launcher_leaves_nothing(
+def test_a_killed_node_fleet_or_node_is_placed_again_and_a_killed_launcher_leaves_nothing(
         tmp_path: Path) -> None:
     from fineslab.cluster.local import LocalCluster
 
@@ -99,7 +110,8 @@ def test_a_killed_node_fleet_is_placed_again_and_a_killed_launcher_leaves_nothin
             [sys.executable, "-m", "fineslab.launch", "--config",
              str(_fleet_yaml(tmp_path, fleet_id)), "--ray", cluster.address,
              "--log-dir", str(tmp_path / "logs")],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+            env={**os.environ, KEY_ENV: KEY})
         assert launcher.stdout is not None
         seen: list[str] = []
         deadline = time.monotonic() + SERVING_TIMEOUT_S
@@ -112,12 +124,26 @@ def test_a_killed_node_fleet_is_placed_again_and_a_killed_launcher_leaves_nothin
                            deadline, seen).group(1)
         model_b, pid_b = pids["b"]
         assert _answers(base, model_b) and _answers(base, pids["a"][0])
+        assert _post(base, model_b, key=None).status_code == 401
+        assert _post(base, model_b, key="wrong").status_code == 401
 
         os.kill(pid_b, signal.SIGKILL)
         _read_until(launcher.stdout, rf"re-placed \['{model_b}'\]: serving again",
                     time.monotonic() + SERVING_TIMEOUT_S, seen)
         assert _answers(base, model_b), f"{model_b} answers after its node fleet was killed"
         assert _answers(base, pids["a"][0])
+
+        cluster.kill("b")
+        _read_until(launcher.stdout, rf"models \['{model_b}'\] fit on no surviving node",
+                    time.monotonic() + 60, seen)
+        waiting = _post(base, model_b)
+        assert waiting.status_code == 503 and waiting.headers.get("retry-after"), waiting.text
+        assert _answers(base, pids["a"][0]), "node a keeps serving while b's model waits"
+        cluster.add("c")
+        _read_until(launcher.stdout, r"node c joined", time.monotonic() + 60, seen)
+        _read_until(launcher.stdout, rf"node c: fleet g\d+ serving \['{model_b}'\]",
+                    time.monotonic() + SERVING_TIMEOUT_S, seen)
+        assert _answers(base, model_b), f"{model_b} answers from the node that joined"
         assert _fleet_pids(fleet_id), "the fleet runs before the launcher is killed"
 
         launcher.kill()
