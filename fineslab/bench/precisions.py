@@ -42,7 +42,7 @@ from fineslab.slabs.formats import KVDtype
 GIB = 1 << 30
 PAGE_SIZE_TOKENS = 16
 KV_DTYPES = {"bf16": KVDtype.BF16, "fp8": KVDtype.FP8_E4M3, "awq": KVDtype.FP16,
-             "kv4": KVDtype.INT4}
+             "kv4": KVDtype.INT4, "qoq": KVDtype.INT4}
 EIGHT_B = KVShape("8b", num_layers=32, num_kv_heads=8, head_dim=128, kv_dtype=KVDtype.BF16)
 PROMPT = "The quick brown fox jumps over the lazy dog while the GPU serves four models"
 

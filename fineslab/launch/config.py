@@ -17,9 +17,10 @@ rules that span fields (unique names, KV dtype vs activation dtype, precision pe
     models:
       - name: llama-bf16            # the OpenAI `model` field
         preset: llama-tiny          # or path: /models/x (exactly one of them)
-        precision: bf16             # weights: bf16 | fp16 | fp8 | awq (checkpoints prepared by
-                                    #   fineslab.quant.fleet at start, from the preset or path)
-        kv_dtype: auto              # auto | bf16 | fp16 | fp8_e4m3 | int4 (KV4, arena only)
+        precision: bf16             # weights: bf16 | fp16 | fp8 | awq | qoq (W4A8; checkpoints
+                                    #   prepared by fineslab.quant.fleet at start)
+        kv_dtype: auto              # auto (qoq: int4) | bf16 | fp16 | fp8_e4m3 | int4 (KV4,
+                                    #   arena only)
         tp: 1
         ttft_slo_s: 2.0
         request_rate_per_s: 1.0
@@ -51,7 +52,7 @@ from fineslab.errors import ConfigError
 
 MIB = 1 << 20
 GIB = 1 << 30
-PRECISIONS = ("bf16", "fp16", "fp8", "awq")
+PRECISIONS = ("bf16", "fp16", "fp8", "awq", "qoq")
 KV_DTYPES = ("auto", "bf16", "fp16", "fp8_e4m3", "int4")
 #: KV dtypes only the slab arena stores (the plugin's KV4 pool); SGLang has no 4-bit KV. (FP8 KV
 #: on CPU is arena-only too, a device rule: `fineslab.launch.plan.check_device_support`.)
@@ -64,7 +65,10 @@ RESERVED_ARGS = ("--model-path", "--served-model-name", "--dtype", "--quantizati
 #: Environment the launcher sets itself (arena join, KV format, CPU mode).
 RESERVED_ENV_PREFIXES = ("FINESLAB_", "SGLANG_USE_CPU_ENGINE", "PYTHONPATH")
 #: The dtype activations (and "auto" KV) run in for each weight precision.
-ACTIVATION_DTYPE = {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16", "awq": "fp16"}
+ACTIVATION_DTYPE = {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16", "awq": "fp16", "qoq": "bf16"}
+#: The KV "auto" stores for each weight precision: the activation dtype, except QoQ, which is
+#: W4A8KV4 (its 4-bit KV is the arena's KV4 pool).
+AUTO_KV_DTYPE = {**ACTIVATION_DTYPE, "qoq": "int4"}
 #: Sizes of the CPU device when the config says `devices: auto`.
 AUTO_CPU_MEMORY_FRACTION = 0.5
 AUTO_CPU_ARENA_BYTES = 256 * MIB
@@ -149,8 +153,8 @@ class ModelConfig:
 
     @property
     def resolved_kv_dtype(self) -> str:
-        """The KV storage type: "auto" means the activation dtype."""
-        return self.activation_dtype if self.kv_dtype == "auto" else self.kv_dtype
+        """The KV storage type: "auto" means the activation dtype (int4 for qoq)."""
+        return AUTO_KV_DTYPE[self.precision] if self.kv_dtype == "auto" else self.kv_dtype
 
     @property
     def profile_model(self) -> str:
@@ -294,7 +298,7 @@ class _Model(_Strict):
     name: str = Field(pattern=_NAME)
     path: str | None = None
     preset: str | None = None
-    precision: Literal["bf16", "fp16", "fp8", "awq"] = "bf16"
+    precision: Literal["bf16", "fp16", "fp8", "awq", "qoq"] = "bf16"
     kv_dtype: Literal["auto", "bf16", "fp16", "fp8_e4m3", "int4"] = "auto"
     tp: int = Field(default=1, ge=1)
     ttft_slo_s: float = Field(gt=0)

@@ -4,8 +4,9 @@ Precisions fineslab serves (docs/precisions.md has the gates and measured number
     bf16 / fp16   plain checkpoints
     fp8           W8A8 (SGLang's `fp8` method) + FP8 KV with per-layer scales  -> `fp8`
     awq           W4A16 (SGLang's native `awq` method)                          -> `awq`
-    qoq / kv4     bf16 weights (SGLang 0.5.23 has no `qoq` W4A8 method); 4-bit KV with
-                  per-token per-head scale and zero inside the slab block (ours) -> `kv4`
+    qoq           W4A8 (a QoQ checkpoint, the plugin's `fineslab_qoq` method) + KV4  -> `qoq`
+    kv4           bf16 weights + 4-bit KV with per-token per-head scale and zero inside the
+                  slab block (ours)                                             -> `kv4`
 
 Public API
     write_awq_checkpoint(src, out, AWQConfig(group_size)) -> Path    (fineslab.quant.awq)
@@ -22,9 +23,10 @@ Public API
                                 checkpoint + SGLang args + KV env of any (weights, KV) pair,
                                 reused while the source is unchanged (fineslab.quant.fleet)
     verify_runtime(runtime)     the served checkpoint and FP8 scales file, before a start
-    prepare_runtime(precision, src, work, device) -> PrecisionRuntime   one of bf16/fp8/awq/kv4
-    run_fleet(runtimes, work, fleet_id, arena_bytes=...) -> RunningFleet (the four precisions in
-                                one arena, started by the launcher's Fleet)
+    prepare_runtime(precision, src, work, device) -> PrecisionRuntime   a named precision
+                                (bf16/fp8/awq/kv4/qoq)
+    run_fleet(runtimes, work, fleet_id, arena_bytes=...) -> RunningFleet (the precisions in one
+                                arena, started by the launcher's Fleet)
     compare_top_logprobs(ref, got) -> GateResult; perplexity(result)  (fineslab.quant.gates)
 
 Modules import torch; none imports SGLang (the KV4 pool lives in fineslab.sglang_plugin).

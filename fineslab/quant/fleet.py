@@ -9,6 +9,8 @@ What each (weights, KV) choice becomes on each device (docs/precisions.md has th
                CUDA-only)
     awq        SGLang `awq` (CPU kernel of       SGLang `awq`/`awq_marlin`
                awq_dequantize in the stand-in)
+    qoq        QoQ W4A8 checkpoint, the plugin's `fineslab_qoq` method (picked by SGLang from
+               config.json; plain torch: INT8 activations, INT32 accumulation; no GPU kernel)
 
     KV         CPU                               GPU
     bf16/fp16  SGLang's dtype, stock slab pool   same
@@ -25,7 +27,9 @@ checks the result before a runtime loads it. The launcher (`fineslab.launch`) is
 that starts runtimes; `run_fleet` below is a thin door to it for the precision tests and the
 precision benchmark.
 
-The fleet's four named precisions (FineServe's) are (weights, KV) pairs: `NAMED_PRECISIONS`.
+The named precisions are (weights, KV) pairs: `NAMED_PRECISIONS`; FineServe's four are bf16,
+fp8, awq and qoq (W4A8KV4); kv4 is QoQ's KV4 on bf16 weights (what the mixed fleet ran before
+the W4A8 method existed, kept beside it: KV4's own cost).
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ from fineslab.quant.fp8 import (
     write_fp8_checkpoint,
     write_kv_scales,
 )
+from fineslab.quant.qoq_checkpoint import QUANT_METHOD as QOQ_METHOD
+from fineslab.quant.qoq_checkpoint import write_qoq_checkpoint
 from fineslab.quant.verify import config_int, verify_checkpoint
 from fineslab.slabs import BlockFormat, SlabArena
 from fineslab.slabs.formats import KVDtype, KVShape
@@ -61,13 +67,22 @@ logger = logging.getLogger(__name__)
 
 #: FineServe's four precisions as (weights, KV dtype) in the launcher's terms.
 NAMED_PRECISIONS = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "fp8_e4m3"),
-                    "awq": ("awq", "fp16"), "kv4": ("bf16", "int4")}
+                    "awq": ("awq", "fp16"), "kv4": ("bf16", "int4"), "qoq": ("qoq", "int4")}
+#: The mixed fleet of the precision tests and benchmark (kv4 and qoq both: KV4 alone, then
+#: with W4A8 weights).
 PRECISIONS = tuple(NAMED_PRECISIONS)
 #: The KV dtype names of the fleet config -> the arena's storage type.
 KV_DTYPES = {"bf16": KVDtype.BF16, "fp16": KVDtype.FP16, "fp8_e4m3": KVDtype.FP8_E4M3,
              "int4": KVDtype.INT4}
-_TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16", "awq": "float16"}
+_TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16", "awq": "float16",
+                "qoq": "bfloat16"}
+#: The checkpoint's quant_method of each quantized weight precision.
+QUANT_METHODS = {"fp8": "fp8", "awq": "awq", "qoq": QOQ_METHOD}
+#: Methods SGLang picks from config.json alone: the runtime gets no `--quantization` (a plugin
+#: method is not among the flag's choices when SGLang parses its arguments).
+PICKED_FROM_CONFIG = (QOQ_METHOD,)
 AWQ_GROUP_SIZE = 64
+QOQ_GROUP_SIZE = 128
 #: Calibration token ids for the FP8 KV scales (a fixed, model-agnostic prompt of small ids).
 CALIBRATION_IDS = (tuple(range(3, 131)), tuple(range(200, 264)))
 STAMP_FILE = "prepared.json"
@@ -110,7 +125,8 @@ def describe_serving(weights: str, kv: str, device: str) -> str:
     """One line for people: what the runtime actually runs (the --dry-run table)."""
     cpu = device == "cpu"
     parts = {"fp8": "fp8 ckpt, dequantized to bf16" if cpu else "fp8 ckpt (W8A8)",
-             "awq": f"awq ckpt (W4A16, group {AWQ_GROUP_SIZE})"}.get(weights, "source ckpt")
+             "awq": f"awq ckpt (W4A16, group {AWQ_GROUP_SIZE})",
+             "qoq": f"qoq ckpt (W4A8, group {QOQ_GROUP_SIZE})"}.get(weights, "source ckpt")
     if kv == "int4":
         parts += " + KV4 plugin pool"
     elif kv == "fp8_e4m3":
@@ -158,11 +174,15 @@ def _prepare_weights(weights: str, src_dir: Path, out_dir: Path, cpu: bool
     """The checkpoint to serve and its SGLang weight arguments."""
     method = verify_checkpoint(src_dir)
     dtype = ("--dtype", _TORCH_DTYPE[weights])
-    if method is not None and method != weights:
+    if method is not None and method != QUANT_METHODS.get(weights):
         raise ConfigError(f"{src_dir} is a {method} checkpoint; precision {weights} needs an "
                           f"unquantized source or a {weights} checkpoint")
     if weights in ("bf16", "fp16"):
         return src_dir, dtype
+    if weights == "qoq":
+        path = src_dir if method == QOQ_METHOD else write_qoq_checkpoint(
+            src_dir, out_dir / "qoq", group_size=QOQ_GROUP_SIZE)
+        return path, dtype
     if weights == "awq":
         path = src_dir if method == "awq" else write_awq_checkpoint(
             src_dir, out_dir / "awq", AWQConfig(group_size=AWQ_GROUP_SIZE))
@@ -251,7 +271,7 @@ def verify_runtime(runtime: PrecisionRuntime) -> None:
     method = verify_checkpoint(runtime.model_path)
     quantization = dict(zip(runtime.server_args[::2], runtime.server_args[1::2],
                             strict=False)).get("--quantization")
-    if method != quantization:
+    if method != quantization and not (quantization is None and method in PICKED_FROM_CONFIG):
         raise ConfigError(f"{runtime.name}: {runtime.model_path} is "
                           f"{f'a {method}' if method else 'an unquantized'} checkpoint, but the "
                           f"runtime would load it with --quantization {quantization}")
@@ -262,7 +282,7 @@ def verify_runtime(runtime: PrecisionRuntime) -> None:
 
 def prepare_runtime(precision: str, src_dir: Path, work_dir: Path, *,
                     device: str = "cpu", name: str | None = None) -> PrecisionRuntime:
-    """`prepare_served_model` for one of the four named precisions (bf16, fp8, awq, kv4)."""
+    """`prepare_served_model` for one of the named precisions (`NAMED_PRECISIONS`)."""
     if precision not in NAMED_PRECISIONS:
         raise ConfigError(f"precision {precision!r}: expected one of {PRECISIONS}")
     weights, kv = NAMED_PRECISIONS[precision]

@@ -11,6 +11,9 @@ Checked
            layer: qweight [K, N/8] int32, qzeros [K/G, N/8] int32, scales [K/G, N] f16/bf16
     fp8:   every projection has an F8_E4M3 `.weight` and a `.weight_scale`; KV scales: see
            `fineslab.quant.fp8.load_kv_scales`
+    fineslab_qoq (QoQ W4A8, fineslab.quant.qoq_checkpoint): bits 4, act_bits 8, for every
+           projection: qweight [N, K/2] uint8, s2 [N, K/g] uint8, zeros [N, K/g] int8,
+           s1 [N] f16, g the layer's group (`layer_group_size`)
 """
 
 from __future__ import annotations
@@ -134,6 +137,34 @@ def _fp8_problems(config: dict[str, object], infos: dict[str, TensorInfo]) -> li
     return problems
 
 
+def _qoq_problems(config: dict[str, object], infos: dict[str, TensorInfo]) -> list[str]:
+    from fineslab.quant.qoq_checkpoint import layer_group_size
+
+    qc = config["quantization_config"]
+    assert isinstance(qc, dict)
+    group = qc.get("group_size")
+    if qc.get("bits") != 4 or qc.get("act_bits") != 8 or not isinstance(group, int) \
+            or group <= 0:
+        return [f"quantization_config: bits={qc.get('bits')} act_bits={qc.get('act_bits')} "
+                f"group_size={group}; QoQ serves 4-bit weights, 8-bit activations and a "
+                "positive group size"]
+    problems: list[str] = []
+    for layer in range(config_int(config, "num_hidden_layers")):
+        for suffix, (k, n) in projection_dims(config).items():
+            base = f"model.layers.{layer}.{suffix}"
+            try:
+                g = layer_group_size(k, group)
+            except ConfigError as exc:
+                problems.append(f"{base}: {exc}")
+                continue
+            _expect(problems, infos, f"{base}.qweight", ("U8",), (n, k // 2),
+                    "two 4-bit codes a byte")
+            _expect(problems, infos, f"{base}.s2", ("U8",), (n, k // g), "level-2 group scales")
+            _expect(problems, infos, f"{base}.zeros", ("I8",), (n, k // g), "group zero points")
+            _expect(problems, infos, f"{base}.s1", ("F16",), (n,), "level-1 channel scales")
+    return problems
+
+
 def quant_method(config: dict[str, object]) -> str | None:
     qc = config.get("quantization_config")
     if qc is None:
@@ -153,7 +184,7 @@ def verify_checkpoint(model_dir: str | Path) -> str | None:
     method = quant_method(config)
     if method is None:
         return None
-    checks = {"awq": _awq_problems, "fp8": _fp8_problems}
+    checks = {"awq": _awq_problems, "fp8": _fp8_problems, "fineslab_qoq": _qoq_problems}
     if method not in checks:
         raise ConfigError(f"bad checkpoint {path}: quant_method {method!r} is not one fineslab "
                           f"serves (expected one of {sorted(checks)})")

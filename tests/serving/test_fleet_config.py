@@ -177,9 +177,9 @@ def test_the_launcher_chooses_pages_that_make_blocks_coincide() -> None:
     assert fmt["llama-fp8"].tokens_per_block == 2 * fmt["llama-bf16"].tokens_per_block
     assert (fmt["llama-fp8"].block_stride_bytes == fmt["llama-bf16"].block_stride_bytes
             == fmt["llama-awq"].block_stride_bytes), fmt
-    assert fmt["llama-kv4"].block_stride_bytes != fmt["llama-bf16"].block_stride_bytes, fmt
+    assert fmt["llama-qoq"].block_stride_bytes != fmt["llama-bf16"].block_stride_bytes, fmt
     assert {m: r.key_pool for m, r in by_model.items()} == {
-        "llama-bf16": True, "llama-fp8": True, "llama-awq": True, "llama-kv4": False}
+        "llama-bf16": True, "llama-fp8": True, "llama-awq": True, "llama-qoq": False}
     assert all(r.page_size == fmt[m].tokens_per_block for m, r in by_model.items())
 
 

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 MIXED = REPO / "examples" / "cpu-mixed.yaml"
 #: model -> (precision, KV dtype) as the dry-run table must show them.
 EXPECTED = {"llama-bf16": ("bf16", "bf16"), "llama-fp8": ("fp8", "fp8_e4m3"),
-            "llama-awq": ("awq", "fp16"), "llama-kv4": ("bf16", "int4")}
+            "llama-awq": ("awq", "fp16"), "llama-qoq": ("qoq", "int4")}
 
 
 def _mixed() -> dict:
@@ -44,7 +44,7 @@ def test_dry_run_prints_all_four_models_with_precision_and_kv_dtype(tmp_path: Pa
     assert sorted(rows) == sorted(EXPECTED), result.stdout
     for model, (precision, kv) in EXPECTED.items():
         assert rows[model][3:5] == [precision, kv], f"{model}: {rows[model]}"
-    assert "+ KV4 plugin pool" in " ".join(rows["llama-kv4"]), rows["llama-kv4"]
+    assert "+ KV4 plugin pool" in " ".join(rows["llama-qoq"]), rows["llama-qoq"]
     assert "dequantized to bf16 + fp8 KV plugin pool" in " ".join(rows["llama-fp8"])
     assert not (tmp_path / "prepared").exists(), "--dry-run wrote no quantized checkpoint"
 
@@ -80,7 +80,7 @@ def test_quantized_kv_outside_the_arena_is_refused() -> None:
     data = _mixed()
     data["kv_pool"] = "sglang"
     message = _error_of(data)
-    assert "models[3] (llama-kv4): kv_dtype int4 is stored only in the slab arena" in message
+    assert "models[3] (llama-qoq): kv_dtype int4 is stored only in the slab arena" in message
     del data["models"][3]
     assert "FP8 KV on CPU is stored only in the slab arena" in _error_of(data)
 

@@ -1,8 +1,8 @@
 """End to end: the mixed-precision fleet of examples/cpu-mixed.yaml, launched the way the README
 says (`python -m fineslab.launch --config examples/cpu-mixed.yaml`): bf16, fp8 (W8A8KV8), awq
-(W4A16) and kv4 runtimes of llama-tiny in one slab arena, real SGLang, real HTTP through the
-router. One fleet for the module (start: about 2-4 min on the loaded 2-core machine); the last
-test shuts it down.
+(W4A16) and qoq (W4A8KV4) runtimes of llama-tiny in one slab arena, real SGLang, real HTTP
+through the router. One fleet for the module (start: about 2-4 min on the loaded 2-core
+machine); the last test shuts it down.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 #: model -> (precision, KV dtype), as examples/cpu-mixed.yaml declares them.
 MODELS = {"llama-bf16": ("bf16", "bf16"), "llama-fp8": ("fp8", "fp8_e4m3"),
-          "llama-awq": ("awq", "fp16"), "llama-kv4": ("bf16", "int4")}
+          "llama-awq": ("awq", "fp16"), "llama-qoq": ("qoq", "int4")}
 MAX_TOKENS = 5
 
 
@@ -99,10 +99,10 @@ def test_each_model_holds_arena_slabs_in_its_own_block_format(fleet: LaunchedFle
     keys = {m: owners[f"{m}-r0"]["key"] for m in MODELS}
     assert keys["llama-fp8"] == keys["llama-bf16"] == keys["llama-awq"], keys
     assert formats["llama-fp8"].tokens_per_block == 2 * formats["llama-bf16"].tokens_per_block
-    assert keys["llama-kv4"] < keys["llama-fp8"], keys
+    assert keys["llama-qoq"] < keys["llama-fp8"], keys
     pooled = {m: owners[f"{m}-r0"]["pooled"] for m in MODELS}
     assert pooled == {"llama-bf16": True, "llama-awq": True, "llama-fp8": True,
-                      "llama-kv4": False}, pooled
+                      "llama-qoq": False}, pooled
     metrics = fleet.metrics()
     for model in MODELS:
         match = re.search(
