@@ -1,6 +1,6 @@
 """Benchmark: the CPU demo fleet over a two-node Ray cluster on this machine.
 
-    python -m fineslab.bench.cluster [--json] [--requests 40] [--config examples/cpu-demo.yaml]
+    python -m fineslab.bench.cluster [--json] [--requests 200] [--config examples/cpu-demo.yaml]
 
 Two Ray nodes ("a", the head, and "b") on this machine (`fineslab.cluster.local`), the fleet
 placed over both by its placer, each node's share run by its agent, the front router in this
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fineslab.bench.cluster",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=REPO / "examples" / "cpu-demo.yaml")
-    parser.add_argument("--requests", type=int, default=40,
+    parser.add_argument("--requests", type=int, default=200,
                         help="request pairs for the front hop's added latency")
     add_json_flag(parser)
     args = parser.parse_args(argv)

@@ -46,6 +46,9 @@ from fineslab.slabs.shm import ProcessIdentity
 
 logger = logging.getLogger(__name__)
 
+#: How long a SIGKILLed node fleet may take to be gone before its leftovers are swept.
+KILL_WAIT_S = 10.0
+
 
 @dataclass
 class _NodeFleet:
@@ -109,6 +112,9 @@ class _NodeFleet:
                            timeout_s)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.starter.pid, signal.SIGKILL)
+            deadline = time.monotonic() + KILL_WAIT_S
+            while self.running() and time.monotonic() < deadline:  # SIGKILL lands async
+                time.sleep(0.05)
         done = self._read("exit.json")
         if done is None:
             self.sweep()
@@ -118,15 +124,19 @@ class _NodeFleet:
         """What a killed node fleet left on this node (its runtimes' lifelines stop them and
         unlink its arenas; this removes the rest: its run record, folders, any straggler),
         once."""
-        if self.swept:
+        if self.swept or self.running():
             return
-        self.swept = True
         from fineslab.launch.leftovers import sweep
         from fineslab.slabs.arena import remove_dead_arenas
 
-        sweep(self.fleet_id, progress=logger.info).remove()
-        for table in remove_dead_arenas(self.fleet_id):
-            logger.info("node fleet %s: removed its arena %s", self.name, table.name)
+        try:
+            sweep(self.fleet_id, progress=logger.info).remove()
+            for table in remove_dead_arenas(self.fleet_id):
+                logger.info("node fleet %s: removed its arena %s", self.name, table.name)
+        except Exception as exc:  # tried again at the next status
+            logger.warning("node fleet %s: sweeping what it left failed: %s", self.name, exc)
+            return
+        self.swept = True
         logger.warning("node fleet %s (%s) was killed; swept what it left", self.name,
                        self.fleet_id)
 
@@ -187,7 +197,8 @@ class NodeAgent:
         `env` is added to the node fleet's environment (the router's API key)."""
         if name in self.fleets and self.fleets[name].running():
             raise ConfigError(f"node {self.node_name}: fleet {name} is running")
-        work_dir = Path(tempfile.mkdtemp(prefix=f"fineslab-node-{name}-"))
+        # named by the node fleet's id, so that `ps` shows which fleet a process serves
+        work_dir = Path(tempfile.mkdtemp(prefix=f"fineslab-node-{spec.config.fleet_id}-"))
         Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
         (work_dir / "spec.pickle").write_bytes(pickle.dumps(spec))
         log_path = Path(spec.log_dir) / "node-launcher.log"

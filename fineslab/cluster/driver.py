@@ -4,14 +4,11 @@
            `min_nodes` -> one NodeAgent per node -> each node's devices -> the global placement
            (fineslab.cluster.plan) -> each node's share started by its agent (arenas, runtimes,
            node router) -> all serving -> front router routes by model to the node routers
-    watch: every WATCH_S each agent's fleets; a lost agent (its node or process died) or an
-           exited node fleet: its routes go (requests there end 502 at once; its models answer
-           503 + Retry-After), its models are placed on what the survivors have left and
-           started there as a new node fleet beside the running ones (nothing serving is
-           restarted); models that fit nowhere wait for a node to join, which is given an
-           agent when seen and used at the next placement
+    watch: fineslab.cluster.watch: node loss, exited or hung node fleets, re-placement on
+           what the survivors have left (nothing serving is restarted), nodes that join
     stop:  watch -> front router -> every node fleet (runtimes, node routers, arenas) -> the
            agents -> Ray disconnected (when this driver connected it)
+
 Each node runs the one-machine launcher (fineslab.cluster.node); nothing here imports SGLang.
 """
 
@@ -37,17 +34,12 @@ from fineslab.cluster.nodes import (
     Node,
     NodeFleet,
     NodeTable,
-    alive_nodes,
+    RouterProbes,
     node_name,
     wait_for_nodes,
 )
-from fineslab.cluster.plan import (
-    ClusterPlan,
-    NodeDevices,
-    cluster_profiles,
-    make_cluster_plan,
-    place_on_residual,
-)
+from fineslab.cluster.plan import ClusterPlan, NodeDevices, cluster_profiles, make_cluster_plan
+from fineslab.cluster.watch import CALL_TIMEOUT_S, HUNG_PROBE_TIMEOUT_S, WATCH_S, Watch
 from fineslab.errors import ConfigError, EnvironmentSetupError
 from fineslab.launch.config import FleetConfig
 from fineslab.router.server import bind_router_socket
@@ -55,17 +47,11 @@ from fineslab.scheduler.profile_schema import ModelProfile
 
 logger = logging.getLogger(__name__)
 
-#: How often the driver asks every agent for its node fleets.
-WATCH_S = 0.5
-#: How long one agent call may take before it counts as not answering (not as lost).
-CALL_TIMEOUT_S = 10.0
-#: How often the driver looks for nodes that joined.
-JOIN_CHECK_S = 5.0
 #: How long a new agent may take to start and report its node's devices.
 AGENT_START_S = 120.0
 
 
-class ClusterFleet:
+class ClusterFleet(Watch):
     """A fleet over every node of the Ray cluster at `address` (None: the config's)."""
 
     def __init__(self, config: FleetConfig, port: int | None = None,
@@ -87,6 +73,10 @@ class ClusterFleet:
         self._connected = False
         self._stop = threading.Event()
         self._watch: threading.Thread | None = None
+        policy = config.supervision
+        self.probes = RouterProbes(policy.probe_interval_s, min(policy.probe_timeout_s,
+                                                                HUNG_PROBE_TIMEOUT_S),
+                                   policy.probe_failures)
         self._generation = 0
         self._run = uuid.uuid4().hex[:6]
         #: node loss -> its models serving again, for the last re-placement (bench.cluster)
@@ -241,116 +231,6 @@ class ClusterFleet:
     def _publish_routes(self) -> None:
         assert self.front is not None
         self.front.set_routes(self.table.routes([m.name for m in self.config.models]))
-
-    # -- watch ----------------------------------------------------------------------------------
-
-    def _watch_loop(self) -> None:
-        next_join = time.monotonic() + JOIN_CHECK_S
-        while not self._stop.wait(WATCH_S):
-            try:
-                self._watch_once()
-                if time.monotonic() >= next_join:
-                    next_join = time.monotonic() + JOIN_CHECK_S
-                    self._look_for_joins()
-            except Exception:  # the watch must outlive any one bad round
-                logger.exception("cluster watch round failed")
-
-    def _watch_once(self) -> None:
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        from fineslab.cluster.agent import is_lost
-
-        changed = False
-        for node in self.table.live():
-            try:
-                statuses = self._statuses(node)
-            except RayActorError as exc:
-                if is_lost(exc) and not self._stop.is_set():
-                    self._node_lost(node, f"its agent is gone ({type(exc).__name__})")
-                continue
-            except GetTimeoutError:
-                logger.warning("node %s: agent did not answer within %.0f s", node.name,
-                               CALL_TIMEOUT_S)
-                continue
-            for name, status in statuses.items():
-                fleet = node.fleets.get(name)
-                if fleet is None or fleet.state == "exited":
-                    continue
-                if self.table.note(fleet, status):
-                    changed = True
-                    self._say_serving(node, fleet, status)
-                elif status["state"] == "exited" and not self._stop.is_set():
-                    self._fleet_lost(node, fleet, f"fleet {name} exited with {status.get('rc')}")
-        if changed:
-            self._publish_routes()
-            self._check_replaced()
-
-    def _node_lost(self, node: Node, reason: str) -> None:
-        lost_at = time.monotonic()
-        with self.table.lock:
-            node.lost = True
-            models = sorted({m for f in node.fleets.values() if f.active for m in f.models})
-        self.progress(f"node {node.name} lost: {reason}; re-placing {models}")
-        assert self.front is not None
-        for fleet in node.fleets.values():
-            self.front.mark_node_lost(node.route_label(fleet.name), reason)
-        self._publish_routes()
-        self._replace(models, lost_at)
-
-    def _fleet_lost(self, node: Node, fleet: NodeFleet, reason: str) -> None:
-        lost_at = time.monotonic()
-        fleet.state = "exited"
-        self.progress(f"node {node.name}: {reason}; re-placing {fleet.models}")
-        assert self.front is not None
-        self.front.mark_node_lost(node.route_label(fleet.name), reason)
-        self._publish_routes()
-        self._replace(fleet.models, lost_at)
-
-    def _replace(self, models: list[str], since: float) -> None:
-        """Place `models` on what the live nodes have left and start them there."""
-        assert self.front is not None
-        models = [m for m in models if not self.table.placed(m)]
-        if not models:
-            return
-        survivors = [NodeDevices(n.name, n.devices) for n in self.table.live()]
-        plan, left = place_on_residual(self.config, survivors, self.table.used_bytes(), models,
-                                       self.profiles)
-        self.unplaced = sorted(set(self.unplaced) | set(left))
-        if left:
-            self.progress(f"models {left} fit on no surviving node; they answer 503 until a "
-                          "node joins")
-        if plan is not None:
-            placed = [m for m in models if m not in left]
-            self.front.mark_moving(placed)
-            self._replacing = (since, set(placed))
-            self.progress(plan.describe())
-            self._start_share(plan)
-
-    def _check_replaced(self) -> None:
-        if self._replacing is None:
-            return
-        since, models = self._replacing
-        if all(self.table.serving(model) for model in models):
-            self.replaced_s = time.monotonic() - since
-            self._replacing = None
-            self.progress(f"re-placed {sorted(models)}: serving again {self.replaced_s:.1f} s "
-                          "after the loss")
-
-    def _look_for_joins(self) -> None:
-        known = self.table.known_ids()
-        for info in alive_nodes():
-            if info["NodeID"] in known:
-                continue
-            try:
-                node = self._add_node(info)
-            except Exception as exc:  # a node that cannot take an agent is skipped, not fatal
-                logger.warning("node %s joined but its agent did not start: %s",
-                               node_name(info), exc)
-                continue
-            self.progress(f"node {node.name} joined; used at the next placement")
-            if self.unplaced:
-                waiting, self.unplaced = self.unplaced, []
-                self._replace(waiting, time.monotonic())
 
     # -- stop -----------------------------------------------------------------------------------
 

@@ -23,13 +23,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager
 
 import aiohttp
-import uvicorn
 from fastapi import FastAPI, Request
 from prometheus_client import generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -38,11 +36,10 @@ from prometheus_client.registry import Collector
 from starlette.responses import JSONResponse, Response
 
 from fineslab.cluster.front import FrontRouter, NodeLink
-from fineslab.errors import EnvironmentSetupError
 from fineslab.router.admin import authorized
 from fineslab.router.app import BodyTooLarge, guarded, install_error_handlers, read_body
 from fineslab.router.proxy import error_body
-from fineslab.runtime import free_port
+from fineslab.router.server import AppServer
 
 logger = logging.getLogger(__name__)
 
@@ -213,38 +210,10 @@ async def _guarded_bytes(work: Awaitable[bytes]) -> bytes:
         return b""
 
 
-class FrontServer:
-    """The front's uvicorn in a background thread (the shape of router.server.RouterServer)."""
+class FrontServer(AppServer):
+    """The front's uvicorn in a background thread (router.server.AppServer)."""
 
     def __init__(self, front: FrontRouter, host: str = "127.0.0.1", port: int = 0,
                  sock: socket.socket | None = None, log_level: str = "warning") -> None:
-        self.front, self.host = front, host
-        self.port = sock.getsockname()[1] if sock is not None else (port or free_port(host))
-        self._sockets = [sock] if sock is not None else None
-        config = uvicorn.Config(create_front_app(front), host=host, port=self.port,
-                                log_level=log_level, access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=5)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, args=(self._sockets,),
-                                        name="fineslab-front", daemon=True)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout_s: float = 30.0) -> None:
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive():
-                raise EnvironmentSetupError(f"front router failed to start on {self.base_url}")
-            if time.monotonic() > deadline:
-                raise EnvironmentSetupError(f"front router not listening on {self.base_url} "
-                                            f"after {timeout_s:.0f} s")
-            time.sleep(0.02)
-        logger.info("front router listening on %s", self.base_url)
-
-    def stop(self, timeout_s: float = 15.0) -> None:
-        self._server.should_exit = True
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
+        super().__init__(create_front_app(front), host, port, log_level, sock, "front router")
+        self.front = front

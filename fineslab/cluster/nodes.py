@@ -143,3 +143,42 @@ class NodeTable:
         with self.lock:
             return any(model in f.models and f.state == "serving" for n in self.live()
                        for f in n.fleets.values())
+
+
+class RouterProbes:
+    """Probes each serving node router's `/health` every `interval_s`: one that does not
+    answer within `timeout_s` (any HTTP status is an answer; a 503 while a runtime restarts is
+    its router working) `failures` times in a row is hung, e.g. its node fleet SIGSTOPped:
+    the agent's view (the process is alive) cannot tell."""
+
+    def __init__(self, interval_s: float, timeout_s: float, failures: int) -> None:
+        self.interval_s, self.timeout_s, self.failures = interval_s, timeout_s, failures
+        self._misses: dict[str, int] = {}
+        self._next_s = time.monotonic() + interval_s
+
+    def due(self) -> bool:
+        return time.monotonic() >= self._next_s
+
+    def hung(self, urls: list[str]) -> list[str]:
+        """Probe `urls` at once; those that have now missed `failures` probes in a row."""
+        import concurrent.futures
+
+        self._next_s = time.monotonic() + self.interval_s
+        if not urls:
+            return []
+        with concurrent.futures.ThreadPoolExecutor(min(8, len(urls))) as pool:
+            answered = dict(zip(urls, pool.map(self._answers, urls), strict=True))
+        self._misses = {u: 0 if answered[u] else self._misses.get(u, 0) + 1 for u in urls}
+        return [u for u in urls if self._misses[u] >= self.failures]
+
+    def _answers(self, url: str) -> bool:
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=self.timeout_s):
+                return True
+        except urllib.error.HTTPError:
+            return True  # it answered
+        except (OSError, ValueError):
+            return False

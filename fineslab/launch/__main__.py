@@ -48,63 +48,60 @@ def stop_with_fd(fd: int) -> None:
     threading.Thread(target=watch, name="stop-with-fd", daemon=True).start()
 
 
-def run_fleet(plan: FleetPlan, port: int | None = None, log_dir: str | None = None,
-              stop_fd: int | None = None,
-              on_ready: Callable[[Fleet], None] | None = None) -> int:
-    """Start the fleet, serve until SIGINT/SIGTERM, stop everything (whatever phase it is in).
-
-    `on_ready(fleet)` runs once everything serves (a cluster node reports its router there).
-    Both signals raise KeyboardInterrupt in the main thread (EOF on `stop_fd` sends SIGTERM);
-    the `finally` stops the router, every runtime's process group and the arenas, with further
-    signals ignored meanwhile.
-    """
-    from fineslab.launch.fleet import Fleet
-
+def serve_until_signal(start: Callable[[], None], stop: Callable[[], None], what: str,
+                       stop_fd: int | None = None) -> int:
+    """`start()`, print `ready`, serve until SIGINT/SIGTERM (EOF on `stop_fd` sends SIGTERM),
+    then `stop()`, whatever phase `start` reached, with further signals ignored meanwhile.
+    Both signals raise KeyboardInterrupt in the main thread."""
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
     if stop_fd is not None:
         stop_with_fd(stop_fd)
-    fleet = Fleet(plan, port, log_dir, _progress)
     try:
-        fleet.start()
-        if on_ready is not None:
-            on_ready(fleet)
+        start()
         _progress("ready")
         threading.Event().wait()
     except KeyboardInterrupt:
-        _progress("stopping the fleet")
+        _progress(f"stopping the {what}")
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        fleet.stop()
+        stop()
     return 0
+
+
+def run_fleet(plan: FleetPlan, port: int | None = None, log_dir: str | None = None,
+              stop_fd: int | None = None,
+              on_ready: Callable[[Fleet], None] | None = None) -> int:
+    """Start the fleet, serve until SIGINT/SIGTERM, stop the router, every runtime's process
+    group and the arenas. `on_ready(fleet)` runs once everything serves (a cluster node
+    reports its router there)."""
+    from fineslab.launch.fleet import Fleet
+
+    fleet = Fleet(plan, port, log_dir, _progress)
+
+    def start() -> None:
+        fleet.start()
+        if on_ready is not None:
+            on_ready(fleet)
+
+    return serve_until_signal(start, fleet.stop, "fleet", stop_fd)
 
 
 def run_cluster(config: FleetConfig, address: str | None, port: int | None = None,
                 log_dir: str | None = None, stop_fd: int | None = None,
                 dry_run: bool = False) -> int:
-    """`run_fleet` over a Ray cluster (fineslab.cluster.driver): the same signals and stop."""
+    """`run_fleet` over a Ray cluster (fineslab.cluster.driver); `dry_run`: the placement."""
     from fineslab.cluster.driver import ClusterFleet
 
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
-    if stop_fd is not None:
-        stop_with_fd(stop_fd)
     fleet = ClusterFleet(config, port, log_dir, _progress, address)
-    try:
-        if dry_run:
+    if dry_run:
+        try:
             fleet.make_plan()
-            return 0
-        fleet.start()
-        _progress("ready")
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        _progress("stopping the cluster fleet")
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        fleet.stop()
-    return 0
+        finally:
+            fleet.stop()
+        return 0
+    return serve_until_signal(fleet.start, fleet.stop, "cluster fleet", stop_fd)
 
 
 def build_parser() -> argparse.ArgumentParser:

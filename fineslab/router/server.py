@@ -17,6 +17,7 @@ import logging
 import socket
 import threading
 import time
+from typing import Any
 
 import uvicorn
 
@@ -45,19 +46,20 @@ def bind_router_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class RouterServer:
-    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning", sock: socket.socket | None = None) -> None:
-        self.router = router
-        self.host = host
+class AppServer:
+    """An ASGI app's uvicorn in a background thread; `what` names it in messages."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning", sock: socket.socket | None = None,
+                 what: str = "router") -> None:
+        self.host, self.what = host, what
         self.port = sock.getsockname()[1] if sock is not None else (port or free_port(host))
         self._sockets = [sock] if sock is not None else None
-        config = uvicorn.Config(create_app(router), host=host, port=self.port,
-                                log_level=log_level, access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, host=host, port=self.port, log_level=log_level,
+                                access_log=False, lifespan="on", timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, args=(self._sockets,),
-                                        name="fineslab-router", daemon=True)
+                                        name=f"fineslab-{what.replace(' ', '-')}", daemon=True)
 
     @property
     def base_url(self) -> str:
@@ -68,12 +70,12 @@ class RouterServer:
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
             if not self._thread.is_alive():
-                raise EnvironmentSetupError(f"router failed to start on {self.base_url}")
+                raise EnvironmentSetupError(f"{self.what} failed to start on {self.base_url}")
             if time.monotonic() > deadline:
-                raise EnvironmentSetupError(f"router not listening on {self.base_url} after "
-                                            f"{timeout_s:.0f} s")
+                raise EnvironmentSetupError(f"{self.what} not listening on {self.base_url} "
+                                            f"after {timeout_s:.0f} s")
             time.sleep(0.02)
-        logger.info("router listening on %s", self.base_url)
+        logger.info("%s listening on %s", self.what, self.base_url)
 
     def serve_in_foreground(self) -> None:
         """Run in the calling thread until `stop()` is called from elsewhere."""
@@ -83,3 +85,10 @@ class RouterServer:
         self._server.should_exit = True
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+
+
+class RouterServer(AppServer):
+    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning", sock: socket.socket | None = None) -> None:
+        super().__init__(create_app(router), host, port, log_level, sock, "router")
+        self.router = router

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
+from cluster_support import fleet_pids
 
 pytestmark = pytest.mark.slow
 
@@ -150,6 +151,7 @@ def test_demo_fleet_on_two_nodes_serves_and_re_places_a_lost_nodes_models(tmp_pa
     while _children() - before and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _children() - before, "a stopped cluster fleet leaves no process behind"
+    assert not fleet_pids(fleet_id), "nor a node fleet (they are not children: they fork away)"
     left = sorted(p.name for p in Path("/dev/shm").glob(f"*{fleet_id}*"))
     assert not left, f"a stopped cluster fleet leaves no arena: {left}"
     assert not Path(cluster.temp_dir).exists()

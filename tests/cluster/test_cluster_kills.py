@@ -8,6 +8,8 @@ own process over two Ray nodes on this machine (real Ray, real SGLang runtimes, 
 Each node's memory (0.02 GiB for the placer) holds one of the two models, so each node runs one.
 2. SIGKILL of node b itself: node a has no room for b's model, which answers 503 with
    Retry-After; node c joins, gets an agent, and the model is placed there and answers.
+   SIGSTOP of that node fleet: its router stops answering /health, the driver stops it
+   (SIGKILL after 5 s) and places the model again.
 3. SIGKILL of the launcher (the Ray driver): Ray ends its agents, each node fleet reads EOF on
    its stop pipe and stops cleanly: no runtime, arena or run record is left on any node.
 All through the front router with the fleet's API key, which the node routers require too.
@@ -27,6 +29,7 @@ from typing import IO, Any
 
 import pytest
 import yaml
+from cluster_support import fleet_pids
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +48,7 @@ def _fleet_yaml(tmp_path: Path, fleet_id: str) -> Path:
              "request_rate_per_s": 1.0},
             {"name": "tiny-b", "preset": "qwen2-tiny", "precision": "bf16", "ttft_slo_s": 5.0,
              "request_rate_per_s": 1.0}],
+        "supervision": {"probe_interval_s": 2.0},
         "cluster": {"engine": "ray", "min_nodes": 2, "wait_nodes_s": 30}}
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -61,23 +65,6 @@ def _read_until(stream: IO[str], pattern: str, deadline: float, seen: list[str])
         if found:
             return found
     raise AssertionError(f"no line matching {pattern!r}; the launcher said:\n{''.join(seen)}")
-
-
-def _fleet_pids(fleet_id: str) -> list[int]:
-    """Live processes whose command line or environment names this fleet."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue
-            blob = (entry / "environ").read_bytes() + (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if fleet_id.encode() in blob:
-            pids.append(int(entry.name))
-    return pids
 
 
 def _post(base: str, model: str, key: str | None = KEY) -> Any:
@@ -98,7 +85,7 @@ def _answers(base: str, model: str) -> bool:
     return reply.status_code == 200 and bool(reply.json()["choices"][0]["text"])
 
 
-def test_a_killed_node_fleet_or_node_is_placed_again_and_a_killed_launcher_leaves_nothing(
+def test_killed_hung_or_lost_node_fleets_are_placed_again_and_a_killed_launcher_leaves_nothing(
         tmp_path: Path) -> None:
     from fineslab.cluster.local import LocalCluster
 
@@ -141,20 +128,30 @@ def test_a_killed_node_fleet_or_node_is_placed_again_and_a_killed_launcher_leave
         assert _answers(base, pids["a"][0]), "node a keeps serving while b's model waits"
         cluster.add("c")
         _read_until(launcher.stdout, r"node c joined", time.monotonic() + 60, seen)
-        _read_until(launcher.stdout, rf"node c: fleet g\d+ serving \['{model_b}'\]",
-                    time.monotonic() + SERVING_TIMEOUT_S, seen)
+        on_c = _read_until(launcher.stdout, rf"node c: fleet g\d+ serving \['{model_b}'\] "
+                           r"on \S+ \(node fleet pid (\d+)\)",
+                           time.monotonic() + SERVING_TIMEOUT_S, seen)
         assert _answers(base, model_b), f"{model_b} answers from the node that joined"
-        assert _fleet_pids(fleet_id), "the fleet runs before the launcher is killed"
+
+        os.kill(int(on_c.group(1)), signal.SIGSTOP)  # its router hangs; its process lives
+        stopped = time.monotonic()
+        _read_until(launcher.stdout, r"router \S+ did not answer 2 probes \(hung\)",
+                    time.monotonic() + 60, seen)
+        assert time.monotonic() - stopped < 30, "a hung node fleet is seen within 30 s"
+        _read_until(launcher.stdout, rf"re-placed \['{model_b}'\]: serving again",
+                    time.monotonic() + SERVING_TIMEOUT_S, seen)
+        assert _answers(base, model_b), f"{model_b} answers after its node fleet hung"
+        assert fleet_pids(fleet_id), "the fleet runs before the launcher is killed"
 
         launcher.kill()
         launcher.wait(30)
         deadline = time.monotonic() + 90
-        while _fleet_pids(fleet_id) and time.monotonic() < deadline:
+        while fleet_pids(fleet_id) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not _fleet_pids(fleet_id), (
+        assert not fleet_pids(fleet_id), (
             "a killed launcher's node fleets stop: " + ", ".join(
                 Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ")[:120]
-                for p in _fleet_pids(fleet_id)))
+                for p in fleet_pids(fleet_id)))
         left = sorted(p.name for p in Path("/dev/shm").glob(f"*{fleet_id}*"))
         assert not left, f"no arena or run record is left on any node: {left}"
     finally:
