@@ -1,10 +1,11 @@
-"""The mixed-precision fleet of test_precision_fleet.py: one arena, four runtimes.
+"""The mixed-precision fleet of test_precision_fleet.py: one arena, five runtimes (bf16, fp8,
+awq, kv4 and qoq).
 
 Started once for that module through the launcher (`fineslab.quant.fleet.run_fleet` ->
-`fineslab.launch.Fleet`; about 2-3 minutes on the 2-core CI machine: four SGLang servers start
+`fineslab.launch.Fleet`; about 2-3 minutes on the 2-core CI machine: the SGLang servers start
 in parallel), stopped when the module ends. Not kept for the session: an in-process
 `sglang.Engine`'s shutdown kills every child process of the test process, so each later test
-that ran an engine killed these four runtimes, and the fleet's supervisor restarted them, over
+that ran an engine killed these runtimes, and the fleet's supervisor restarted them, over
 and over, for the rest of the suite (seen in a CI rehearsal: 11 restarts each in 40 minutes,
 load average 10). The model is SmolLM2-135M-Instruct when set-up installed it, else the
 generated `llama-tiny`.
