@@ -8,7 +8,8 @@ model (SmolLM2-135M if set-up installed it, else the generated llama-tiny) and o
 shape (32 layers, 8 KV heads, head_dim 128): tokens_per_gib = GiB * blocks_per_slab * page /
 slab. Decode speed: the runtimes (bf16, fp8, awq, kv4, qoq) are started in one arena
 (`fineslab.quant.fleet`), then, one runtime at a time, `--batch` greedy requests of
-`--new-tokens` tokens each (after one warm-up request); tokens/s = batch * new_tokens / wall seconds (includes the short prefill).
+`--new-tokens` tokens each (after one warm-up request); tokens/s = batch * new_tokens / wall
+seconds (includes the short prefill).
 
 JSON keys: `tokens_per_gib` {bf16, fp8, awq, kv4, qoq} of the served model, `tokens_per_gib_8b`,
 `kv4_vs_bf16`, `fp8_vs_bf16` (ratios; targets >= 3.5 and >= 1.9), `decode_tokens_per_s`
