@@ -7,10 +7,18 @@ placed over both by its placer, each node's share run by its agent, the front ro
 process. Measured, in one run:
     ready_s              launch (cluster up) to every model serving through the front router
     front_router_p50_ms, front_router_p99_ms
-                         what the front hop adds: the same short completions (max_tokens 1), one
-                         at a time, alternately through the front router and straight to the
-                         node router that serves the model; p50/p99 of front minus direct,
-                         pairwise by request order
+                         what the front hop adds to one-token completions sent one at a time,
+                         alternately through the front router and straight to the node router
+                         that serves the model: p50(front) - p50(direct), p99(front) -
+                         p99(direct) (`fineslab.bench.router`'s definition for the node router)
+    front_router_pairwise_p50_ms, front_router_pairwise_p99_ms
+                         the same requests, percentiles of the pairwise differences (front minus
+                         the direct request sent right after it): SGLang's own step-to-step
+                         jitter on 2 cores lands in these tails
+    front_hop_p50_ms, front_hop_p99_ms
+                         the hop alone, no runtime involved: a request the node router refuses
+                         (400, max_tokens 0), through the front and directly, added p50/p99 as
+                         above
     replace_s            node b SIGKILLed (its raylet reaped, as a lost machine) to its models
                          serving again on node a
     all_served           every model answered through the front router before the loss and
@@ -26,6 +34,7 @@ import logging
 import os
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -44,12 +53,27 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _complete(client: Any, url: str, model: str) -> float:
+def _complete(client: Any, url: str, model: str, max_tokens: int = 1) -> float:
+    """Milliseconds for one completion request; a 400 expected when `max_tokens` is 0."""
     started = time.perf_counter()
     reply = client.post(f"{url}/v1/completions", json={"model": model, "prompt": "Hi",
-                                                       "max_tokens": 1})
-    reply.raise_for_status()
+                                                       "max_tokens": max_tokens})
+    if reply.status_code != (200 if max_tokens else 400):
+        reply.raise_for_status()
+        raise AssertionError(f"{url}: expected a 400 for max_tokens 0, got {reply.status_code}")
     return (time.perf_counter() - started) * 1000
+
+
+def _added(client: Any, front: str, direct: str, model: str, requests: int,
+           max_tokens: int) -> tuple[list[float], list[float]]:
+    """Latencies (ms) of `requests` alternating pairs: through the front, then directly."""
+    _complete(client, front, model, max_tokens)  # warm both paths
+    _complete(client, direct, model, max_tokens)
+    via, straight = [], []
+    for _ in range(requests):
+        via.append(_complete(client, front, model, max_tokens))
+        straight.append(_complete(client, direct, model, max_tokens))
+    return via, straight
 
 
 def _serves(client: Any, url: str, model: str) -> bool:
@@ -75,8 +99,9 @@ def run(config_path: Path, requests: int) -> dict[str, Any]:
     cluster = LocalCluster(["a", "b"])
     from fineslab.cluster.driver import ClusterFleet
 
-    fleet = ClusterFleet(config, port=0, progress=lambda m: print(m, file=sys.stderr),
-                         address=cluster.address)
+    logs = tempfile.TemporaryDirectory(prefix="fineslab-bench-cluster-")
+    fleet = ClusterFleet(config, port=0, log_dir=logs.name,
+                         progress=lambda m: print(m, file=sys.stderr), address=cluster.address)
     result: dict[str, Any] = {"nodes": 2, "requests": requests}
     try:
         started = time.monotonic()
@@ -90,15 +115,22 @@ def run(config_path: Path, requests: int) -> dict[str, Any]:
         with httpx.Client(timeout=120) as client:
             served_before = all(_serves(client, front, m) for m in on_a + on_b)
             model = on_a[0]
-            _complete(client, front, model)  # warm both paths
-            _complete(client, str(direct[model]), model)
-            added = []
-            for _ in range(requests):
-                through_front = _complete(client, front, model)
-                straight = _complete(client, str(direct[model]), model)
-                added.append(through_front - straight)
-            result["front_router_p50_ms"] = round(statistics.median(added), 2)
-            result["front_router_p99_ms"] = round(_percentile(added, 0.99), 2)
+            via, straight = _added(client, front, str(direct[model]), model, requests, 1)
+            pairs = [v - s for v, s in zip(via, straight, strict=True)]
+            result |= {
+                "front_router_p50_ms": round(statistics.median(via) - statistics.median(straight),
+                                             2),
+                "front_router_p99_ms": round(_percentile(via, 0.99) - _percentile(straight, 0.99),
+                                             2),
+                "front_router_pairwise_p50_ms": round(statistics.median(pairs), 2),
+                "front_router_pairwise_p99_ms": round(_percentile(pairs, 0.99), 2),
+                "direct_p50_ms": round(statistics.median(straight), 2),
+                "direct_p99_ms": round(_percentile(straight, 0.99), 2)}
+            via, straight = _added(client, front, str(direct[model]), model, requests, 0)
+            result["front_hop_p50_ms"] = round(statistics.median(via)
+                                               - statistics.median(straight), 2)
+            result["front_hop_p99_ms"] = round(_percentile(via, 0.99)
+                                               - _percentile(straight, 0.99), 2)
             cluster.kill("b")
             lost = time.monotonic()
             deadline = lost + SERVING_TIMEOUT_S
@@ -112,6 +144,7 @@ def run(config_path: Path, requests: int) -> dict[str, Any]:
     finally:
         fleet.stop()
         cluster.close()
+        logs.cleanup()
     return result
 
 

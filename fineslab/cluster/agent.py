@@ -206,7 +206,7 @@ class NodeAgent:
         os.set_inheritable(write_fd, False)
         argv = [sys.executable, "-m", "fineslab.cluster.node", "--spec",
                 str(work_dir / "spec.pickle"), "--work-dir", str(work_dir),
-                "--stop-with-fd", str(read_fd)]
+                "--stop-with-fd", str(read_fd), "--agent-pid", str(os.getpid())]
         try:
             with log_path.open("ab") as log:
                 starter = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,

@@ -18,6 +18,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -62,6 +63,8 @@ class ClusterFleet(Watch):
         self.config, self.progress = config, progress
         self.address = address or (config.cluster.address if config.cluster else "auto")
         self.port = config.router.port if port is None else port
+        #: a temporary log folder is removed at a clean stop unless a node or node fleet was lost
+        self._temp_logs = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"fineslab-{config.fleet_id}-"))
         self.table = NodeTable()
         self.plan: ClusterPlan | None = None
@@ -254,6 +257,12 @@ class ClusterFleet(Watch):
         if self._connected:
             with contextlib.suppress(Exception):
                 ray.shutdown()
+        lost = any(n.lost or any(not f.active for f in n.fleets.values())
+                   for n in self.table.nodes.values())
+        if self._temp_logs and not lost:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+        elif lost:
+            self.progress(f"logs kept in {self.log_dir} (a node or node fleet was lost)")
         self.progress("cluster fleet stopped")
 
     def _close_node(self, node: Node) -> None:

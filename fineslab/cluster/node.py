@@ -16,7 +16,7 @@ removes the arena files. Files in DIR, for the agent:
     pid.json    [pid, start ticks] of the node fleet (after the fork)
     ready.json  once it serves: {"url", "pid", "used_bytes"} (`used_bytes`: per device, the
                 placed footprints plus the arena, what a later placement there must leave alone)
-    exit.json   {"rc"} when it has stopped
+    exit.json   {"rc"} when it has stopped (DIR is removed instead when the agent is gone)
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", required=True)
     parser.add_argument("--work-dir", required=True, type=Path)
     parser.add_argument("--stop-with-fd", type=int, default=None)
+    parser.add_argument("--agent-pid", type=int, default=None,
+                        help="the agent; when it is gone at exit, this removes --work-dir")
     args = parser.parse_args(argv)
     if os.fork():  # before any thread or heavy import: the parent only lets go of the child
         os._exit(0)
@@ -78,11 +81,14 @@ def main(argv: list[str] | None = None) -> int:
 
     me = ProcessIdentity.current()
     _write_json(args.work_dir / "pid.json", [me.pid, me.start_ticks])
+    agent = ProcessIdentity(args.agent_pid, 0) if args.agent_pid else None
     rc = 1
     try:
         rc = _serve(args)
     finally:
         _write_json(args.work_dir / "exit.json", {"rc": rc})
+        if agent is not None and not agent.is_alive():  # nobody will read it
+            shutil.rmtree(args.work_dir, ignore_errors=True)
     return rc
 
 
