@@ -36,8 +36,8 @@ from prometheus_client.registry import Collector
 from starlette.responses import JSONResponse, Response
 
 from fineslab.cluster.front import FrontRouter, NodeLink
-from fineslab.router.admin import authorized
-from fineslab.router.app import BodyTooLarge, guarded, install_error_handlers, read_body
+from fineslab.router.admin import UNAUTHORIZED, authorized, authorized_body
+from fineslab.router.app import guarded, install_error_handlers
 from fineslab.router.proxy import error_body
 from fineslab.router.server import AppServer
 
@@ -135,21 +135,13 @@ def create_front_app(front: FrontRouter) -> FastAPI:
         await front.stop()
 
     app = FastAPI(title="fineslab front router", lifespan=lifespan)
-    unauthorized = error_body("missing or wrong API key (Authorization: Bearer ...)",
-                              "authentication_error", "invalid_api_key")
-    api_key, limit = front.settings.api_key, front.settings.max_body_bytes
+    api_key = front.settings.api_key
     node_metrics = NodeMetrics(front)
 
     async def serve(request: Request, path: str) -> Response:
-        if not authorized(request, api_key):
-            return JSONResponse(unauthorized, 401)
-        try:
-            raw = await read_body(request, limit)
-        except BodyTooLarge:
-            return JSONResponse(error_body(
-                f"the request body is over this router's limit of {limit} bytes",
-                "invalid_request_error", "request_too_large"), 413,
-                headers={"Connection": "close"})
+        raw = await authorized_body(request, api_key, front.settings.max_body_bytes)
+        if isinstance(raw, Response):
+            return raw
         return await guarded(front.handle(raw, path, request.headers.get("content-type")))
 
     @app.post("/v1/completions")
@@ -163,7 +155,7 @@ def create_front_app(front: FrontRouter) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         if not authorized(request, api_key):
-            return JSONResponse(unauthorized, 401)
+            return JSONResponse(UNAUTHORIZED, 401)
         data = [{"id": m, "object": "model", "owned_by": "fineslab", "nodes": nodes}
                 for m, nodes in front.served_models().items()]
         return JSONResponse({"object": "list", "data": data})
@@ -194,7 +186,7 @@ def create_front_app(front: FrontRouter) -> FastAPI:
     @app.get("/admin/nodes")
     async def admin_nodes(request: Request) -> Response:
         if not authorized(request, api_key):
-            return JSONResponse(unauthorized, 401)
+            return JSONResponse(UNAUTHORIZED, 401)
         return JSONResponse(front.state())
 
     install_error_handlers(app)

@@ -171,3 +171,38 @@ async def _limit(router: Router, model: str, request: Request,
     answer: dict[str, Any] = {"model": model, "kv_limit_bytes": limit_bytes,
                               "kv_limits": model_limits(router, model)}
     return JSONResponse(answer)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(request: Request, limit_bytes: int) -> bytes:
+    """The request body, refusing (BodyTooLarge) as soon as it passes `limit_bytes`."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit_bytes:
+        raise BodyTooLarge
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit_bytes:
+            raise BodyTooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+UNAUTHORIZED = error_body("missing or wrong API key (Authorization: Bearer ...)",
+                          "authentication_error", "invalid_api_key")
+
+
+async def authorized_body(request: Request, api_key: str | None, limit: int
+                          ) -> bytes | JSONResponse:
+    """The request's body, or the error: 401 without the key, 413 over `limit` bytes."""
+    if not authorized(request, api_key):
+        return JSONResponse(UNAUTHORIZED, 401)
+    try:
+        return await read_body(request, limit)
+    except BodyTooLarge:
+        return JSONResponse(error_body(
+            f"the request body is over this router's limit of {limit} bytes",
+            "invalid_request_error", "request_too_large"), 413, headers={"Connection": "close"})

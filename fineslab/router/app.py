@@ -40,7 +40,13 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from fineslab.router.admin import KVLimits, authorized, install_admin
+from fineslab.router.admin import (
+    UNAUTHORIZED,
+    KVLimits,
+    authorized,
+    authorized_body,
+    install_admin,
+)
 from fineslab.router.attribution import CrashAttribution, fingerprint
 from fineslab.router.config import ModelRoute, RouterSettings
 from fineslab.router.elastic import CannotWake, Elastic
@@ -68,10 +74,6 @@ INLINE_PARSE_BYTES = 16 * 1024
 #: Tokenizing a 750 KB prompt takes about 1-2 s of one core; half the cores at most, so the
 #: loop always has one (on 2 cores, 8 such prompts at once kept /health under 0.5 s p50).
 PARSE_THREADS = max(1, (os.cpu_count() or 2) // 2)
-
-
-class BodyTooLarge(Exception):
-    pass
 
 
 class Router:
@@ -315,20 +317,6 @@ def bad_request(exc: BadRequest) -> JSONResponse:
     return JSONResponse(error_body(str(exc), "invalid_request_error", exc.code, exc.param), 400)
 
 
-async def read_body(request: Request, limit_bytes: int) -> bytes:
-    """The request body, refusing (BodyTooLarge) as soon as it passes `limit_bytes`."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit_bytes:
-        raise BodyTooLarge
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit_bytes:
-            raise BodyTooLarge
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def create_app(router: Router) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -337,20 +325,12 @@ def create_app(router: Router) -> FastAPI:
         await router.stop()
 
     app = FastAPI(title="fineslab router", lifespan=lifespan)
-    unauthorized = error_body("missing or wrong API key (Authorization: Bearer ...)",
-                              "authentication_error", "invalid_api_key")
-    limit = router.settings.max_body_bytes
 
     async def serve(request: Request, path: str, chat: bool) -> Response:
-        if not authorized(request, router.settings.api_key):
-            return JSONResponse(unauthorized, 401)
-        try:
-            raw = await read_body(request, limit)
-        except BodyTooLarge:
-            return JSONResponse(error_body(
-                f"the request body is over this router's limit of {limit} bytes",
-                "invalid_request_error", "request_too_large"), 413,
-                headers={"Connection": "close"})
+        raw = await authorized_body(request, router.settings.api_key,
+                                    router.settings.max_body_bytes)
+        if isinstance(raw, Response):
+            return raw
         return await guarded(router.handle(raw, path, chat))
 
     @app.post("/v1/completions")
@@ -364,7 +344,7 @@ def create_app(router: Router) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         if not authorized(request, router.settings.api_key):
-            return JSONResponse(unauthorized, 401)
+            return JSONResponse(UNAUTHORIZED, 401)
         data = [{"id": name, "object": "model", "owned_by": "fineslab",
                  "max_model_len": route.context_tokens} for name, route in router.routes.items()]
         return JSONResponse({"object": "list", "data": data})
