@@ -43,6 +43,7 @@ from fineslab.errors import ConfigError, IntegrityError
 from fineslab.router.app import INLINE_PARSE_BYTES, bad_request
 from fineslab.router.metrics import LATENCY_BUCKETS_S
 from fineslab.router.proxy import error_body
+from fineslab.router.replicas import unless
 from fineslab.router.requests import parse_body
 from fineslab.router.validation import BadRequest
 
@@ -99,17 +100,10 @@ class NodeLink:
             raise NodeLost
         if self._lost is None:
             self._lost = asyncio.get_running_loop().create_future()
-        work = asyncio.ensure_future(awaitable)
-        waiters: list[asyncio.Future[Any]] = [work, self._lost]
-        try:
-            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            work.cancel()
-            raise
-        if work in done:
-            return work.result()
-        work.cancel()
-        raise NodeLost
+        work = await unless(awaitable, self._lost)
+        if work is None:
+            raise NodeLost
+        return work.result()
 
     def end_requests(self) -> None:
         """Wake every guard of this link (on the loop, after `up` went False)."""

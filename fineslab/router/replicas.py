@@ -41,6 +41,21 @@ class RuntimeDown(Exception):
         self.status = 504 if reason is not None and reason.startswith("hung") else 502
 
 
+async def unless(awaitable: Awaitable[T], stop: asyncio.Future[Any]) -> asyncio.Future[T] | None:
+    """`awaitable`, finished, as a future; or None, having cancelled it, when `stop` resolves
+    first. A cancel of the caller cancels it too."""
+    work = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait([work, stop], return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work.cancel()
+        raise
+    if work in done:
+        return work
+    work.cancel()
+    return None
+
+
 class Replica:
     def __init__(self, route: ReplicaRoute, client: aiohttp.ClientSession) -> None:
         self.route = route
@@ -90,17 +105,10 @@ class Replica:
         down = self.down
         if down.done():
             raise RuntimeDown(self.runtime_id, self.down_reason)
-        work = asyncio.ensure_future(awaitable)
-        waiters: list[asyncio.Future[Any]] = [work, down]
-        try:
-            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            work.cancel()
-            raise
-        if work in done:
-            return work.result()
-        work.cancel()
-        raise RuntimeDown(self.runtime_id, self.down_reason)
+        work = await unless(awaitable, down)
+        if work is None:
+            raise RuntimeDown(self.runtime_id, self.down_reason)
+        return work.result()
 
     def state(self) -> dict[str, object]:
         state = "up" if self.up else ("restarting" if self.down_reason else "down")
