@@ -127,7 +127,7 @@ def test_killed_hung_or_lost_node_fleets_are_placed_again_and_a_killed_launcher_
         assert waiting.status_code == 503 and waiting.headers.get("retry-after"), waiting.text
         assert _answers(base, pids["a"][0]), "node a keeps serving while b's model waits"
         cluster.add("c")
-        _read_until(launcher.stdout, r"node c joined", time.monotonic() + 60, seen)
+        _read_until(launcher.stdout, r"node c joined", time.monotonic() + 180, seen)  # agent start
         on_c = _read_until(launcher.stdout, rf"node c: fleet g\d+ serving \['{model_b}'\] "
                            r"on \S+ \(node fleet pid (\d+)\)",
                            time.monotonic() + SERVING_TIMEOUT_S, seen)
