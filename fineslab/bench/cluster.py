@@ -43,14 +43,10 @@ from typing import Any
 import yaml
 
 from fineslab.bench.report import add_json_flag, emit
+from fineslab.bench.router import percentile
 
 REPO = Path(__file__).resolve().parents[2]
 SERVING_TIMEOUT_S = 300.0
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def _complete(client: Any, url: str, model: str, max_tokens: int = 1) -> float:
@@ -120,17 +116,17 @@ def run(config_path: Path, requests: int) -> dict[str, Any]:
             result |= {
                 "front_router_p50_ms": round(statistics.median(via) - statistics.median(straight),
                                              2),
-                "front_router_p99_ms": round(_percentile(via, 0.99) - _percentile(straight, 0.99),
+                "front_router_p99_ms": round(percentile(via, 0.99) - percentile(straight, 0.99),
                                              2),
                 "front_router_pairwise_p50_ms": round(statistics.median(pairs), 2),
-                "front_router_pairwise_p99_ms": round(_percentile(pairs, 0.99), 2),
+                "front_router_pairwise_p99_ms": round(percentile(pairs, 0.99), 2),
                 "direct_p50_ms": round(statistics.median(straight), 2),
-                "direct_p99_ms": round(_percentile(straight, 0.99), 2)}
+                "direct_p99_ms": round(percentile(straight, 0.99), 2)}
             via, straight = _added(client, front, str(direct[model]), model, requests, 0)
             result["front_hop_p50_ms"] = round(statistics.median(via)
                                                - statistics.median(straight), 2)
-            result["front_hop_p99_ms"] = round(_percentile(via, 0.99)
-                                               - _percentile(straight, 0.99), 2)
+            result["front_hop_p99_ms"] = round(percentile(via, 0.99)
+                                               - percentile(straight, 0.99), 2)
             cluster.kill("b")
             lost = time.monotonic()
             deadline = lost + SERVING_TIMEOUT_S

@@ -39,7 +39,13 @@ from fineslab.cluster.nodes import (
     node_name,
     wait_for_nodes,
 )
-from fineslab.cluster.plan import ClusterPlan, NodeDevices, cluster_profiles, make_cluster_plan
+from fineslab.cluster.plan import (
+    ClusterPlan,
+    NodeDevices,
+    cluster_profiles,
+    device_kind,
+    make_cluster_plan,
+)
 from fineslab.cluster.watch import CALL_TIMEOUT_S, HUNG_PROBE_TIMEOUT_S, WATCH_S, Watch
 from fineslab.errors import ConfigError, EnvironmentSetupError
 from fineslab.launch.config import FleetConfig
@@ -125,10 +131,7 @@ class ClusterFleet(Watch):
                                    cluster.wait_nodes_s if cluster else 0):
             self._add_node(info)
         nodes = [NodeDevices(n.name, n.devices) for n in self.table.live()]
-        kinds = sorted({d.kind for n in nodes for d in n.devices})
-        if len(kinds) != 1:
-            raise ConfigError(f"the cluster's devices must be of one kind, found {kinds}")
-        self.profiles = cluster_profiles(self.config, kinds[0])
+        self.profiles = cluster_profiles(self.config, device_kind(nodes))
         plan = make_cluster_plan(self.config, nodes, profiles=self.profiles)
         self.progress(plan.describe())
         return plan
@@ -174,18 +177,18 @@ class ClusterFleet(Watch):
         """Start each node's share of `plan` as a new node fleet of that node."""
         import ray
 
-        fleet = f"g{self._generation}"
-        self._generation += 1
+        generation, self._generation = self._generation, self._generation + 1
+        fleet = f"g{generation}"
+        key_env = self.config.router.api_key_env
+        env = {key_env: self.api_key} if key_env and self.api_key else {}
         for share in plan.nodes:
             models = plan.models_on(share.node)
             if not models:
                 continue
             node = self.table.nodes[share.node]
-            spec = NodeSpec(plan.node_config(share.node, self._generation - 1),
+            spec = NodeSpec(plan.node_config(share.node, generation),
                             plan.node_placement(share.node), node.address,
                             str(self.log_dir / f"{share.node}-{fleet}"))
-            env = {self.config.router.api_key_env: self.api_key} if self.api_key and \
-                self.config.router.api_key_env else {}
             with self.table.lock:
                 node.fleets[fleet] = NodeFleet(fleet, models)
             ray.get(node.agent.start_fleet.remote(fleet, spec, env), timeout=CALL_TIMEOUT_S * 6)
@@ -274,14 +277,3 @@ class ClusterFleet(Watch):
         except Exception as exc:
             logger.warning("node %s: stopping its fleets failed (%s); its runtimes' lifelines "
                            "stop them when the agent goes", node.name, exc)
-
-    def __enter__(self) -> ClusterFleet:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

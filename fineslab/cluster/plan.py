@@ -99,7 +99,8 @@ def _slots(nodes: Sequence[NodeDevices]) -> tuple[tuple[str, int], ...]:
     return tuple((n.node, i) for n in nodes for i in range(len(n.devices)))
 
 
-def _kind(nodes: Sequence[NodeDevices]) -> str:
+def device_kind(nodes: Sequence[NodeDevices]) -> str:
+    """The one device kind of the cluster; ConfigError for none or several."""
     kinds = sorted({d.kind for n in nodes for d in n.devices})
     if not kinds:
         raise ConfigError("no node of the cluster has a device")
@@ -113,7 +114,7 @@ def make_cluster_plan(config: FleetConfig, nodes: Sequence[NodeDevices],
                       profiles: Mapping[str, ModelProfile] | None = None) -> ClusterPlan:
     """The fleet's placer over every node's devices; raises PlacementInfeasible like one
     machine's launcher when a model cannot be placed."""
-    profiles = dict(profiles or cluster_profiles(config, _kind(nodes), cache_dir))
+    profiles = dict(profiles or cluster_profiles(config, device_kind(nodes), cache_dir))
     slots = _slots(nodes)
     gpus = [GpuSpec(g, d.memory_bytes, d.kind) for g, d in
             enumerate(d for n in nodes for d in n.devices)]

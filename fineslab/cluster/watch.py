@@ -136,25 +136,26 @@ class Watch:
             self._fleet_lost(node, fleet, reason)
 
     def _node_lost(self, node: Node, reason: str) -> None:
-        lost_at = time.monotonic()
         with self.table.lock:
+            fleets = [f for f in node.fleets.values() if f.active]
             node.lost = True
-            models = sorted({m for f in node.fleets.values() if f.active for m in f.models})
-        self.progress(f"node {node.name} lost: {reason}; re-placing {models}")
+        self._lost(node, fleets, f"node {node.name} lost: {reason}", reason)
+
+    def _fleet_lost(self, node: Node, fleet: NodeFleet, reason: str) -> None:
+        fleet.state = "exited"
+        self._lost(node, [fleet], f"node {node.name}: {reason}", reason)
+
+    def _lost(self, node: Node, fleets: list[NodeFleet], what: str, reason: str) -> None:
+        """`fleets` of `node` are gone: their routes go (requests there end now) and their
+        models are placed again."""
+        lost_at = time.monotonic()
+        models = sorted({m for f in fleets for m in f.models})
+        self.progress(f"{what}; re-placing {models}")
         assert self.front is not None
-        for fleet in node.fleets.values():
+        for fleet in fleets:
             self.front.mark_node_lost(node.route_label(fleet.name), reason)
         self._publish_routes()
         self._replace(models, lost_at)
-
-    def _fleet_lost(self, node: Node, fleet: NodeFleet, reason: str) -> None:
-        lost_at = time.monotonic()
-        fleet.state = "exited"
-        self.progress(f"node {node.name}: {reason}; re-placing {fleet.models}")
-        assert self.front is not None
-        self.front.mark_node_lost(node.route_label(fleet.name), reason)
-        self._publish_routes()
-        self._replace(fleet.models, lost_at)
 
     def _replace(self, models: list[str], since: float) -> None:
         """Place `models` on what the live nodes have left and start them there."""
