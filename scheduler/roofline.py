@@ -28,6 +28,7 @@ from fineslab.scheduler.kv_format import kv_token_bytes
 from fineslab.scheduler.profile_schema import DecodeTable, ModelProfile, ModelShape, Workload
 
 from fineslab.errors import ConfigError
+from fineslab.precisions import NAMED_PRECISIONS
 
 COMPUTE_EFFICIENCY = 0.6
 MEMORY_EFFICIENCY = 0.8
@@ -49,14 +50,13 @@ class Precision:
     kv_dtype: str
 
 
+#: Every named precision (`fineslab.precisions`, the registry) as the roofline sees it: the
+#: papers' weight bytes per parameter, the GEMMs' dtype, the KV dtype. fp8 is W8A8KV8, awq
+#: W4A16, qoq W4A8KV4 (INT8 GEMMs, INT4 KV with a per-token scale and zero).
 PRECISIONS: dict[str, Precision] = {
-    "fp16": Precision("fp16", 2.0, "fp16", "fp16"),
-    # W8A8 FP8 with FP8 KV (per-channel scales are negligible).
-    "fp8": Precision("fp8", 1.0, "fp8", "fp8"),
-    # W4A16, group 128 with an FP16 scale and zero per group: 0.5 + 4/128 bytes per param.
-    "awq": Precision("awq", 0.5 + 4 / 128, "fp16", "fp16"),
-    # W4A8KV4 (QoQ): 4-bit weights, INT8 GEMMs, INT4 KV with per-token scale/zero.
-    "qoq": Precision("qoq", 0.5 + 4 / 128, "int8", "int4"),
+    p.name: Precision(p.name, p.weights.roofline_bytes_per_param, p.weights.roofline_compute,
+                      p.kv.profile_name)
+    for p in NAMED_PRECISIONS.values()
 }
 
 

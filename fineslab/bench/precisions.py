@@ -11,9 +11,20 @@ slab. Decode speed: the runtimes (bf16, fp8, awq, kv4, qoq) are started in one a
 `--new-tokens` tokens each (after one warm-up request); tokens/s = batch * new_tokens / wall
 seconds (includes the short prefill).
 
+Weights: each precision's checkpoint as fineslab writes it (bf16 and kv4: the source; fp8:
+the FP8 checkpoint, which CPU serves dequantized to bf16; awq group 64; qoq group 128, both with
+the largest power-of-two group dividing K where 128 does not): `weight_bytes` is the whole
+model (embeddings, norms and lm_head stay 16-bit), `weight_ratio` the linear layers' bytes,
+scales and zeros included, against bf16's.
+
+Accuracy (with the fleet): each precision against the bf16 runtime over the precision tests'
+prompts (teacher forcing, every position, top-64 prompt logprobs; `fineslab.quant.gates`):
+`top1` agreement and `kl` (mean KL(bf16 || precision) over bf16's top 64, nats).
+
 JSON keys: `tokens_per_gib` {bf16, fp8, awq, kv4, qoq} of the served model, `tokens_per_gib_8b`,
-`kv4_vs_bf16`, `fp8_vs_bf16` (ratios; targets >= 3.5 and >= 1.9), `decode_tokens_per_s`
-{precision: tokens/s} (absent with --no-decode), `model`, `device`.
+`kv4_vs_bf16`, `fp8_vs_bf16` (ratios; targets >= 3.5 and >= 1.9), `weight_bytes`,
+`weight_ratio` (target qoq <= 0.30), and with the fleet (absent with --no-decode)
+`decode_tokens_per_s`, `top1`, `kl` {precision: value}; `model`, `device`.
 """
 
 from __future__ import annotations
@@ -28,29 +39,38 @@ import time
 from pathlib import Path
 
 from fineslab.bench.report import add_json_flag, emit
+from fineslab.launch.precision_fleet import RunningFleet, run_fleet
 from fineslab.models import smollm2
 from fineslab.models.generate import ensure_model
-from fineslab.quant.fleet import (
-    PRECISIONS,
-    RunningFleet,
-    model_kv_shape,
-    prepare_runtime,
-    run_fleet,
-)
+from fineslab.precisions import NAMED_PRECISIONS
+from fineslab.quant.awq import AWQConfig, write_awq_checkpoint
+from fineslab.quant.checkpoint import LINEAR_SUFFIXES, read_config
+from fineslab.quant.fleet import AWQ_GROUP_SIZE, PRECISIONS, QOQ_GROUP_SIZE, prepare_runtime
+from fineslab.quant.fp8 import write_fp8_checkpoint
+from fineslab.quant.gates import compare_top_logprobs
+from fineslab.quant.qoq_checkpoint import write_qoq_checkpoint
+from fineslab.quant.verify import read_headers
 from fineslab.slabs import KVShape, plan_slabs
 from fineslab.slabs.formats import KVDtype
 
 GIB = 1 << 30
 PAGE_SIZE_TOKENS = 16
-KV_DTYPES = {"bf16": KVDtype.BF16, "fp8": KVDtype.FP8_E4M3, "awq": KVDtype.FP16,
-             "kv4": KVDtype.INT4, "qoq": KVDtype.INT4}
 EIGHT_B = KVShape("8b", num_layers=32, num_kv_heads=8, head_dim=128, kv_dtype=KVDtype.BF16)
 PROMPT = "The quick brown fox jumps over the lazy dog while the GPU serves four models"
+#: The accuracy prompts (the precision tests' own).
+GATE_PROMPTS = [
+    "The slab arena holds the key and value cache of every model",
+    "Once upon a time, in a data center far away, four models shared one GPU",
+    "1 2 3 4 5 6 7 8 9 10 11 12",
+    "Quantization trades a little accuracy for a lot of memory: four bits instead of sixteen",
+]
+TOP_K = 64
 
 
 def tokens_per_gib(shape: KVShape) -> dict[str, float]:
     """Tokens per GiB of one arena planned for the four precisions of `shape`."""
-    shapes = [dataclasses.replace(shape, name=p, kv_dtype=KV_DTYPES[p]) for p in PRECISIONS]
+    shapes = [dataclasses.replace(shape, name=p, kv_dtype=NAMED_PRECISIONS[p].kv)
+              for p in PRECISIONS]
     plan = plan_slabs(shapes, page_sizes=(PAGE_SIZE_TOKENS,))
     out = {}
     for p in PRECISIONS:
@@ -58,6 +78,46 @@ def tokens_per_gib(shape: KVShape) -> dict[str, float]:
         per_slab = fmt.blocks_per_slab(plan.slab_bytes) * fmt.tokens_per_block
         out[p] = GIB * per_slab / plan.slab_bytes
     return out
+
+
+def _is_linear(name: str) -> bool:
+    """A tensor of a quantized projection (its weight, or its scales, zeros, packed codes)."""
+    return name.rpartition(".")[0].split(".", 3)[-1] in LINEAR_SUFFIXES
+
+
+def weight_bytes(src: Path, work: Path) -> tuple[dict[str, int], dict[str, float]]:
+    """Each precision's checkpoint bytes (whole model) and its linear layers' bytes against
+    bf16's (the source's projections at 2 bytes a parameter)."""
+    checkpoints = {
+        "fp8": write_fp8_checkpoint(src, work / "w-fp8"),
+        "awq": write_awq_checkpoint(src, work / "w-awq", AWQConfig(group_size=AWQ_GROUP_SIZE)),
+        "qoq": write_qoq_checkpoint(src, work / "w-qoq", group_size=QOQ_GROUP_SIZE)}
+    source = read_headers(src)
+    bf16_total = sum(2 * i.num_elements for i in source.values())
+    bf16_linear = sum(2 * i.num_elements for n, i in source.items() if _is_linear(n))
+    total, ratio = {}, {}
+    for p in PRECISIONS:
+        weights = NAMED_PRECISIONS[p].weights.name
+        if weights not in checkpoints:
+            total[p], ratio[p] = bf16_total, 1.0
+            continue
+        infos = read_headers(checkpoints[weights])
+        total[p] = sum(i.nbytes for i in infos.values())
+        ratio[p] = sum(i.nbytes for n, i in infos.items() if _is_linear(n)) / bf16_linear
+    return total, ratio
+
+
+def accuracy(fleet: RunningFleet) -> tuple[dict[str, float], dict[str, float]]:
+    """Top-1 agreement and mean truncated KL of each precision against the bf16 runtime."""
+    payload = {"text": GATE_PROMPTS, "return_logprob": True, "logprob_start_len": 0,
+               "top_logprobs_num": TOP_K,
+               "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    reference = fleet.members["bf16"].generate(payload)
+    top1, kl = {}, {}
+    for precision, member in fleet.members.items():
+        gate = compare_top_logprobs(reference, member.generate(payload))
+        top1[precision], kl[precision] = gate.top1_agreement, gate.kl_mean
+    return top1, kl
 
 
 def decode_tokens_per_s(fleet: RunningFleet, batch: int, new_tokens: int) -> dict[str, float]:
@@ -104,24 +164,33 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fineslab-bench-prec-") as tmp:
         work = Path(tmp)
         src = source_model(work, args.model)
-        served = tokens_per_gib(model_kv_shape(src, src.name, KVDtype.BF16))
+        served = tokens_per_gib(KVShape.from_hf_config(read_config(src), src.name,
+                                                       KVDtype.BF16))
         eight_b = tokens_per_gib(EIGHT_B)
+        total_bytes, ratio = weight_bytes(src, work)
         speeds: dict[str, float] = {}
+        top1: dict[str, float] = {}
+        kl: dict[str, float] = {}
         if not args.no_decode:
             runtimes = [prepare_runtime(p, src, work, device=args.device) for p in PRECISIONS]
             with run_fleet(runtimes, work, f"bench{os.getpid()}", arena_bytes=64 << 20,
                            page_size_tokens=PAGE_SIZE_TOKENS, cpu=args.device == "cpu") as fleet:
                 speeds = decode_tokens_per_s(fleet, args.batch, args.new_tokens)
+                top1, kl = accuracy(fleet)
     result: dict[str, object] = {
         "model": src.name, "device": args.device, "tokens_per_gib": served,
         "tokens_per_gib_8b": eight_b, "kv4_vs_bf16": served["kv4"] / served["bf16"],
-        "fp8_vs_bf16": served["fp8"] / served["bf16"]}
+        "fp8_vs_bf16": served["fp8"] / served["bf16"], "weight_bytes": total_bytes,
+        "weight_ratio": ratio}
     if speeds:
-        result["decode_tokens_per_s"] = speeds
-    rows = [[p, served[p], eight_b[p], speeds.get(p, float("nan"))] for p in PRECISIONS]
-    emit(f"precisions of {src.name} on {args.device}: KV tokens per GiB, decode tokens/s",
-         ["precision", "tokens/GiB", "tokens/GiB (8B)", "decode tok/s"], rows, result,
-         args.json)
+        result.update(decode_tokens_per_s=speeds, top1=top1, kl=kl)
+    nan = float("nan")
+    rows = [[p, served[p], eight_b[p], total_bytes[p], ratio[p], speeds.get(p, nan),
+             top1.get(p, nan), kl.get(p, nan)] for p in PRECISIONS]
+    emit(f"precisions of {src.name} on {args.device}: KV tokens per GiB, weights, decode "
+         "tokens/s, accuracy against bf16",
+         ["precision", "tokens/GiB", "tokens/GiB (8B)", "weight B", "linear/bf16",
+          "decode tok/s", "top-1", "KL"], rows, result, args.json)
     return 0
 
 

@@ -46,17 +46,31 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from fineslab.errors import ConfigError
+from fineslab.precisions import (
+    CONFIG_KV_DTYPES,
+    KV_STORAGE,
+    WEIGHT_FORMATS,
+    WeightFormat,
+    config_kv_dtype,
+)
+from fineslab.slabs.formats import KVDtype
 
 MIB = 1 << 20
 GIB = 1 << 30
-PRECISIONS = ("bf16", "fp16", "fp8", "awq", "qoq")
-KV_DTYPES = ("auto", "bf16", "fp16", "fp8_e4m3", "int4")
-#: KV dtypes only the slab arena stores (the plugin's KV4 pool); SGLang has no 4-bit KV. (FP8 KV
-#: on CPU is arena-only too, a device rule: `fineslab.launch.plan.check_device_support`.)
-ARENA_ONLY_KV_DTYPES = ("int4",)
+#: The weight precisions and KV dtype names a model may name (the registry's, fineslab.precisions).
+PRECISIONS = tuple(WEIGHT_FORMATS)
+KV_DTYPES = CONFIG_KV_DTYPES
 #: SGLang arguments the launcher derives from precision, kv_dtype, the plan and the name;
 #: `extra_args` may not set them (a second `--quantization` would silently win).
 RESERVED_ARGS = ("--model-path", "--served-model-name", "--dtype", "--quantization",
@@ -64,11 +78,6 @@ RESERVED_ARGS = ("--model-path", "--served-model-name", "--dtype", "--quantizati
                  "--device", "--base-gpu-id", "--tp-size", "--tp")
 #: Environment the launcher sets itself (arena join, KV format, CPU mode).
 RESERVED_ENV_PREFIXES = ("FINESLAB_", "SGLANG_USE_CPU_ENGINE", "PYTHONPATH")
-#: The dtype activations (and "auto" KV) run in for each weight precision.
-ACTIVATION_DTYPE = {"bf16": "bf16", "fp16": "fp16", "fp8": "bf16", "awq": "fp16", "qoq": "bf16"}
-#: The KV "auto" stores for each weight precision: the activation dtype, except QoQ, which is
-#: W4A8KV4 (its 4-bit KV is the arena's KV4 pool).
-AUTO_KV_DTYPE = {**ACTIVATION_DTYPE, "qoq": "int4"}
 #: Sizes of the CPU device when the config says `devices: auto`.
 AUTO_CPU_MEMORY_FRACTION = 0.5
 AUTO_CPU_ARENA_BYTES = 256 * MIB
@@ -148,13 +157,25 @@ class ModelConfig:
         return self.pinned or not self.elastic
 
     @property
+    def weight_format(self) -> WeightFormat:
+        return WEIGHT_FORMATS[self.precision]
+
+    @property
     def activation_dtype(self) -> str:
-        return ACTIVATION_DTYPE[self.precision]
+        return self.weight_format.activation.config_name
 
     @property
     def resolved_kv_dtype(self) -> str:
-        """The KV storage type: "auto" means the activation dtype (int4 for qoq)."""
-        return AUTO_KV_DTYPE[self.precision] if self.kv_dtype == "auto" else self.kv_dtype
+        """The KV storage type: "auto" means the precision's (the activation dtype; int4 for
+        qoq, which is W4A8KV4)."""
+        if self.kv_dtype == "auto":
+            return self.weight_format.auto_kv.config_name
+        return self.kv_dtype
+
+    @property
+    def kv(self) -> KVDtype:
+        """`resolved_kv_dtype` as the arena's storage type."""
+        return config_kv_dtype(self.resolved_kv_dtype)
 
     @property
     def profile_model(self) -> str:
@@ -294,12 +315,21 @@ class _Streaming(_Strict):
         return StreamingConfig(**fields)
 
 
+def _one_of(value: str, known: tuple[str, ...]) -> str:
+    """`value`, or pydantic's own error for a literal that is not one of `known`."""
+    if value not in known:
+        raise PydanticCustomError(
+            "literal_error", "Input should be {expected}",
+            {"expected": f"{', '.join(repr(k) for k in known[:-1])} or {known[-1]!r}"})
+    return value
+
+
 class _Model(_Strict):
     name: str = Field(pattern=_NAME)
     path: str | None = None
     preset: str | None = None
-    precision: Literal["bf16", "fp16", "fp8", "awq", "qoq"] = "bf16"
-    kv_dtype: Literal["auto", "bf16", "fp16", "fp8_e4m3", "int4"] = "auto"
+    precision: str = "bf16"
+    kv_dtype: str = "auto"
     tp: int = Field(default=1, ge=1)
     ttft_slo_s: float = Field(gt=0)
     request_rate_per_s: float = Field(gt=0)
@@ -311,6 +341,16 @@ class _Model(_Strict):
     idle_timeout_s: float | None = Field(default=None, gt=0, le=7 * 86400)
     pinned: bool = False
     layer_streaming: _Streaming | None = None
+
+    @field_validator("precision")
+    @classmethod
+    def _known_precision(cls, value: str) -> str:
+        return _one_of(value, PRECISIONS)
+
+    @field_validator("kv_dtype")
+    @classmethod
+    def _known_kv_dtype(cls, value: str) -> str:
+        return _one_of(value, KV_DTYPES)
 
     @model_validator(mode="after")
     def _one_source(self) -> _Model:
@@ -416,7 +456,7 @@ def _model_problems(model: ModelConfig, config: FleetConfig) -> list[str]:
     if kv in ("bf16", "fp16") and kv != act:
         problems.append(f"kv_dtype {kv} needs activations in {kv}, but precision "
                         f"{model.precision} computes in {act}; use precision {kv} or kv_dtype auto")
-    if kv in ARENA_ONLY_KV_DTYPES and config.kv_pool != "arena":
+    if model.kv in KV_STORAGE and KV_STORAGE[model.kv].arena_only and config.kv_pool != "arena":
         problems.append(f"kv_dtype {kv} is stored only in the slab arena (fineslab's KV4 pool); "
                         "use kv_pool: arena")
     flags = sorted({a.split("=", 1)[0] for a in model.extra_args} & set(RESERVED_ARGS))

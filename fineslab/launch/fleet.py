@@ -40,7 +40,6 @@ from fineslab.launch.plan import (
     START_KV_SLABS,
     FleetPlan,
     RuntimePlan,
-    arena_device,
     runtime_weight_slabs,
 )
 from fineslab.launch.reclaim import CacheReclaimer
@@ -54,6 +53,7 @@ from fineslab.router.server import bind_router_socket
 from fineslab.runtime import ServerSpec
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
 from fineslab.slabs import ArenaSpec, SlabArena, TableSnapshot, snapshot
+from fineslab.slabs.shm import arena_device
 from fineslab.slabs.streamctl import StreamState
 from fineslab.slabs.table import SlabTable
 from fineslab.slabs.weights import free_weight_slabs
@@ -118,7 +118,7 @@ class Fleet:
         self.record = sweep(config.fleet_id, progress=self.progress)
         self.prepare()
         for arena_plan in self.plan.arenas:
-            spec = ArenaSpec.fit(config.fleet_id, arena_device(arena_plan.device),
+            spec = ArenaSpec.fit(config.fleet_id, arena_device(arena_plan.device.name),
                                  arena_plan.arena_bytes,
                                  arena_plan.slab_plan.slab_bytes,
                                  list(arena_plan.slab_plan.formats))

@@ -34,7 +34,8 @@ from fineslab.launch.config import (
 from fineslab.launch.profiles import find_profile, profile_dirs
 from fineslab.launch.selectn_interval import resolve_intervals
 from fineslab.models.generate import ensure_model
-from fineslab.quant.fleet import KV_DTYPES, describe_serving, served_dir_name
+from fineslab.quant.checkpoint import read_config
+from fineslab.quant.fleet import describe_serving, served_dir_name
 from fineslab.scheduler.placement import GpuSpec, ModelDemand, PlacementPlan, get_placement_policy
 from fineslab.scheduler.profile_schema import ModelProfile
 from fineslab.slabs import KVShape, SlabPlan, plan_slabs
@@ -175,12 +176,6 @@ def _streams_cell(runtime: RuntimePlan) -> str:
     return f"oneiros: lends up to {cap} under KV pressure"
 
 
-def arena_device(device: DeviceConfig) -> str:
-    """The device name the arena is created under: the SGLang plugin attaches
-    `f"{device}:{gpu_id}"`, which is "cpu:0" for a CPU runtime (shm files `...-cpu0.*`)."""
-    return "cpu:0" if device.name == "cpu" else device.name
-
-
 def resolve_devices(config: FleetConfig) -> tuple[DeviceConfig, ...]:
     """The configured devices, or for "auto" the CUDA GPUs, else one CPU device."""
     if config.devices is not None:
@@ -238,11 +233,7 @@ def _demands(config: FleetConfig, profiles: dict[str, ModelProfile]) -> list[Mod
 
 
 def _kv_shape(name: str, model: ModelConfig, model_dir: Path) -> KVShape:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    return KVShape(name, cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads),
-                   cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                   KV_DTYPES[model.resolved_kv_dtype], model.tp)
+    return KVShape.from_hf_config(read_config(model_dir), name, model.kv, model.tp)
 
 
 def device_slab_plan(shapes: list[KVShape], budget_bytes: int,

@@ -25,8 +25,8 @@ Public API
     verify_runtime(runtime)     the served checkpoint and FP8 scales file, before a start
     prepare_runtime(precision, src, work, device) -> PrecisionRuntime   a named precision
                                 (bf16/fp8/awq/kv4/qoq)
-    run_fleet(runtimes, work, fleet_id, arena_bytes=...) -> RunningFleet (the precisions in one
-                                arena, started by the launcher's Fleet)
+    (the precisions in one arena for tests and the benchmark: fineslab.launch.precision_fleet;
+    what each precision is: the registry, fineslab.precisions)
     compare_top_logprobs(ref, got) -> GateResult; perplexity(result)  (fineslab.quant.gates)
 
 Modules import torch; none imports SGLang (the KV4 pool lives in fineslab.sglang_plugin).

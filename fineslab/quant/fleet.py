@@ -10,7 +10,8 @@ What each (weights, KV) choice becomes on each device (docs/precisions.md has th
     awq        SGLang `awq` (CPU kernel of       SGLang `awq`/`awq_marlin`
                awq_dequantize in the stand-in)
     qoq        QoQ W4A8 checkpoint, the plugin's `fineslab_qoq` method (picked by SGLang from
-               config.json; plain torch: INT8 activations, INT32 accumulation; no GPU kernel)
+               config.json; INT8 activations, INT32 accumulation: torch on CPU, a Triton
+               W4A8 GEMM on GPU)
 
     KV         CPU                               GPU
     bf16/fp16  SGLang's dtype, stock slab pool   same
@@ -24,12 +25,13 @@ models: weight conversion, and a float32 transformers pass for the FP8 KV scales
 unchanged. Two launches preparing the same folder take turns on `<out_dir>.lock` (an exclusive
 `flock`): the second waits, then reuses the first's result through the stamp. `verify_runtime`
 checks the result before a runtime loads it. The launcher (`fineslab.launch`) is the one place
-that starts runtimes; `run_fleet` below is a thin door to it for the precision tests and the
-precision benchmark.
+that starts runtimes; `fineslab.launch.precision_fleet.run_fleet` is a thin door to it for the
+precision tests and the precision benchmark.
 
-The named precisions are (weights, KV) pairs: `NAMED_PRECISIONS`; FineServe's four are bf16,
-fp8, awq and qoq (W4A8KV4); kv4 is QoQ's KV4 on bf16 weights (what the mixed fleet ran before
-the W4A8 method existed, kept beside it: KV4's own cost).
+What a precision is (its weight format, KV storage, SGLang arguments) is the registry's,
+`fineslab.precisions`; this module turns it into files and arguments. The named precisions are
+(weights, KV) pairs there: FineServe's four are bf16, fp8, awq and qoq (W4A8KV4); kv4 is QoQ's
+KV4 on bf16 weights (KV4's own cost, beside qoq).
 """
 
 from __future__ import annotations
@@ -38,8 +40,7 @@ import dataclasses
 import fcntl
 import json
 import logging
-import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,6 +48,15 @@ from typing import Any
 
 from fineslab.env import KV_FORMAT_VAR, KV_SCALES_VAR
 from fineslab.errors import ConfigError
+from fineslab.precisions import (
+    FLEET_PRECISIONS,
+    KV_STORAGE,
+    WEIGHT_FORMATS,
+    WeightFormat,
+    config_kv_dtype,
+    named_precision,
+    weight_format,
+)
 from fineslab.quant.awq import AWQConfig, write_awq_checkpoint
 from fineslab.quant.checkpoint import read_config
 from fineslab.quant.fp8 import (
@@ -57,30 +67,14 @@ from fineslab.quant.fp8 import (
     write_fp8_checkpoint,
     write_kv_scales,
 )
-from fineslab.quant.qoq_checkpoint import QUANT_METHOD as QOQ_METHOD
 from fineslab.quant.qoq_checkpoint import write_qoq_checkpoint
 from fineslab.quant.verify import config_int, verify_checkpoint
-from fineslab.slabs import BlockFormat, SlabArena
 from fineslab.slabs.formats import KVDtype, KVShape
 
 logger = logging.getLogger(__name__)
 
-#: FineServe's four precisions as (weights, KV dtype) in the launcher's terms.
-NAMED_PRECISIONS = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "fp8_e4m3"),
-                    "awq": ("awq", "fp16"), "kv4": ("bf16", "int4"), "qoq": ("qoq", "int4")}
-#: The mixed fleet of the precision tests and benchmark (kv4 and qoq both: KV4 alone, then
-#: with W4A8 weights).
-PRECISIONS = tuple(NAMED_PRECISIONS)
-#: The KV dtype names of the fleet config -> the arena's storage type.
-KV_DTYPES = {"bf16": KVDtype.BF16, "fp16": KVDtype.FP16, "fp8_e4m3": KVDtype.FP8_E4M3,
-             "int4": KVDtype.INT4}
-_TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16", "awq": "float16",
-                "qoq": "bfloat16"}
-#: The checkpoint's quant_method of each quantized weight precision.
-QUANT_METHODS = {"fp8": "fp8", "awq": "awq", "qoq": QOQ_METHOD}
-#: Methods SGLang picks from config.json alone: the runtime gets no `--quantization` (a plugin
-#: method is not among the flag's choices when SGLang parses its arguments).
-PICKED_FROM_CONFIG = (QOQ_METHOD,)
+#: The mixed fleet of the precision tests and benchmark (the registry's `FLEET_PRECISIONS`).
+PRECISIONS = FLEET_PRECISIONS
 AWQ_GROUP_SIZE = 64
 QOQ_GROUP_SIZE = 128
 #: Calibration token ids for the FP8 KV scales (a fixed, model-agnostic prompt of small ids).
@@ -103,17 +97,7 @@ class PrecisionRuntime:
     kv_scales_path: Path | None = None
 
     def kv_shape(self) -> KVShape:
-        return model_kv_shape(self.model_path, self.name, self.kv_dtype)
-
-
-def model_kv_shape(model_dir: Path, name: str, kv_dtype: KVDtype) -> KVShape:
-    """The KV geometry of the model in `model_dir` (from config.json) stored as `kv_dtype`."""
-    config = read_config(model_dir)
-    heads = config_int(config, "num_attention_heads")
-    hidden = config_int(config, "hidden_size")
-    head_dim = config_int(config, "head_dim") if config.get("head_dim") else hidden // heads
-    return KVShape(name, config_int(config, "num_hidden_layers"),
-                   config_int(config, "num_key_value_heads", heads), head_dim, kv_dtype)
+        return KVShape.from_hf_config(read_config(self.model_path), self.name, self.kv_dtype)
 
 
 def served_dir_name(src_dir: Path, weights: str, kv: str, device: str) -> str:
@@ -127,10 +111,12 @@ def describe_serving(weights: str, kv: str, device: str) -> str:
     parts = {"fp8": "fp8 ckpt, dequantized to bf16" if cpu else "fp8 ckpt (W8A8)",
              "awq": f"awq ckpt (W4A16, group {AWQ_GROUP_SIZE})",
              "qoq": f"qoq ckpt (W4A8, group {QOQ_GROUP_SIZE})"}.get(weights, "source ckpt")
-    if kv == "int4":
-        parts += " + KV4 plugin pool"
-    elif kv == "fp8_e4m3":
-        parts += " + fp8 KV plugin pool" if cpu else " + SGLang fp8 KV"
+    dtype = config_kv_dtype(kv)
+    label = {KVDtype.INT4: "KV4", KVDtype.FP8_E4M3: "fp8 KV"}.get(dtype)
+    if KV_STORAGE[dtype].plugin_pool(cpu):
+        parts += f" + {label} plugin pool"
+    elif label is not None:
+        parts += f" + SGLang {label}"
     return parts
 
 
@@ -169,47 +155,48 @@ def _write_stamp(out_dir: Path, stamp: dict[str, Any], runtime: PrecisionRuntime
     tmp.rename(out_dir / STAMP_FILE)
 
 
-def _prepare_weights(weights: str, src_dir: Path, out_dir: Path, cpu: bool
+def _prepare_weights(fmt: WeightFormat, src_dir: Path, out_dir: Path, cpu: bool
                      ) -> tuple[Path, tuple[str, ...]]:
-    """The checkpoint to serve and its SGLang weight arguments."""
+    """The checkpoint to serve and its SGLang weight arguments (`--dtype`, `--quantization`)."""
     method = verify_checkpoint(src_dir)
-    dtype = ("--dtype", _TORCH_DTYPE[weights])
-    if method is not None and method != QUANT_METHODS.get(weights):
-        raise ConfigError(f"{src_dir} is a {method} checkpoint; precision {weights} needs an "
-                          f"unquantized source or a {weights} checkpoint")
-    if weights in ("bf16", "fp16"):
-        return src_dir, dtype
-    if weights == "qoq":
-        path = src_dir if method == QOQ_METHOD else write_qoq_checkpoint(
-            src_dir, out_dir / "qoq", group_size=QOQ_GROUP_SIZE)
-        return path, dtype
-    if weights == "awq":
-        path = src_dir if method == "awq" else write_awq_checkpoint(
-            src_dir, out_dir / "awq", AWQConfig(group_size=AWQ_GROUP_SIZE))
-        return path, (*dtype, "--quantization", "awq")
-    fp8 = src_dir if method == "fp8" else write_fp8_checkpoint(src_dir, out_dir / "fp8")
-    if not cpu:
-        return fp8, (*dtype, "--quantization", "fp8")
-    return dequantize_fp8_checkpoint(fp8, out_dir / "fp8-as-bf16"), dtype
+    if method is not None and method != fmt.quant_method:
+        raise ConfigError(f"{src_dir} is a {method} checkpoint; precision {fmt.name} needs an "
+                          f"unquantized source or a {fmt.name} checkpoint")
+    quantization = fmt.quantization_arg(cpu)
+    args = ("--dtype", fmt.torch_dtype, *(("--quantization", quantization) if quantization
+                                          else ()))
+    if fmt.quant_method is None or method == fmt.quant_method:
+        path = src_dir
+    elif fmt.name == "qoq":
+        path = write_qoq_checkpoint(src_dir, out_dir / "qoq", group_size=QOQ_GROUP_SIZE)
+    elif fmt.name == "awq":
+        path = write_awq_checkpoint(src_dir, out_dir / "awq", AWQConfig(group_size=AWQ_GROUP_SIZE))
+    else:
+        path = write_fp8_checkpoint(src_dir, out_dir / "fp8")
+    if fmt.name == "fp8" and quantization is None:  # CPU: SGLang's fp8 linear is CUDA-only
+        path = dequantize_fp8_checkpoint(path, out_dir / "fp8-as-bf16")
+    return path, args
 
 
-def _prepare_kv(kv: str, src_dir: Path, out_dir: Path, cpu: bool
+def _prepare_kv(kv: KVDtype, src_dir: Path, out_dir: Path, cpu: bool
                 ) -> tuple[tuple[str, ...], dict[str, str], Path | None]:
     """SGLang KV arguments, the plugin's KV environment, and the FP8 scales file if any."""
-    if kv == "int4":
+    storage = KV_STORAGE[kv]
+    env = {KV_FORMAT_VAR: kv.config_name} if storage.plugin_pool(cpu) else {}
+    args: tuple[str, ...] = ()
+    if kv is KVDtype.INT4 and not cpu:
         # Kv4SlabKVPool is read by torch_native only (a GPU KV4 backend is future work).
-        return (() if cpu else ("--attention-backend", "torch_native"),
-                {KV_FORMAT_VAR: "int4"}, None)
-    if kv != "fp8_e4m3":
-        return (), {}, None
+        args = ("--attention-backend", "torch_native")
+    if not storage.needs_scales:
+        return args, env, None
     scales = calibrate_kv_scales(src_dir, CALIBRATION_IDS)
     model_type = str(read_config(src_dir).get("model_type", ""))
     out_dir.mkdir(parents=True, exist_ok=True)
     scales_file = write_kv_scales(out_dir / KV_SCALES_FILE, scales, model_type)
-    if cpu:  # SGLang's FP8 KV needs Intel AMX kernels on CPU: the plugin's pool stores it
-        return (), {KV_FORMAT_VAR: "fp8_e4m3", KV_SCALES_VAR: str(scales_file)}, scales_file
-    return (("--kv-cache-dtype", "fp8_e4m3", "--quantization-param-path", str(scales_file)),
-            {}, scales_file)
+    if env:  # the plugin's pool stores it (CPU: SGLang's FP8 KV needs Intel AMX kernels)
+        return args, {**env, KV_SCALES_VAR: str(scales_file)}, scales_file
+    return ((*args, "--kv-cache-dtype", kv.value, "--quantization-param-path", str(scales_file)),
+            env, scales_file)
 
 
 @contextmanager
@@ -241,10 +228,8 @@ def prepare_served_model(name: str, weights: str, kv: str, src_dir: Path, out_di
     """Checkpoint, SGLang arguments and KV environment for serving `src_dir` with `weights`
     precision and `kv` KV storage on `device`; reuses `out_dir`'s earlier result when its stamp
     matches. ConfigError on a bad or mismatched source checkpoint."""
-    if kv not in KV_DTYPES:
-        raise ConfigError(f"kv dtype {kv!r}: expected one of {sorted(KV_DTYPES)}")
-    if weights not in _TORCH_DTYPE:
-        raise ConfigError(f"precision {weights!r}: expected one of {sorted(_TORCH_DTYPE)}")
+    kv_dtype = config_kv_dtype(kv)
+    fmt = weight_format(weights)
     src_dir = Path(src_dir)
     stamp = _source_stamp(src_dir, weights, kv, device)
     with _preparation_lock(out_dir, name):
@@ -256,9 +241,9 @@ def prepare_served_model(name: str, weights: str, kv: str, src_dir: Path, out_di
         # No stamp while the folder is rewritten: a crash leaves it unstamped, not stale.
         (out_dir / STAMP_FILE).unlink(missing_ok=True)
         cpu = device == "cpu"
-        path, weight_args = _prepare_weights(weights, src_dir, out_dir, cpu)
-        kv_args, kv_env, scales = _prepare_kv(kv, src_dir, out_dir, cpu)
-        runtime = PrecisionRuntime(name, precision or f"{weights}+{kv}", path, KV_DTYPES[kv],
+        path, weight_args = _prepare_weights(fmt, src_dir, out_dir, cpu)
+        kv_args, kv_env, scales = _prepare_kv(kv_dtype, src_dir, out_dir, cpu)
+        runtime = PrecisionRuntime(name, precision or f"{weights}+{kv}", path, kv_dtype,
                                    (*weight_args, *kv_args), kv_env, src_dir, scales)
         if out_dir.exists():
             _write_stamp(out_dir, stamp, runtime)  # last, by rename: a stamp means complete
@@ -271,7 +256,8 @@ def verify_runtime(runtime: PrecisionRuntime) -> None:
     method = verify_checkpoint(runtime.model_path)
     quantization = dict(zip(runtime.server_args[::2], runtime.server_args[1::2],
                             strict=False)).get("--quantization")
-    if method != quantization and not (quantization is None and method in PICKED_FROM_CONFIG):
+    picked = [w.quant_method for w in WEIGHT_FORMATS.values() if w.picked_from_config]
+    if method != quantization and not (quantization is None and method in picked):
         raise ConfigError(f"{runtime.name}: {runtime.model_path} is "
                           f"{f'a {method}' if method else 'an unquantized'} checkpoint, but the "
                           f"runtime would load it with --quantization {quantization}")
@@ -282,98 +268,9 @@ def verify_runtime(runtime: PrecisionRuntime) -> None:
 
 def prepare_runtime(precision: str, src_dir: Path, work_dir: Path, *,
                     device: str = "cpu", name: str | None = None) -> PrecisionRuntime:
-    """`prepare_served_model` for one of the named precisions (`NAMED_PRECISIONS`)."""
-    if precision not in NAMED_PRECISIONS:
-        raise ConfigError(f"precision {precision!r}: expected one of {PRECISIONS}")
-    weights, kv = NAMED_PRECISIONS[precision]
+    """`prepare_served_model` for one of the named precisions (`fineslab.precisions`)."""
+    named = named_precision(precision)
+    weights, kv = named.weights.name, named.kv.config_name
     out = work_dir / served_dir_name(src_dir, weights, kv, device)
     return prepare_served_model(name or f"{src_dir.name}-{precision}", weights, kv, src_dir, out,
                                 device=device, precision=precision)
-
-
-# --- the four precisions in one arena, through the launcher ------------------------------------
-
-@dataclass
-class FleetMember:
-    """A started runtime of the fleet, its server URL and its block format in the arena."""
-
-    runtime: PrecisionRuntime
-    runtime_id: str
-    base_url: str
-    fmt: BlockFormat
-
-    def generate(self, payload: Mapping[str, object], timeout_s: float = 600.0) -> Any:
-        """POST `payload` to the runtime's `/generate` and return the decoded JSON."""
-        request = urllib.request.Request(self.base_url + "/generate",
-                                         json.dumps(payload).encode(),
-                                         {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            return json.loads(resp.read())
-
-
-@dataclass
-class RunningFleet:
-    arena: SlabArena
-    members: dict[str, FleetMember]  # by named precision
-    router_url: str
-
-
-def _fleet_dict(runtimes: list[PrecisionRuntime], fleet_id: str, arena_bytes: int, cpu: bool,
-                extra_args: tuple[str, ...], extra_env: Mapping[str, str],
-                max_running_requests: int) -> dict[str, Any]:
-    """A launcher fleet config serving each prepared runtime's source in its precision."""
-    device: dict[str, Any] = {"name": "cpu", "kind": "cpu", "memory_gib": 8}
-    if not cpu:
-        import torch
-
-        from fineslab.launch.plan import gpu_kind
-
-        props = torch.cuda.get_device_properties(0)
-        device = {"name": "cuda:0", "kind": gpu_kind(props.name),
-                  "memory_gib": props.total_memory / (1 << 30)}
-    models = []
-    for r in runtimes:
-        if r.source_dir is None or r.precision not in NAMED_PRECISIONS:
-            raise ConfigError(f"{r.name}: run_fleet takes runtimes from prepare_runtime")
-        weights, kv = NAMED_PRECISIONS[r.precision]
-        models.append({"name": r.name, "path": str(r.source_dir), "precision": weights,
-                       "kv_dtype": kv, "ttft_slo_s": 60.0, "request_rate_per_s": 0.1,
-                       "extra_args": list(extra_args), "env": dict(extra_env)})
-    return {"fleet_id": fleet_id, "devices": [dict(device, kv_arena_mib=arena_bytes / (1 << 20))],
-            "kv_pool": "arena", "router": {"port": 0,
-                                           "max_running_requests": max_running_requests},
-            "models": models}
-
-
-@contextmanager
-def run_fleet(runtimes: list[PrecisionRuntime], work_dir: Path, fleet_id: str, *,
-              arena_bytes: int, page_size_tokens: int = 16, cpu: bool = True,
-              extra_args: tuple[str, ...] = (), extra_env: Mapping[str, str] | None = None,
-              max_running_requests: int = 8) -> Iterator[RunningFleet]:
-    """Start `runtimes` (from `prepare_runtime`) in one arena with the launcher's `Fleet`, yield
-    when all are healthy, stop everything (runtimes, router, arena) on exit.
-
-    The launcher finds the checkpoints `prepare_runtime` wrote under `work_dir` by their stamps
-    and reuses them. On a GPU the launcher needs a profile of the model for that GPU kind
-    (`python -m fineslab.profile`), as any GPU fleet does.
-    """
-    # The launcher imports this module; imported here, not at the top.
-    from fineslab.launch.config import fleet_from_dict
-    from fineslab.launch.fleet import Fleet
-    from fineslab.launch.plan import make_plan
-    from fineslab.runtime import free_port
-
-    data = _fleet_dict(runtimes, fleet_id, arena_bytes, cpu, extra_args, extra_env or {},
-                       max_running_requests)
-    plan = make_plan(fleet_from_dict(data, f"<run_fleet {fleet_id}>"), prepared_dir=work_dir,
-                     page_sizes=(page_size_tokens,))
-    with Fleet(plan, port=free_port(), log_dir=str(work_dir / "logs")) as fleet:
-        by_name = {r.name: r for r in runtimes}
-        members = {}
-        for r in plan.runtimes:
-            runtime = dataclasses.replace(fleet.prepared[r.model.name],
-                                          precision=by_name[r.model.name].precision)
-            members[runtime.precision] = FleetMember(
-                runtime, r.runtime_id, fleet.runtime_url(r.runtime_id),
-                plan.arenas[0].slab_plan.format_of(r.runtime_id))
-        yield RunningFleet(fleet.arenas[plan.arenas[0].device.name], members, fleet.base_url)

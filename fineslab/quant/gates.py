@@ -7,6 +7,9 @@ read the same prompt, so every position has the same prefix):
     cosine           centered cosine similarity of the next-token log-prob vectors over the
                      reference's top-k tokens (centering removes the per-position log-sum-exp,
                      so this equals the centered cosine of the logits on those tokens)
+    kl_mean          mean KL(reference || runtime) in nats over the reference's top-k tokens
+                     (both renormalized there; a token missing from the runtime's top-k gets
+                     its smallest logprob): a truncated estimate of the full KL
     ppl_ratio        perplexity of a fixed text under the runtime / under the reference
 
 Input: SGLang `/generate` results with `return_logprob`, `logprob_start_len=0` and
@@ -29,6 +32,7 @@ class GateResult:
     cosine_mean: float
     cosine_min: float
     num_positions: int
+    kl_mean: float = 0.0
 
 
 def _top_maps(result: dict[str, Any]) -> list[dict[int, float]]:
@@ -40,7 +44,7 @@ def _top_maps(result: dict[str, Any]) -> list[dict[int, float]]:
 def compare_top_logprobs(reference: Sequence[dict[str, Any]],
                          candidate: Sequence[dict[str, Any]]) -> GateResult:
     """Top-1 agreement and cosine over every position of every prompt."""
-    agree, cosines = 0, []
+    agree, cosines, kls = 0, [], []
     for ref_result, cand_result in zip(reference, candidate, strict=True):
         for ref, cand in zip(_top_maps(ref_result), _top_maps(cand_result), strict=True):
             agree += max(ref, key=ref.__getitem__) == max(cand, key=cand.__getitem__)
@@ -49,9 +53,11 @@ def compare_top_logprobs(reference: Sequence[dict[str, Any]],
             a = torch.tensor([ref[t] for t in tokens], dtype=torch.float64)
             b = torch.tensor([cand.get(t, floor) for t in tokens], dtype=torch.float64)
             a, b = a - a.mean(), b - b.mean()
+            log_p, log_q = a.log_softmax(0), b.log_softmax(0)
+            kls.append(float((log_p.exp() * (log_p - log_q)).sum()))
             cosines.append(float(a @ b / (a.norm() * b.norm()).clamp(min=1e-12)))
     n = len(cosines)
-    return GateResult(agree / n, sum(cosines) / n, min(cosines), n)
+    return GateResult(agree / n, sum(cosines) / n, min(cosines), n, sum(kls) / n)
 
 
 def perplexity(result: dict[str, Any]) -> float:

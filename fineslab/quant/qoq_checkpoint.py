@@ -44,12 +44,14 @@ from pathlib import Path
 import torch
 
 from fineslab.errors import ConfigError
+from fineslab.precisions import QOQ_METHOD
 from fineslab.quant.checkpoint import convert_checkpoint, is_quantized_linear
 from fineslab.quant.qoq import PROTECTIVE_RANGE, QoQConfig, QoQWeight, quantize_qoq
 
 logger = logging.getLogger(__name__)
 
-QUANT_METHOD = "fineslab_qoq"
+#: The checkpoint's quant_method (the registry's name for it).
+QUANT_METHOD = QOQ_METHOD
 #: The four tensors of one quantized layer, by suffix, and the `QoQWeight` field each holds.
 TENSOR_FIELDS = {"qweight": "packed", "s2": "s2", "zeros": "z", "s1": "s1"}
 

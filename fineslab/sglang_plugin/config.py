@@ -6,6 +6,12 @@ slab table), `FINESLAB_KEY_POOL=1` when the runtime shares its block size's slab
 other runtimes on the device (a key pool), and `FINESLAB_WEIGHTS_IN_ARENA=1` when its weights
 go into the arena too. The first two unset: the plugin stays out of the
 way. One without the other is an error, never a silent fallback to SGLang's own pool.
+
+A KV format SGLang does not store itself (`fineslab.precisions.PLUGIN_KV_FORMATS`: KV4, and FP8
+on CPU) is part of the join: `FINESLAB_KV_FORMAT=int4|fp8_e4m3`, and for FP8
+`FINESLAB_KV_SCALES=<SGLang's --quantization-param-path JSON>` (unset: scales 1.0 and a
+warning). Such a runtime runs with SGLang's `--kv-cache-dtype auto`; the plugin fits the arena
+with the quantized block format and hands SGLang a `Kv4SlabKVPool` / `Fp8SlabKVPool`.
 """
 
 from __future__ import annotations
@@ -15,12 +21,16 @@ from dataclasses import dataclass
 from fineslab.env import (
     ARENA_VAR,
     KEY_POOL_VAR,
+    KV_FORMAT_VAR,
+    KV_SCALES_VAR,
     LAYER_STREAMING_VAR,
     RUNTIME_ID_VAR,
     WEIGHTS_IN_ARENA_VAR,
     FineslabEnv,
 )
 from fineslab.errors import ConfigError
+from fineslab.precisions import PLUGIN_KV_FORMATS
+from fineslab.slabs.formats import KVDtype
 
 #: The SGLang release whose hook targets and signatures this plugin was written and tested on.
 TESTED_SGLANG_VERSION = "0.5.23"
@@ -37,6 +47,10 @@ class ArenaJoin:
     weights_in_arena: bool = False
     #: Each layer on slabs of its own, lendable (`FINESLAB_LAYER_STREAMING=1`; needs the above).
     layer_streaming: bool = False
+    #: A KV format the plugin's pools store (None: SGLang's KV dtype, the plain slab pool).
+    kv_format: KVDtype | None = None
+    #: FP8 only: the per-layer scales file (SGLang's `--quantization-param-path` JSON).
+    kv_scales_path: str | None = None
 
     def __post_init__(self) -> None:
         if not self.arena_name:
@@ -46,6 +60,11 @@ class ArenaJoin:
         if self.layer_streaming and not self.weights_in_arena:
             raise ConfigError(f"{LAYER_STREAMING_VAR}=1 needs {WEIGHTS_IN_ARENA_VAR}=1: only "
                               "weights in the arena can be lent and streamed")
+        if self.kv_format is not None and self.kv_format not in PLUGIN_KV_FORMATS.values():
+            raise ConfigError(f"{KV_FORMAT_VAR}: the plugin stores {sorted(PLUGIN_KV_FORMATS)}, "
+                              f"not {self.kv_format.config_name}")
+        if self.kv_scales_path is not None and self.kv_format is not KVDtype.FP8_E4M3:
+            raise ConfigError(f"{KV_SCALES_VAR} is for {KV_FORMAT_VAR}=fp8_e4m3 only")
 
     @classmethod
     def from_env(cls, env: FineslabEnv | None = None) -> ArenaJoin | None:
@@ -57,8 +76,15 @@ class ArenaJoin:
             missing = ARENA_VAR if env.arena_name is None else RUNTIME_ID_VAR
             raise ConfigError(
                 f"{ARENA_VAR} and {RUNTIME_ID_VAR} go together; {missing} is not set")
+        kv_format = None
+        if env.kv_format is not None:
+            if env.kv_format not in PLUGIN_KV_FORMATS:
+                raise ConfigError(f"{KV_FORMAT_VAR}={env.kv_format!r}: expected one of "
+                                  f"{sorted(PLUGIN_KV_FORMATS)}")
+            kv_format = PLUGIN_KV_FORMATS[env.kv_format]
         return cls(env.arena_name, env.runtime_id, env.key_pool, env.weights_in_arena,
-                   env.layer_streaming)
+                   env.layer_streaming, kv_format,
+                   env.kv_scales_path if kv_format is KVDtype.FP8_E4M3 else None)
 
     def environ(self) -> dict[str, str]:
         """The variables a launcher puts in a runtime's environment to make it join."""
@@ -69,4 +95,8 @@ class ArenaJoin:
             variables[WEIGHTS_IN_ARENA_VAR] = "1"
         if self.layer_streaming:
             variables[LAYER_STREAMING_VAR] = "1"
+        if self.kv_format is not None:
+            variables[KV_FORMAT_VAR] = self.kv_format.config_name
+        if self.kv_scales_path is not None:
+            variables[KV_SCALES_VAR] = self.kv_scales_path
         return variables

@@ -25,38 +25,40 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
+from fineslab.env import KV_FORMAT_VAR
 from fineslab.errors import ConfigError
 from fineslab.sglang_plugin.allocator import SlabAllocator, needs_zeroed_pages
 from fineslab.sglang_plugin.config import ArenaJoin
-from fineslab.sglang_plugin.link import ArenaLink, arena_device, join_arena
+from fineslab.sglang_plugin.link import ArenaLink, join_arena
 from fineslab.sglang_plugin.memory_saver import ArenaMemorySaver, WeightSleeper
 from fineslab.sglang_plugin.pool import SlabKVPool
+from fineslab.sglang_plugin.quant_pools import Fp8SlabKVPool, Kv4SlabKVPool
 from fineslab.sglang_plugin.refusals import refuse_unsupported, settings_of
 from fineslab.sglang_plugin.starvation import DecodeShortfall, StarvedRequestPolicy
 from fineslab.sglang_plugin.streaming import LayerStreamer, start_streaming
 from fineslab.sglang_plugin.weights import place_weights
 from fineslab.slabs.formats import KVDtype, KVShape
+from fineslab.slabs.shm import arena_device
 from fineslab.slabs.streamctl import host_copy_path
 from fineslab.slabs.weights import WeightRegion
 
 logger = logging.getLogger(__name__)
 
-_KV_DTYPES = {
-    torch.bfloat16: KVDtype.BF16,
-    torch.float16: KVDtype.FP16,
-    torch.float8_e4m3fn: KVDtype.FP8_E4M3,
-}
+#: The KV dtypes SGLang may store in the arena through the plain slab pool.
+SGLANG_KV_DTYPES = (KVDtype.BF16, KVDtype.FP16, KVDtype.FP8_E4M3)
 
 
 def kv_shape_of(configurator: Any, runtime_id: str) -> KVShape:
     """This rank's KV geometry, from SGLang's KV cache configurator (heads already per rank)."""
-    dtype = configurator.kv_cache_dtype
-    if dtype not in _KV_DTYPES:
+    dtype = str(configurator.kv_cache_dtype)
+    try:
+        kv_dtype = KVDtype.from_name(dtype)
+        if kv_dtype not in SGLANG_KV_DTYPES:
+            raise ConfigError(dtype)
+    except ConfigError:
         raise ConfigError(
             f"unknown model format: KV dtype {dtype} has no slab block format (supported: "
-            "bfloat16, float16, fp8_e4m3); set --dtype / --kv-cache-dtype accordingly")
+            "bfloat16, float16, fp8_e4m3); set --dtype / --kv-cache-dtype accordingly") from None
     model_config = configurator.model_config
     if model_config.v_head_dim != model_config.head_dim:
         raise ConfigError("unknown model format: K and V head dims differ")
@@ -65,7 +67,7 @@ def kv_shape_of(configurator: Any, runtime_id: str) -> KVShape:
         num_layers=configurator.layer_info.num_effective_layers,
         num_kv_heads=model_config.get_num_kv_heads(1),
         head_dim=model_config.head_dim,
-        kv_dtype=_KV_DTYPES[dtype],
+        kv_dtype=kv_dtype,
     )
 
 
@@ -128,31 +130,50 @@ class PluginSession:
                 "calls the configurator in an order the plugin does not know")
         return self.link
 
+    def _stored_shape(self, model_shape: KVShape) -> KVShape:
+        """The KV shape the arena stores: the model's, or in the join's quantized format (KV4,
+        FP8 on CPU), which needs SGLang on a 16-bit KV dtype (`--kv-cache-dtype auto`)."""
+        if self.join.kv_format is None:
+            return model_shape
+        if model_shape.kv_dtype not in (KVDtype.BF16, KVDtype.FP16):
+            raise ConfigError(f"{KV_FORMAT_VAR} needs SGLang's --kv-cache-dtype auto (bf16 or "
+                              f"fp16 model), not {model_shape.kv_dtype.value}")
+        return dataclasses.replace(model_shape, kv_dtype=self.join.kv_format)
+
     def profile_available_bytes(self, original: Callable[..., int], configurator: Any,
                                 *args: Any, **kwargs: Any) -> int:
         """Join the arena and report its capacity instead of profiling device memory."""
         refuse_unsupported(settings_of(configurator.server_args))
         refuse_model_kinds(configurator)
-        shape = kv_shape_of(configurator, self.join.runtime_id)
+        model_shape = kv_shape_of(configurator, self.join.runtime_id)
+        shape = self._stored_shape(model_shape)
         if self.link is None:
             device = arena_device(str(configurator.device), configurator.gpu_id)
             self.link = self._opener(self.join, shape, configurator.page_size, device)
         link = self.link
         capacity_tokens = link.capacity_tokens
         logger.info(
-            "fineslab: runtime %r joined arena %r: %d slots of %d B (%d-token blocks); "
-            "KV capacity %d tokens", self.join.runtime_id, self.join.arena_name,
-            link.num_slots, link.fmt.token_stride_bytes, link.fmt.tokens_per_block,
-            capacity_tokens)
-        # config_from_budget divides by the unpadded token size, so this budget gives back
-        # exactly `capacity_tokens` (or fewer under --max-total-tokens).
-        return capacity_tokens * shape.token_bytes
+            "fineslab: runtime %r joined arena %r with %s KV: %d slots of %d B (%d-token "
+            "blocks); KV capacity %d tokens", self.join.runtime_id, self.join.arena_name,
+            shape.kv_dtype.value, link.num_slots, link.fmt.token_stride_bytes,
+            link.fmt.tokens_per_block, capacity_tokens)
+        # config_from_budget divides by SGLang's own (model dtype, unpadded) token size, so
+        # this budget gives back exactly `capacity_tokens` (or fewer under --max-total-tokens).
+        return capacity_tokens * model_shape.token_bytes
 
     def resolve_kv_pool_class(self, original: Callable[..., type], configurator: Any,
                               *args: Any, kind: str, default: type, **kwargs: Any) -> type:
         if kind != "mha":
             return original(configurator, *args, kind=kind, default=default, **kwargs)
-        return SlabKVPool.over(self._require_link().views)
+        views = self._require_link().views
+        if self.join.kv_format is KVDtype.INT4:
+            return Kv4SlabKVPool.over(views)
+        if self.join.kv_format is KVDtype.FP8_E4M3:
+            from fineslab.quant.fp8 import kv_scales_or_warn
+
+            return Fp8SlabKVPool.with_scales(
+                views, kv_scales_or_warn(self.join.kv_scales_path, len(views)))
+        return SlabKVPool.over(views)
 
     def build_allocator(self, original: Callable[..., Any], configurator: Any,
                         *args: Any, **kwargs: Any) -> SlabAllocator:

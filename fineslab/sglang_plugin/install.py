@@ -6,7 +6,8 @@ Two ways in, one code path (`install_session`):
   process it starts (engine, scheduler, detokenizer). It reads the join request from the
   environment and does nothing when there is none.
 - `install(join)`: for a custom SGLang build or an embedding program; call it in the process that
-  builds the KV pool (the scheduler) before the pool is built.
+  builds the KV pool (the scheduler) before the pool is built. A quantized KV format is part of
+  the join (`ArenaJoin(..., kv_format=KVDtype.INT4)`), not another door.
 
 Both first check every SGLang name a runtime in an arena relies on
 (`contact.ARENA_CONTACTS`, checked by `contact_check`; the QoQ method's names only where it is
@@ -83,8 +84,9 @@ def install(join: ArenaJoin, contacts: Sequence[Contact] = ARENA_CONTACTS) -> Pl
     from fineslab.sglang_plugin.hooks import PluginSession
 
     session = install_session(PluginSession(join), contacts)
-    logger.info("fineslab plugin: runtime %r will keep its KV in arena %r",
-                join.runtime_id, join.arena_name)
+    logger.info("fineslab plugin: runtime %r will keep its %sKV in arena %r", join.runtime_id,
+                "" if join.kv_format is None else f"{join.kv_format.config_name} ",
+                join.arena_name)
     return session
 
 
@@ -116,8 +118,8 @@ def register() -> None:
     (`qoq_method.py`) where the model needs it (`wants_qoq`), then join the arena named in the
     environment, if any.
 
-    A quantized KV format named by FINESLAB_KV_FORMAT (KV4, scaled FP8) gets its own pool
-    (`quant_session`); otherwise the runtime gets the plain slab pool.
+    A quantized KV format named by FINESLAB_KV_FORMAT (KV4, scaled FP8) is part of the join
+    (`ArenaJoin.kv_format`): the same session, with the quantized pool.
     """
     try:
         if wants_qoq(sys.argv, os.environ):
@@ -126,15 +128,8 @@ def register() -> None:
             check_contacts(QOQ_CONTACTS)
             register_qoq_method()
         join = ArenaJoin.from_env()
-        if join is None:
-            return
-        from fineslab.sglang_plugin.quant_session import KVFormatRequest, install_quant
-
-        request = KVFormatRequest.from_env()
-        if request is None:
+        if join is not None:
             install(join)
-        else:
-            install_quant(join, request)
     except FineslabError as exc:
         logger.critical("%s", exc)
         raise SystemExit(f"fineslab SGLang plugin: {exc}") from exc

@@ -63,14 +63,6 @@ class ArenaLink:
         return arena[: num_pages * stride].view(num_pages, stride)
 
 
-def arena_device(device: str, gpu_id: int) -> str:
-    """The arena's device name for SGLang's `device` and `gpu_id`: "cpu:0", "cuda:1", ...
-
-    The arena's file names drop the colon (`shm_stem`), so a launcher may call it "cpu0".
-    """
-    return f"{device}:{gpu_id}"
-
-
 def fit_to_arena(shape: KVShape, slab_bytes: int, arena_bytes: int, page_size: int) -> BlockFormat:
     """This model's block format in an arena, or ConfigError saying why there is none."""
     fmt = fit_format(shape, slab_bytes, [page_size])

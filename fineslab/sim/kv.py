@@ -51,8 +51,6 @@ from fineslab.slabs.table import TableDims
 
 logger = logging.getLogger(__name__)
 
-KV_DTYPES = {"fp16": KVDtype.FP16, "bf16": KVDtype.BF16, "fp8": KVDtype.FP8_E4M3,
-             "int4": KVDtype.INT4}
 _BACKING_NONE = 0
 #: A replica rank's block lease: a slab runtime, or a kvcached page lease (`sim.pages`).
 LeaseT = TypeVar("LeaseT", RuntimeSlabs, PageLease)
@@ -60,11 +58,12 @@ LeaseT = TypeVar("LeaseT", RuntimeSlabs, PageLease)
 
 def kv_shape(name: str, profile: ModelProfile) -> KVShape:
     """The slab allocator's view of a profiled model (one TP rank)."""
-    if profile.kv_dtype not in KV_DTYPES:
-        raise ConfigError(f"{name}: no slab format for KV dtype {profile.kv_dtype!r}")
+    try:
+        dtype = KVDtype.from_name(profile.kv_dtype)
+    except ConfigError as exc:
+        raise ConfigError(f"{name}: no slab format: {exc}") from None
     s = profile.shape
-    return KVShape(name, s.num_layers, s.num_kv_heads, s.head_dim, KV_DTYPES[profile.kv_dtype],
-                   profile.tp)
+    return KVShape(name, s.num_layers, s.num_kv_heads, s.head_dim, dtype, profile.tp)
 
 
 class ReplicaKv(Generic[LeaseT]):

@@ -11,7 +11,7 @@ Glossary
 
 Invariants
     token_bytes = num_layers * per_layer_bytes
-    per_layer_bytes = 2 * kv_heads * head_dim * elem_bytes             (BF16, FP16, FP8)
+    per_layer_bytes = 2 * kv_heads * head_dim * elem_bytes             (BF16, FP16, FP32, FP8)
     per_layer_bytes = 2 * kv_heads * head_dim / 2 + 2 * kv_heads * 4  (INT4, + scale/zero)
     token_bytes <= token_stride_bytes,  token_stride_bytes % alignment_bytes == 0
     block_stride_bytes = tokens_per_block * token_stride_bytes
@@ -25,6 +25,7 @@ byte layout.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fineslab.errors import ConfigError
@@ -35,16 +36,48 @@ DEFAULT_ALIGNMENT_BYTES = 16
 
 
 class KVDtype(enum.Enum):
-    """The storage type of KV values; `value` is the name SGLang's `--kv-cache-dtype` uses."""
+    """The storage type of KV values; `value` is the name SGLang's `--kv-cache-dtype` uses.
+
+    Three other spellings are in use, each read by `from_name`: the fleet config's (`bf16`,
+    `fp8_e4m3`, `int4`: `config_name`), the profiles' (`fp8`: `profile_name`) and torch's
+    (`torch.float8_e4m3fn`). This enum is the only place they are mapped.
+    """
 
     BF16 = "bfloat16"
     FP16 = "float16"
+    FP32 = "float32"
     FP8_E4M3 = "fp8_e4m3"
     INT4 = "int4"
 
     @property
     def value_bits(self) -> int:
-        return {KVDtype.BF16: 16, KVDtype.FP16: 16, KVDtype.FP8_E4M3: 8, KVDtype.INT4: 4}[self]
+        return _VALUE_BITS[self]
+
+    @property
+    def config_name(self) -> str:
+        """The name in a fleet config's `kv_dtype` (bf16, fp16, fp32, fp8_e4m3, int4)."""
+        return _CONFIG_NAMES[self]
+
+    @property
+    def profile_name(self) -> str:
+        """The name in a profile's `kv_dtype` (bf16, fp16, fp32, fp8, int4)."""
+        return "fp8" if self is KVDtype.FP8_E4M3 else self.config_name
+
+    @classmethod
+    def from_name(cls, name: str) -> KVDtype:
+        """The KV dtype any of its spellings names; ConfigError listing them otherwise."""
+        found = _BY_NAME.get(name.removeprefix("torch."))
+        if found is None:
+            raise ConfigError(f"unknown KV dtype {name!r}; known: {sorted(_BY_NAME)}")
+        return found
+
+
+_VALUE_BITS = {KVDtype.BF16: 16, KVDtype.FP16: 16, KVDtype.FP32: 32, KVDtype.FP8_E4M3: 8,
+               KVDtype.INT4: 4}
+_CONFIG_NAMES = {KVDtype.BF16: "bf16", KVDtype.FP16: "fp16", KVDtype.FP32: "fp32",
+                 KVDtype.FP8_E4M3: "fp8_e4m3", KVDtype.INT4: "int4"}
+_BY_NAME = {**{d.value: d for d in KVDtype}, **{n: d for d, n in _CONFIG_NAMES.items()},
+            "fp8": KVDtype.FP8_E4M3, "float8_e4m3fn": KVDtype.FP8_E4M3}
 
 
 #: Bytes of one (scale, zero) fp16 pair per head, for K or for V (INT4 only).
@@ -75,6 +108,24 @@ class KVShape:
         heads, tp = self.num_kv_heads, self.tp_size
         if heads % tp and tp % heads:
             raise ConfigError(f"{self.name}: {heads} KV heads cannot be split over TP={tp}")
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, object], name: str, kv_dtype: KVDtype,
+                       tp_size: int = 1) -> KVShape:
+        """The KV geometry a Hugging Face `config.json` (parsed) describes; ConfigError naming
+        a missing or non-integer field. `head_dim` defaults to hidden_size / heads and
+        `num_key_value_heads` to the attention heads, as transformers does."""
+        def field(key: str, default: int | None = None) -> int:
+            value = config.get(key, default)
+            if value is None and default is not None:
+                value = default
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{name}: config.json field {key!r} is {value!r}, not an int")
+            return value
+
+        heads = field("num_attention_heads")
+        return cls(name, field("num_hidden_layers"), field("num_key_value_heads", heads),
+                   field("head_dim", field("hidden_size") // heads), kv_dtype, tp_size)
 
     @property
     def kv_heads_per_rank(self) -> int:

@@ -30,6 +30,17 @@ def default_shm_dir() -> Path:
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
 
 
+def arena_device(device: str, gpu_id: int | None = None) -> str:
+    """The one name an arena's device goes by, "cpu:0" or "cuda:1", from a launcher's device
+    name ("cpu", "cuda:1") or from SGLang's `device` and `gpu_id` ("cpu", 0).
+
+    The plugin and the launcher must agree on it: it names the arena's shared-memory files
+    (`shm_stem` drops the colon: `...-cpu0.*`)."""
+    if ":" in device:
+        return device
+    return f"{device}:{0 if gpu_id is None else gpu_id}"
+
+
 def shm_stem(fleet_id: str, device: str) -> str:
     """`fineslab-<fleet_id>-<device>`; `device` "cuda:0" becomes "cuda0"."""
     device_part = device.replace(":", "")

@@ -34,6 +34,7 @@ from fineslab.slabs.formats import BlockFormat, KVDtype
 _STORAGE_DTYPE = {
     KVDtype.BF16: torch.bfloat16,
     KVDtype.FP16: torch.float16,
+    KVDtype.FP32: torch.float32,
     KVDtype.FP8_E4M3: torch.uint8,  # SGLang stores fp8 KV as uint8 and views it as float8
     KVDtype.INT4: torch.uint8,
 }

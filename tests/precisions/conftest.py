@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from fineslab.launch.precision_fleet import RunningFleet, run_fleet
 from fineslab.models import smollm2
-from fineslab.quant.fleet import PRECISIONS, RunningFleet, prepare_runtime, run_fleet
+from fineslab.quant.fleet import PRECISIONS, prepare_runtime
 
 PAGE_SIZE_TOKENS = 16
 ARENA_BYTES = 48 << 20

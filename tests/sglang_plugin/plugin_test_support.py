@@ -31,7 +31,6 @@ Reference = Callable[[str, int, str, tuple[tuple[int, ...], ...], int], list[lis
 
 #: (num_layers, num_kv_heads, head_dim) of the generated presets.
 GEOMETRY = {"llama-tiny": (4, 2, 64), "qwen2-tiny": (3, 2, 64)}
-KV_DTYPES = {"bfloat16": KVDtype.BF16, "float16": KVDtype.FP16}
 
 
 def prompts(num: int, length: int, seed: int, vocab: int = 2000) -> list[list[int]]:
@@ -42,7 +41,7 @@ def prompts(num: int, length: int, seed: int, vocab: int = 2000) -> list[list[in
 
 def kv_shape(model: str, dtype: str, name: str | None = None) -> KVShape:
     layers, heads, head_dim = GEOMETRY[model]
-    return KVShape(name or model, layers, heads, head_dim, KV_DTYPES[dtype])
+    return KVShape(name or model, layers, heads, head_dim, KVDtype.from_name(dtype))
 
 
 @dataclass

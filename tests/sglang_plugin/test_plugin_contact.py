@@ -37,7 +37,6 @@ from fineslab.sglang_plugin import CONTACTS, HOOK_TARGETS, Contact, Kind, check_
 from fineslab.sglang_plugin.config import TESTED_SGLANG_VERSION
 from fineslab.sglang_plugin.contact_check import problems_of
 from fineslab.sglang_plugin.hooks import PluginSession
-from fineslab.sglang_plugin.quant_session import QuantPluginSession
 from fineslab.sglang_plugin.refusals import PARALLEL_SIZES, REFUSALS
 
 PLUGIN_DIR = Path(plugin.__file__).parent
@@ -89,9 +88,8 @@ def test_rows_are_unique_and_every_hook_has_a_session_method() -> None:
     assert [c.hook for c in HOOK_TARGETS] == [c.hook for c in CONTACTS if c.hook], \
         "HOOK_TARGETS are the table's hooked rows (one concept, one place)"
     for target in HOOK_TARGETS:
-        for session in (PluginSession, QuantPluginSession):
-            assert callable(getattr(session, str(target.hook), None)), \
-                f"{session.__name__} lacks {target.hook} for {target.path}"
+        assert callable(getattr(PluginSession, str(target.hook), None)), \
+            f"PluginSession lacks {target.hook} for {target.path}"
 
 
 # -- negative controls: a renamed or reshaped SGLang fails, naming the contact ----------------

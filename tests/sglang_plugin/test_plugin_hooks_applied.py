@@ -1,4 +1,4 @@
-"""Both doors into SGLang (`install`, `install_quant`) stop when SGLang does not apply a hook.
+"""`install`, with the plain pool or a quantized KV format, stops when SGLang does not apply a hook.
 
 SGLang's `HookRegistry.apply_hooks` only logs a target it fails to patch; a runtime that goes on
 would keep its KV in SGLang's own pool while the router counts it in the arena. Each test runs
@@ -17,13 +17,12 @@ from sglang.srt.plugins.hook_registry import HookRegistry
 from fineslab.errors import EnvironmentSetupError
 from fineslab.sglang_plugin import HOOK_TARGETS, ArenaJoin, install
 from fineslab.sglang_plugin.config import TESTED_SGLANG_VERSION
-from fineslab.sglang_plugin.quant_session import KVFormatRequest, install_quant
 from fineslab.slabs.formats import KVDtype
 
 JOIN = ArenaJoin("never-opened", "m")
 DOORS: dict[str, Callable[[], object]] = {
     "install": lambda: install(JOIN),
-    "install_quant": lambda: install_quant(JOIN, KVFormatRequest(KVDtype.INT4)),
+    "install_kv4": lambda: install(ArenaJoin("never-opened", "m", kv_format=KVDtype.INT4)),
 }
 
 
