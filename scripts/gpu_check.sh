@@ -27,7 +27,7 @@ esac
 # name|what follows `python -m`. Each benchmark also gets --json (its last line: the figures).
 TESTS="tests|pytest -m gpu -p no:cacheprovider tests -q"
 # Without SGLang (FINESLAB_PYTHON above), the gpu-marked tests that need only torch.
-TESTS_TORCH="tests-torch|pytest -m gpu -p no:cacheprovider tests/slabs/test_slab_cuda.py tests/precisions/test_qoq.py -q"
+TESTS_TORCH="tests-torch|pytest -m gpu -p no:cacheprovider tests/slabs/test_slab_cuda.py tests/precisions/test_qoq.py tests/precisions/test_qoq_triton.py -q"
 BENCHES=(
   "hostlink|fineslab.bench.hostlink --device cuda --mib 2048"
   "alloc|fineslab.bench.alloc --device cuda"

@@ -253,12 +253,14 @@ def quantize_activations_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """Per-token symmetric INT8: [..., K] float -> (x_q int8 [..., K] in [-127, 127],
     s_x float32 [...]). An all-zero token gets codes 0 and the smallest float32 scale.
 
-    Raises ConfigError if a token holds inf or nan (found through its scale: no extra pass)."""
+    Raises ConfigError if a token holds inf or nan (found through its scale: no extra pass), on
+    CPU only: on CUDA the check would synchronize the stream, which CUDA-graph capture (SGLang's
+    default on GPU) refuses; there a non-finite token gives a non-finite output row."""
     if not x.is_floating_point():
         raise ConfigError(f"INT8 activation quantization needs a float tensor, got {x.dtype}")
     xf = x.to(torch.float32)
     scale = xf.abs().amax(dim=-1) / INT8_MAX
-    if not bool(torch.isfinite(scale).all()):
+    if scale.device.type == "cpu" and not bool(torch.isfinite(scale).all()):
         raise ConfigError("INT8 activation quantization: a token holds inf or nan")
     scale = scale.clamp(min=torch.finfo(torch.float32).tiny)
     x_q = torch.round(xf / scale[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)

@@ -322,7 +322,7 @@ QOQ_CONTACTS: tuple[Contact, ...] = (
             ("layer", "input_size_per_partition", "output_partition_sizes", "input_size",
              "output_size", "params_dtype")),
     Contact(f"{_LINEAR_METHOD}.process_weights_after_loading", _METHOD,
-            "overridden: checks the tensors and caches the INT8 weight", ("layer",)),
+            "overridden: checks the tensors and, off CUDA, caches the INT8 weight", ("layer",)),
     Contact(f"{_LINEAR_METHOD}.apply", _METHOD, "overridden: the W4A8 product",
             ("layer", "x", "bias")),
     Contact("sglang.srt.layers.linear.LinearBase", Kind.CLASS,

@@ -19,16 +19,21 @@ Per linear layer (fused qkv_proj / gate_up_proj included), weight [N, K], group 
 every tensor with the output channel as row 0, so SGLang's own loaders (`output_dim=0`, and
 `input_dim=1` for row-parallel sharding of K) stack the q/k/v and gate/up shards into rows.
 
-After loading, the layer keeps its packed tensors and also caches the INT8 level-2
-dequantization v_hat [N, K] (`qoq_weight_int8`, a non-persistent buffer) and s1 in float32:
-that costs N K bytes more (the whole linear weight then takes 0.26 + 0.5 of its bf16 bytes) and
-saves unpacking on every call. `apply` is `qoq.w4a8_linear` with that cache: per-token INT8
-activations, an exact INT32 product (`qoq.int8_matmul`), scales s_x[t] * s1[n] in float32, bias.
-It is a CPU reference path, not a serving kernel (no fused W4A8 GEMM).
+After loading, a layer on CUDA (with triton importable and a power-of-two group) keeps only its
+packed tensors: `apply` is `qoq_triton.w4a8_linear_triton`, a Triton W4A8 GEMM that unpacks
+the nibbles and applies level 2 in the kernel (INT8 x INT8 tiles, INT32 accumulation). It is
+exact against the torch path under the Triton interpreter; no GPU has run it yet (timings:
+`tests/precisions/test_qoq_triton.py`, gpu-marked). Anywhere else the layer also caches the
+INT8 level-2 dequantization v_hat [N, K] (`qoq_weight_int8`, a non-persistent buffer) and s1
+in float32: that costs N K bytes more (the whole linear weight then takes 0.26 + 0.5 of its
+bf16 bytes) and saves unpacking on every call. `apply` is then `qoq.w4a8_linear` with that
+cache: per-token INT8 activations, an exact INT32 product (`qoq.int8_matmul`), scales
+s_x[t] * s1[n] in float32, bias. That is a CPU reference path, not a serving kernel.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from typing import Any
 
@@ -130,17 +135,25 @@ class QoQLinearMethod(LinearMethodBase):
             linear.register_parameter(name, param)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        """Check the loaded tensors' invariants and cache v_hat in INT8 and s1 in float32."""
+        """Check the loaded tensors' invariants; unless the Triton GEMM will serve the layer,
+        cache v_hat in INT8 and s1 in float32 for the torch path."""
         linear = layer
         weight = qoq_weight_of(linear)
         weight.check_integrity()
+        if _triton_serves(weight):
+            return
         linear.register_buffer("qoq_weight_int8", dequantize_qoq_to_int8(weight),
                                persistent=False)
         linear.register_buffer("qoq_s1", weight.s1.to(torch.float32), persistent=False)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        w_int8, s1 = _tensor(layer, "qoq_weight_int8"), _tensor(layer, "qoq_s1")
+        linear = layer
+        if x.is_cuda and not hasattr(linear, "qoq_weight_int8"):
+            from fineslab.quant.qoq_triton import w4a8_linear_triton
+
+            return w4a8_linear_triton(x, qoq_weight_of(linear), bias)
+        w_int8, s1 = _tensor(linear, "qoq_weight_int8"), _tensor(linear, "qoq_s1")
         out_features, in_features = w_int8.shape
         x_q, s_x = quantize_activations_int8(x.reshape(-1, in_features))
         acc = int8_matmul(x_q, w_int8)
@@ -148,6 +161,16 @@ class QoQLinearMethod(LinearMethodBase):
         if bias is not None:
             y = y + bias.to(torch.float32)
         return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+
+def _triton_serves(weight: QoQWeight) -> bool:
+    """Whether `apply` will take the Triton GEMM for this weight: it lies on CUDA, triton is
+    importable (checked without importing it on CPU processes) and the kernel takes its group."""
+    if not weight.packed.is_cuda or importlib.util.find_spec("triton") is None:
+        return False
+    from fineslab.quant.qoq_triton import supports_group_size
+
+    return supports_group_size(weight.group_size)
 
 
 def _tensor(linear: torch.nn.Module, name: str) -> torch.Tensor:
