@@ -1,7 +1,9 @@
-"""examples/cpu-demo.ipynb runs from top to bottom (it launches and stops its own demo fleet)."""
+"""The example notebooks run from top to bottom (each launches and stops what it needs)."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -43,3 +45,42 @@ def test_cpu_elastic_notebook_serves_five_models_in_room_for_three(
     assert evictions >= 2, f"round-robin over 5 models in room for 3 must evict: {outputs[-2000:]}"
     assert "all asleep:" in outputs and "KV limit 4.00 MiB per runtime" in outputs, outputs[-4000:]
     assert "shared memory left: [] host copies left: []" in outputs, outputs[-2000:]
+
+
+def test_cpu_mixed_notebook_serves_four_precisions_in_one_arena(
+        model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/cpu-mixed.ipynb: the bf16, fp8, awq and qoq runtimes of examples/cpu-mixed.yaml
+    all answer through the router, the slab table gives each its KV bytes a token (qoq's KV4 <
+    fp8 < bf16) and its arena share, and SIGINT leaves nothing behind."""
+    outputs = _execute("cpu-mixed.ipynb", model_cache, monkeypatch)
+    assert "answers from 4 of 4 models" in outputs, outputs[-4000:]
+    line = outputs.split("KV bytes per token: ")[1].splitlines()[0]
+    per_token = json.loads(line)
+    assert per_token["llama-qoq"] < per_token["llama-fp8"] < per_token["llama-bf16"], per_token
+    assert 2 * per_token["llama-fp8"] == per_token["llama-bf16"] == per_token["llama-awq"], (
+        f"FP8 KV is half of bf16's, AWQ's fp16 KV as bf16's: {per_token}")
+    used = json.loads(outputs.split("KV bytes used: ")[1].splitlines()[0])
+    held = json.loads(outputs.split("slabs held: ")[1].splitlines()[0])
+    assert sorted(used) == sorted(held) == sorted(per_token), (used, held)
+    assert all(used[m] > 0 and held[m] >= 1 for m in used), (
+        f"every model keeps its KV in arena slabs: {used} {held}")
+    assert "launcher exit code 0" in outputs, outputs[-2000:]
+    assert "processes left: [] shared memory left: []" in outputs, outputs[-2000:]
+
+
+def test_custom_sglang_notebook_installs_the_pool_without_launcher_or_entry_point(
+        model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/custom-sglang.ipynb: a user's own SGLang launch (examples/custom_launch.py)
+    calls `install(ArenaJoin(...))` in the scheduler with FINESLAB_ARENA/RUNTIME_ID unset, the
+    runtime answers, its KV is in the arena's slab table under the scheduler's pid, and the
+    arena is unlinked at the end."""
+    monkeypatch.delenv("FINESLAB_ARENA", raising=False)
+    monkeypatch.delenv("FINESLAB_RUNTIME_ID", raising=False)
+    outputs = _execute("custom-sglang.ipynb", model_cache, monkeypatch)
+    assert re.search(r"scheduler \d+: FINESLAB_ARENA and FINESLAB_RUNTIME_ID unset, "
+                     r"install\(\) joined the arena", outputs), outputs[:3000]
+    assert re.search(r"answered: '.+' \(\d+ prompt tokens, 8 generated\)", outputs), outputs
+    assert re.search(r"slab table: llama-custom pid (\d+) \(the scheduler\) holds [1-9]\d* "
+                     r"slab\(s\) of \d+ B blocks, [1-9]\d* used blocks", outputs), outputs
+    assert re.search(r"SGLang's KV capacity (\d+) tokens = the arena's \1", outputs), outputs
+    assert "processes left: [] shared memory left: []" in outputs, outputs[-2000:]
