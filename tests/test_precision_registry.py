@@ -135,3 +135,15 @@ def test_the_join_carries_the_kv_format_through_the_environment() -> None:
         ArenaJoin("fleet", "m", kv_format=KVDtype.BF16)
     with pytest.raises(ConfigError, match="fp8_e4m3 only"):
         ArenaJoin("fleet", "m", kv_format=KVDtype.INT4, kv_scales_path="/s.json")
+
+
+def test_the_quantization_package_never_imports_the_launcher() -> None:
+    """No launch <-> quant cycle: preparing a served model needs no launcher."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fineslab.quant.fleet, fineslab.quant.gates, fineslab.precisions; "
+            "print(sorted(m for m in sys.modules if m.startswith('fineslab.launch')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, check=True)
+    assert done.stdout.strip() == "[]", done.stdout

@@ -19,12 +19,15 @@ scales and zeros included, against bf16's.
 
 Accuracy (with the fleet): each precision against the bf16 runtime over the precision tests'
 prompts (teacher forcing, every position, top-64 prompt logprobs; `fineslab.quant.gates`):
-`top1` agreement and `kl` (mean KL(bf16 || precision) over bf16's top 64, nats).
+`top1` agreement, `cosine` (mean centered cosine), `kl` (mean KL(bf16 || precision) over
+bf16's top 64, nats) and `ppl_ratio` on the tests' text: the figures the tests' gates bound.
+On SmolLM2 the same figures are also under `top1_smollm2`, `cosine_smollm2`, ...
 
 JSON keys: `tokens_per_gib` {bf16, fp8, awq, kv4, qoq} of the served model, `tokens_per_gib_8b`,
 `kv4_vs_bf16`, `fp8_vs_bf16` (ratios; targets >= 3.5 and >= 1.9), `weight_bytes`,
 `weight_ratio` (target qoq <= 0.30), and with the fleet (absent with --no-decode)
-`decode_tokens_per_s`, `top1`, `kl` {precision: value}; `model`, `device`.
+`decode_tokens_per_s`, `top1`, `cosine`, `kl`, `ppl_ratio` {precision: value} (and their
+`_smollm2` twins); `model`, `device`.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from fineslab.quant.awq import AWQConfig, write_awq_checkpoint
 from fineslab.quant.checkpoint import LINEAR_SUFFIXES, read_config
 from fineslab.quant.fleet import AWQ_GROUP_SIZE, PRECISIONS, QOQ_GROUP_SIZE, prepare_runtime
 from fineslab.quant.fp8 import write_fp8_checkpoint
-from fineslab.quant.gates import compare_top_logprobs
+from fineslab.quant.gates import compare_top_logprobs, perplexity
 from fineslab.quant.qoq_checkpoint import write_qoq_checkpoint
 from fineslab.quant.verify import read_headers
 from fineslab.slabs import KVShape, plan_slabs
@@ -64,6 +67,12 @@ GATE_PROMPTS = [
     "1 2 3 4 5 6 7 8 9 10 11 12",
     "Quantization trades a little accuracy for a lot of memory: four bits instead of sixteen",
 ]
+#: The precision tests' perplexity text.
+PPL_TEXT = (
+    "Large language models are served from GPUs whose memory holds the weights and the key "
+    "value cache. When many models share a device, the cache of each one grows and shrinks with "
+    "its load, and a shared pool of fixed-size slabs lets memory follow the load without copying."
+)
 TOP_K = 64
 
 
@@ -107,17 +116,22 @@ def weight_bytes(src: Path, work: Path) -> tuple[dict[str, int], dict[str, float
     return total, ratio
 
 
-def accuracy(fleet: RunningFleet) -> tuple[dict[str, float], dict[str, float]]:
-    """Top-1 agreement and mean truncated KL of each precision against the bf16 runtime."""
-    payload = {"text": GATE_PROMPTS, "return_logprob": True, "logprob_start_len": 0,
-               "top_logprobs_num": TOP_K,
+def accuracy(fleet: RunningFleet) -> dict[str, dict[str, float]]:
+    """Against the bf16 runtime, per precision: top-1 agreement, mean centered cosine and mean
+    truncated KL over the gate prompts, and the perplexity ratio on the gate text (the
+    precision tests' gates, `tests/precisions/test_precision_fleet.py`)."""
+    payload = {"text": [*GATE_PROMPTS, PPL_TEXT], "return_logprob": True,
+               "logprob_start_len": 0, "top_logprobs_num": TOP_K,
                "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     reference = fleet.members["bf16"].generate(payload)
-    top1, kl = {}, {}
+    out: dict[str, dict[str, float]] = {"top1": {}, "cosine": {}, "kl": {}, "ppl_ratio": {}}
     for precision, member in fleet.members.items():
-        gate = compare_top_logprobs(reference, member.generate(payload))
-        top1[precision], kl[precision] = gate.top1_agreement, gate.kl_mean
-    return top1, kl
+        got = member.generate(payload)
+        gate = compare_top_logprobs(reference[:-1], got[:-1])
+        out["top1"][precision], out["cosine"][precision] = gate.top1_agreement, gate.cosine_mean
+        out["kl"][precision] = gate.kl_mean
+        out["ppl_ratio"][precision] = perplexity(got[-1]) / perplexity(reference[-1])
+    return out
 
 
 def decode_tokens_per_s(fleet: RunningFleet, batch: int, new_tokens: int) -> dict[str, float]:
@@ -169,22 +183,24 @@ def main(argv: list[str] | None = None) -> int:
         eight_b = tokens_per_gib(EIGHT_B)
         total_bytes, ratio = weight_bytes(src, work)
         speeds: dict[str, float] = {}
-        top1: dict[str, float] = {}
-        kl: dict[str, float] = {}
+        gates: dict[str, dict[str, float]] = {}
         if not args.no_decode:
             runtimes = [prepare_runtime(p, src, work, device=args.device) for p in PRECISIONS]
             with run_fleet(runtimes, work, f"bench{os.getpid()}", arena_bytes=64 << 20,
                            page_size_tokens=PAGE_SIZE_TOKENS, cpu=args.device == "cpu") as fleet:
                 speeds = decode_tokens_per_s(fleet, args.batch, args.new_tokens)
-                top1, kl = accuracy(fleet)
+                gates = accuracy(fleet)
     result: dict[str, object] = {
         "model": src.name, "device": args.device, "tokens_per_gib": served,
         "tokens_per_gib_8b": eight_b, "kv4_vs_bf16": served["kv4"] / served["bf16"],
         "fp8_vs_bf16": served["fp8"] / served["bf16"], "weight_bytes": total_bytes,
         "weight_ratio": ratio}
     if speeds:
-        result.update(decode_tokens_per_s=speeds, top1=top1, kl=kl)
+        result.update(decode_tokens_per_s=speeds, **gates)
+        if src.name == smollm2.MODEL_NAME:
+            result.update({f"{key}_smollm2": value for key, value in gates.items()})
     nan = float("nan")
+    top1, kl = gates.get("top1", {}), gates.get("kl", {})
     rows = [[p, served[p], eight_b[p], total_bytes[p], ratio[p], speeds.get(p, nan),
              top1.get(p, nan), kl.get(p, nan)] for p in PRECISIONS]
     emit(f"precisions of {src.name} on {args.device}: KV tokens per GiB, weights, decode "

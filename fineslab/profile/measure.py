@@ -45,11 +45,9 @@ from fineslab.scheduler.profile_schema import (
     Workload,
     save_profile,
 )
+from fineslab.slabs.formats import KVDtype, KVShape
 
 logger = logging.getLogger(__name__)
-
-TORCH_DTYPE_TO_KV = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-
 
 @dataclass(frozen=True)
 class MeasureConfig:
@@ -82,13 +80,14 @@ class MeasureConfig:
 
 
 def read_shape(model_dir: Path) -> tuple[ModelShape, str]:
+    """The model's shape and its KV dtype (the profiles' name of its torch dtype)."""
     cfg = json.loads((model_dir / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    shape = ModelShape(cfg["num_hidden_layers"], cfg["hidden_size"], heads,
-                       cfg.get("num_key_value_heads", heads), head_dim,
-                       cfg["intermediate_size"], cfg["vocab_size"], 0)
-    return shape, TORCH_DTYPE_TO_KV[cfg.get("torch_dtype", "bfloat16")]
+    kv = KVShape.from_hf_config(cfg, model_dir.name,
+                                KVDtype.from_name(str(cfg.get("torch_dtype") or "bfloat16")))
+    shape = ModelShape(kv.num_layers, cfg["hidden_size"], cfg["num_attention_heads"],
+                       kv.num_kv_heads, kv.head_dim, cfg["intermediate_size"],
+                       cfg["vocab_size"], 0)
+    return shape, kv.kv_dtype.profile_name
 
 
 def safetensors_bytes_and_params(model_dir: Path) -> tuple[int, int]:

@@ -187,34 +187,65 @@ def _load_weights(member: Any, model_dir: Path) -> None:
     assert body.get("success"), f"update_weights_from_disk {model_dir}: {body}"
 
 
-def test_the_qoq_gate_fails_a_broken_checkpoint_served_the_same_way(fleet: Any,
-                                                                     tmp_path: Path) -> None:
-    """Negative control: the qoq runtime, given its checkpoint with every down_proj's level-1
-    scales multiplied by 8 (SGLang's update_weights_from_disk, which runs the method's post-load
-    step again), fails the gate the served checkpoint passes; then it gets its own back."""
+def _broken_copy(served: Path, out: Path, suffix: str, factor: float = 8.0) -> Path:
+    """A copy of the checkpoint `served` with every tensor named `*<suffix>` times `factor`."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    from fineslab.quant.qoq import QoQWeight
-    from fineslab.quant.qoq_checkpoint import qoq_tensors, read_qoq_linear
+    shutil.copytree(served, out)
+    hit = 0
+    for file in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(file))
+        for name in [n for n in tensors if n.endswith(suffix)]:
+            tensors[name] = (tensors[name].float() * factor).to(tensors[name].dtype)
+            hit += 1
+        save_file(tensors, str(file))
+    assert hit, f"{served} has no tensor named *{suffix}"
+    return out
 
-    member = fleet.members["qoq"]
+
+#: What each negative control breaks: every down_proj's weight (fp8 is served dequantized to
+#: bf16 on CPU, kv4 is bf16 weights), or its level-1 scales (qoq) or group scales (awq), x 8.
+BROKEN = {"fp8": "down_proj.weight", "kv4": "down_proj.weight", "qoq": "down_proj.s1",
+          "awq": "down_proj.scales"}
+
+
+@pytest.mark.parametrize("precision", ["fp8", "kv4", "qoq"])
+def test_the_gate_fails_a_broken_checkpoint_served_the_same_way(fleet: Any, precision: str,
+                                                                 tmp_path: Path) -> None:
+    """Negative control of each accuracy gate: the same runtime, given its own checkpoint with
+    every down_proj scaled by 8 (SGLang's update_weights_from_disk, which runs the method's
+    post-load step again), fails the gate the served checkpoint passes; then it gets its own
+    back and passes again. Measured on llama-tiny (top-1 / cosine / ppl ratio): qoq 0.069 /
+    0.185 / 0.83; fp8 and kv4 in docs/precisions.md."""
+    member = fleet.members[precision]
     served = member.runtime.model_path
-    broken = tmp_path / "broken"
-    shutil.copytree(served, broken)
-    tensors = load_file(str(broken / "model.safetensors"))
-    layers = sorted({n.rsplit(".", 1)[0] for n in tensors if n.endswith("down_proj.s1")})
-    for layer in layers:
-        w = read_qoq_linear(tensors, layer)
-        tensors.update(qoq_tensors(layer, QoQWeight(w.packed, w.s2, w.z, w.s1 * 8, w.group_size)))
-    save_file(tensors, str(broken / "model.safetensors"))
-    _load_weights(member, broken)
+    _load_weights(member, _broken_copy(served, tmp_path / "broken", BROKEN[precision]))
     try:
-        passed, report = _gate(fleet, "qoq")
-        print(f"qoq with down_proj s1 x 8: {report}")
-        assert not passed, f"the qoq gate must fail a broken checkpoint: {report}"
+        passed, report = _gate(fleet, precision)
+        print(f"{precision} with every {BROKEN[precision]} x 8: {report}")
+        assert not passed, f"the {precision} gate must fail a broken checkpoint: {report}"
     finally:
         _load_weights(member, served)
-    passed, report = _gate(fleet, "qoq")
-    assert passed, f"the qoq runtime serves its own checkpoint again: {report}"
+    passed, report = _gate(fleet, precision)
+    assert passed, f"the {precision} runtime serves its own checkpoint again: {report}"
+
+
+def test_the_awq_gate_fails_a_broken_checkpoint(fleet: Any, tmp_path: Path) -> None:
+    """Negative control of the AWQ gate: the served AWQ model is farther than
+    AWQ_MAX_LOGPROB_DIFF from transformers on its own weights with every down_proj's group
+    scales x 8. (The break is on the reference's side: SGLang 0.5.23 cannot reload AWQ weights
+    in place, `update_weights_from_disk` kills the runtime: "'Parameter' object has no attribute
+    'weight_loader'".)"""
+    from fineslab.quant.awq import write_dequantized_reference
+
+    awq = fleet.members["awq"]
+    broken = _broken_copy(awq.runtime.model_path, tmp_path / "broken", BROKEN["awq"])
+    want = _hf_logprobs(write_dequantized_reference(broken, tmp_path / "broken-deq"), PPL_TEXT,
+                        torch.float32)
+    served = _logprobs(awq, [PPL_TEXT])[0]["meta_info"]["input_token_logprobs"]
+    diff = float((torch.tensor([float(lp) for lp, *_ in served[1:]]) - want).abs().max())
+    print(f"awq against a reference with every down_proj.scales x 8: max |logprob - "
+          f"reference| = {diff:.4f}")
+    assert diff > AWQ_MAX_LOGPROB_DIFF, f"the awq gate must fail a broken checkpoint: {diff}"
