@@ -50,7 +50,13 @@ from fineslab.quant.awq import AWQConfig, write_awq_checkpoint
 from fineslab.quant.checkpoint import LINEAR_SUFFIXES, read_config
 from fineslab.quant.fleet import AWQ_GROUP_SIZE, PRECISIONS, QOQ_GROUP_SIZE, prepare_runtime
 from fineslab.quant.fp8 import write_fp8_checkpoint
-from fineslab.quant.gates import compare_top_logprobs, perplexity
+from fineslab.quant.gates import (
+    GATE_PROMPTS,
+    GATE_TEXT,
+    GATE_TOP_K,
+    compare_top_logprobs,
+    perplexity,
+)
 from fineslab.quant.qoq_checkpoint import write_qoq_checkpoint
 from fineslab.quant.verify import read_headers
 from fineslab.slabs import KVShape, plan_slabs
@@ -60,20 +66,6 @@ GIB = 1 << 30
 PAGE_SIZE_TOKENS = 16
 EIGHT_B = KVShape("8b", num_layers=32, num_kv_heads=8, head_dim=128, kv_dtype=KVDtype.BF16)
 PROMPT = "The quick brown fox jumps over the lazy dog while the GPU serves four models"
-#: The accuracy prompts (the precision tests' own).
-GATE_PROMPTS = [
-    "The slab arena holds the key and value cache of every model",
-    "Once upon a time, in a data center far away, four models shared one GPU",
-    "1 2 3 4 5 6 7 8 9 10 11 12",
-    "Quantization trades a little accuracy for a lot of memory: four bits instead of sixteen",
-]
-#: The precision tests' perplexity text.
-PPL_TEXT = (
-    "Large language models are served from GPUs whose memory holds the weights and the key "
-    "value cache. When many models share a device, the cache of each one grows and shrinks with "
-    "its load, and a shared pool of fixed-size slabs lets memory follow the load without copying."
-)
-TOP_K = 64
 
 
 def tokens_per_gib(shape: KVShape) -> dict[str, float]:
@@ -120,8 +112,8 @@ def accuracy(fleet: RunningFleet) -> dict[str, dict[str, float]]:
     """Against the bf16 runtime, per precision: top-1 agreement, mean centered cosine and mean
     truncated KL over the gate prompts, and the perplexity ratio on the gate text (the
     precision tests' gates, `tests/precisions/test_precision_fleet.py`)."""
-    payload = {"text": [*GATE_PROMPTS, PPL_TEXT], "return_logprob": True,
-               "logprob_start_len": 0, "top_logprobs_num": TOP_K,
+    payload = {"text": [*GATE_PROMPTS, GATE_TEXT], "return_logprob": True,
+               "logprob_start_len": 0, "top_logprobs_num": GATE_TOP_K,
                "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     reference = fleet.members["bf16"].generate(payload)
     out: dict[str, dict[str, float]] = {"top1": {}, "cosine": {}, "kl": {}, "ppl_ratio": {}}

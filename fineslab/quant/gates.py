@@ -25,6 +25,22 @@ from typing import Any
 
 import torch
 
+#: The gates' fixed prompts (teacher-forced, every position) and perplexity text: the precision
+#: tests and `fineslab.bench.precisions` measure on these.
+GATE_PROMPTS = (
+    "The slab arena holds the key and value cache of every model",
+    "Once upon a time, in a data center far away, four models shared one GPU",
+    "1 2 3 4 5 6 7 8 9 10 11 12",
+    "Quantization trades a little accuracy for a lot of memory: four bits instead of sixteen",
+)
+GATE_TEXT = (
+    "Large language models are served from GPUs whose memory holds the weights and the key "
+    "value cache. When many models share a device, the cache of each one grows and shrinks with "
+    "its load, and a shared pool of fixed-size slabs lets memory follow the load without copying."
+)
+#: Top log-probs per position the gates compare.
+GATE_TOP_K = 64
+
 
 @dataclass(frozen=True)
 class GateResult:

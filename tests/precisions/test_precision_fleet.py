@@ -14,23 +14,20 @@ from typing import Any
 import pytest
 import torch
 
-from fineslab.quant.gates import compare_top_logprobs, perplexity
+from fineslab.quant.gates import (
+    GATE_PROMPTS,
+    GATE_TEXT,
+    GATE_TOP_K,
+    compare_top_logprobs,
+    perplexity,
+)
 from fineslab.slabs import snapshot
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    "The slab arena holds the key and value cache of every model",
-    "Once upon a time, in a data center far away, four models shared one GPU",
-    "1 2 3 4 5 6 7 8 9 10 11 12",
-    "Quantization trades a little accuracy for a lot of memory: four bits instead of sixteen",
-]
-PPL_TEXT = (
-    "Large language models are served from GPUs whose memory holds the weights and the key "
-    "value cache. When many models share a device, the cache of each one grows and shrinks with "
-    "its load, and a shared pool of fixed-size slabs lets memory follow the load without copying."
-)
-TOP_K = 64
+PROMPTS = list(GATE_PROMPTS)
+PPL_TEXT = GATE_TEXT
+TOP_K = GATE_TOP_K
 #: Gates against the bf16 runtime (same weights for kv4; fp8 adds W8 weight rounding), as
 #: (min top-1 agreement, min mean cosine, max perplexity ratio). A random-weight model has
 #: near-flat next-token distributions (near-ties everywhere), so its top-1 and cosine gates are
@@ -38,9 +35,11 @@ TOP_K = 64
 #: group 128 + KV4: three roundings) 0.167 / 0.384 / 1.017 (102 positions, 2026-11-26); its
 #: negative control (every down_proj's s1 x 8) 0.069 / 0.185 / 0.83 fails on top-1 and cosine
 #: (a random model's perplexity does not tell: it fell); on
-#: SmolLM2-135M: fp8 0.926 / 0.974 / 1.049, kv4 0.809 / 0.903 / 1.034 (68 positions); qoq not
-#: measured there (SmolLM2 is not installed on CI): its real-model gate is kv4's, unmeasured.
-GATES_REAL = {"fp8": (0.85, 0.95, 1.10), "kv4": (0.70, 0.85, 1.10), "qoq": (0.70, 0.85, 1.10)}
+#: SmolLM2-135M: fp8 0.926 / 0.974 / 1.049, kv4 0.809 / 0.903 / 1.034 (68 positions); qoq
+#: 0.647 / 0.697 / 1.487 (2026-11-26, `fineslab.bench.precisions`, same prompts and text):
+#: round-to-nearest W4A8 without QServe's SmoothAttention or rotation costs a 135M model a lot
+#: (docs/precisions.md). SmolLM2 is opt-in at set-up, so CI runs the random-weight bounds.
+GATES_REAL = {"fp8": (0.85, 0.95, 1.10), "kv4": (0.70, 0.85, 1.10), "qoq": (0.55, 0.60, 1.65)}
 GATES_RANDOM = {"fp8": (0.50, 0.75, 1.10), "kv4": (0.35, 0.55, 1.20), "qoq": (0.10, 0.25, 1.10)}
 #: |logprob| difference of the served AWQ model vs transformers on the dequantized weights.
 AWQ_MAX_LOGPROB_DIFF = 0.1
