@@ -22,7 +22,8 @@ The roofline figures are the papers' accounting (group 128 with 4 bytes of scale
 group) for the analytical profiles of the paper's models; the checkpoints fineslab writes are a
 little smaller (`fineslab.bench.precisions` measures them: `weight_ratio`). The `qoq` profile
 assumes QServe's kernels: INT8 GEMMs (fineslab's Triton W4A8 GEMM on GPU) and a KV4 attention
-kernel (on GPU fineslab's KV4 runs under torch_native attention today; docs/precisions.md).
+kernel (on GPU fineslab's KV4 decodes with its Triton kernel through the plugin's `fineslab_kv4`
+backend, prefill under torch_native; docs/precisions.md).
 
 KV storage types the plugin stores itself (`KVStorage.plugin_pool_on`): int4 everywhere (SGLang
 has no 4-bit KV; arena only), fp8_e4m3 on CPU (SGLang's CPU FP8 KV needs Intel AMX kernels).

@@ -17,7 +17,8 @@ What each (weights, KV) choice becomes on each device (docs/precisions.md has th
     bf16/fp16  SGLang's dtype, stock slab pool   same
     fp8_e4m3   FINESLAB_KV_FORMAT=fp8_e4m3 +     SGLang `--kv-cache-dtype fp8_e4m3` with
                FINESLAB_KV_SCALES (plugin pool)  `--quantization-param-path` (calibrated scales)
-    int4       FINESLAB_KV_FORMAT=int4 (plugin KV4 pool; torch_native attention on GPU too)
+    int4       FINESLAB_KV_FORMAT=int4 (plugin KV4 pool; on GPU `--attention-backend
+               fineslab_kv4`: torch_native with the KV4 Triton decode kernel, no CUDA graphs)
 
 `prepare_served_model` writes what is needed under an output folder (seconds for the tiny
 models: weight conversion, and a float32 transformers pass for the FP8 KV scales) and returns a
@@ -67,6 +68,7 @@ from fineslab.quant.fp8 import (
     write_fp8_checkpoint,
     write_kv_scales,
 )
+from fineslab.quant.kv4 import KV4_ATTENTION_BACKEND
 from fineslab.quant.qoq_checkpoint import write_qoq_checkpoint
 from fineslab.quant.verify import config_int, verify_checkpoint
 from fineslab.slabs.formats import KVDtype, KVShape
@@ -185,8 +187,12 @@ def _prepare_kv(kv: KVDtype, src_dir: Path, out_dir: Path, cpu: bool
     env = {KV_FORMAT_VAR: kv.config_name} if storage.plugin_pool(cpu) else {}
     args: tuple[str, ...] = ()
     if kv is KVDtype.INT4 and not cpu:
-        # Kv4SlabKVPool is read by torch_native only (a GPU KV4 backend is future work).
-        args = ("--attention-backend", "torch_native")
+        # Kv4SlabKVPool hands out Kv4Readers, which triton/flashinfer cannot read: the plugin's
+        # backend decodes with the KV4 Triton kernel (prefill stays torch_native's). It has no
+        # CUDA graph support; flags as (name, value) pairs, which verify_runtime reads.
+        args = ("--attention-backend", KV4_ATTENTION_BACKEND,
+                "--cuda-graph-backend-decode", "disabled",
+                "--cuda-graph-backend-prefill", "disabled")
     if not storage.needs_scales:
         return args, env, None
     scales = calibrate_kv_scales(src_dir, CALIBRATION_IDS)

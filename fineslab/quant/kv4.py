@@ -27,6 +27,9 @@ from dataclasses import dataclass
 import torch
 
 MAX_CODE = 15
+#: The SGLang attention backend the plugin registers to decode over this format on a GPU (its
+#: Triton kernel, `fineslab.quant.kv4_triton`; `fineslab.sglang_plugin.kv4_backend`).
+KV4_ATTENTION_BACKEND = "fineslab_kv4"
 #: the smallest scale written: a constant head (max == min) gets codes 0 and x_hat == zero
 MIN_SCALE = 1e-6
 

@@ -336,13 +336,46 @@ QOQ_CONTACTS: tuple[Contact, ...] = (
             ("weight", "weight_attrs")),
 )
 
-#: What a runtime joining an arena relies on: `install` checks these (not QOQ_CONTACTS, which
-#: only a runtime serving a QoQ checkpoint needs, checked where the method is registered).
+_TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
+_FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
+_ATTENTION_REGISTRY = "sglang.srt.layers.attention.attention_registry"
+#: The `fineslab_kv4` attention backend (kv4_backend.py): torch_native with the KV4 Triton
+#: decode. `register()` checks these rows where it registers the backend
+#: (`install.wants_kv4_backend`).
+KV4_BACKEND_CONTACTS: tuple[Contact, ...] = (
+    Contact(_TORCH_NATIVE, Kind.CLASS, "Kv4AttnBackend's base: its extend and fallback decode"),
+    Contact(f"{_TORCH_NATIVE}.__init__", _METHOD, "Kv4AttnBackend keeps its constructor",
+            ("model_runner",)),
+    Contact(f"{_TORCH_NATIVE}.forward_decode", _METHOD,
+            "overridden: the KV4 kernel; the fallback calls it",
+            ("q", "k", "v", "layer", "forward_batch", "save_kv_cache")),
+    *_members(_TORCH_NATIVE, _ATTRIBUTE, ("token_to_kv_pool", "req_to_token_pool"),
+              "the KV4 pool the kernel reads and the request -> slot table",
+              in_source_of=("__init__",)),
+    Contact("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.req_to_token", _ATTRIBUTE,
+            "[requests, context] slot table the kernel walks", in_source_of=("__init__",)),
+    *_members(_FORWARD_BATCH, _ATTRIBUTE, ("out_cache_loc", "req_pool_indices", "seq_lens"),
+              "the decode step's write slots, requests and lengths"),
+    *_members(_ATTENTION, _ATTRIBUTE, (
+        "tp_q_head_num", "tp_k_head_num", "qk_head_dim", "v_head_dim", "scaling",
+        "is_cross_attention", "sliding_window_size"),
+        "the decode geometry, sm_scale, and what the kernel does not cover",
+        in_source_of=("__init__",)),
+    Contact(_ATTENTION_REGISTRY, Kind.MODULE, "holds ATTENTION_BACKENDS, which fineslab_kv4 joins"),
+    Contact(f"{_ATTENTION_REGISTRY}.register_attention_backend", Kind.FUNCTION,
+            "SGLang's own way to add an attention backend", ("name",)),
+    Contact("sglang.srt.server_args.add_attention_backend_choices", Kind.FUNCTION,
+            "SGLang's own way to add an --attention-backend choice"),
+)
+
+#: What a runtime joining an arena relies on: `install` checks these (not QOQ_CONTACTS or
+#: KV4_BACKEND_CONTACTS, which only a runtime serving a QoQ checkpoint or naming fineslab_kv4
+#: needs, checked where the method or backend is registered).
 ARENA_CONTACTS: tuple[Contact, ...] = (
     *_HOOKS, *_REGISTRY_CONTACTS, *_RUNNER_STATE, *_SCHEDULER_STATE, *_ALLOCATOR_CONTACTS,
     *_POOL_CONTACTS, *_STREAMING_CONTACTS)
 #: Every SGLang name the plugin relies on.
-CONTACTS: tuple[Contact, ...] = (*ARENA_CONTACTS, *QOQ_CONTACTS)
+CONTACTS: tuple[Contact, ...] = (*ARENA_CONTACTS, *QOQ_CONTACTS, *KV4_BACKEND_CONTACTS)
 
 #: The rows the plugin wraps with AROUND hooks, in the order SGLang calls them.
 HOOK_TARGETS: tuple[Contact, ...] = tuple(c for c in ARENA_CONTACTS if c.hook is not None)

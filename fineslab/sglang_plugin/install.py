@@ -29,9 +29,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from fineslab.errors import ConfigError, EnvironmentSetupError, FineslabError
+from fineslab.quant.kv4 import KV4_ATTENTION_BACKEND
 from fineslab.quant.qoq_checkpoint import QUANT_METHOD
 from fineslab.sglang_plugin.config import TESTED_SGLANG_VERSION, ArenaJoin
-from fineslab.sglang_plugin.contact import ARENA_CONTACTS, HOOK_TARGETS, QOQ_CONTACTS, Contact
+from fineslab.sglang_plugin.contact import (
+    ARENA_CONTACTS,
+    HOOK_TARGETS,
+    KV4_BACKEND_CONTACTS,
+    QOQ_CONTACTS,
+    Contact,
+)
 from fineslab.sglang_plugin.contact_check import check_contacts, sglang_version
 
 if TYPE_CHECKING:
@@ -113,10 +120,31 @@ def wants_qoq(argv: Sequence[str], environ: Mapping[str, str]) -> bool:
     return False
 
 
+#: Set to 1 to register the `fineslab_kv4` attention backend whatever the command line (an
+#: in-process engine, whose argv names no backend).
+KV4_BACKEND_ENV = "FINESLAB_KV4_BACKEND"
+#: The flags that name an attention backend (prefill and decode may name their own).
+_BACKEND_FLAGS = ("--attention-backend", "--decode-attention-backend",
+                  "--prefill-attention-backend")
+
+
+def wants_kv4_backend(argv: Sequence[str], environ: Mapping[str, str]) -> bool:
+    """Whether this SGLang process needs the `fineslab_kv4` attention backend: the variable
+    FINESLAB_KV4_BACKEND=1, or a backend flag on its command line (which SGLang's spawned
+    processes inherit) names it. Registering imports SGLang's attention modules, which a
+    detokenizer or a stock runtime should not pay for."""
+    if environ.get(KV4_BACKEND_ENV) == "1":
+        return True
+    named = {f"{flag}={KV4_ATTENTION_BACKEND}" for flag in _BACKEND_FLAGS}
+    return any(arg in named or (arg in _BACKEND_FLAGS and value == KV4_ATTENTION_BACKEND)
+               for arg, value in zip(argv, [*argv[1:], ""], strict=True))
+
+
 def register() -> None:
     """Entry point of `sglang.srt.plugins`: register the `fineslab_qoq` quantization method
-    (`qoq_method.py`) where the model needs it (`wants_qoq`), then join the arena named in the
-    environment, if any.
+    (`qoq_method.py`) where the model needs it (`wants_qoq`) and the `fineslab_kv4` attention
+    backend (`kv4_backend.py`) where the command line names it (`wants_kv4_backend`), then join
+    the arena named in the environment, if any.
 
     A quantized KV format named by FINESLAB_KV_FORMAT (KV4, scaled FP8) is part of the join
     (`ArenaJoin.kv_format`): the same session, with the quantized pool.
@@ -127,6 +155,11 @@ def register() -> None:
 
             check_contacts(QOQ_CONTACTS)
             register_qoq_method()
+        if wants_kv4_backend(sys.argv, os.environ):
+            from fineslab.sglang_plugin.kv4_backend import register_kv4_backend
+
+            check_contacts(KV4_BACKEND_CONTACTS)
+            register_kv4_backend()
         join = ArenaJoin.from_env()
         if join is not None:
             install(join)

@@ -20,8 +20,9 @@ Invariants (per layer l)
     the views' geometry equals the format's: rows >= size + page_size, heads == head_num
 
 Reading works with SGLang's torch_native backend, which only indexes `k_cache[slots]`. The
-triton/flashinfer backends need real tensors: a GPU KV4 runtime needs an attention backend built
-on `fineslab.quant.kv4_triton` (not done; docs/precisions.md).
+triton/flashinfer backends need real tensors: a GPU KV4 runtime runs the plugin's `fineslab_kv4`
+backend (`kv4_backend.py`), whose decode reads the `Kv4Reader`s' packed views with
+`fineslab.quant.kv4_triton` (prefill stays torch_native's).
 """
 
 from __future__ import annotations

@@ -117,3 +117,17 @@ def test_two_processes_preparing_one_folder_prepare_it_once(model_cache: Path,
     assert sum(line.startswith("m: reusing") for line in lines) == 1, \
         f"the other launch reuses it: {lines}"
     verify_runtime(first)
+
+
+def test_kv4_on_gpu_decodes_with_the_plugin_backend(model_cache: Path, tmp_path: Path) -> None:
+    """On a GPU a KV4 runtime names the plugin's `fineslab_kv4` backend (torch_native cannot
+    serve it fast, triton/flashinfer cannot read the pool) without CUDA graphs; on CPU it keeps
+    the CPU flags' torch_native."""
+    src = model_cache / "llama-tiny"
+    gpu = prepare_served_model("g", "bf16", "int4", src, tmp_path / "g", device="cuda")
+    pairs = dict(zip(gpu.server_args[::2], gpu.server_args[1::2], strict=True))
+    assert pairs["--attention-backend"] == "fineslab_kv4", gpu.server_args
+    assert pairs["--cuda-graph-backend-decode"] == "disabled", "the backend has no CUDA graphs"
+    assert gpu.kv_env[KV_FORMAT_VAR] == "int4"
+    cpu = prepare_served_model("c", "bf16", "int4", src, tmp_path / "c")
+    assert "--attention-backend" not in cpu.server_args, cpu.server_args

@@ -57,12 +57,16 @@ TYPED_NAMES = {
     "server_args": "sglang.srt.server_args.ServerArgs",
     "HookRegistry": "sglang.srt.plugins.hook_registry.HookRegistry",
     "HookType": "sglang.srt.plugins.hook_registry.HookType",
+    "forward_batch": "sglang.srt.model_executor.forward_batch_info.ForwardBatch",
 }
 #: SGLang objects reached through one more step: (variable, attribute or subscript) -> class.
 CHAINED_NAMES = {
     ("configurator", "layer_info"):
         "sglang.srt.model_executor.model_runner_components.layer_setup.ModelLayerInfo",
     ("kwargs", "sizes"): "sglang.srt.mem_cache.kv_cache_configurator._PoolSizes",
+    # The attention backend's pools (kv4_backend.py, a TorchNativeAttnBackend).
+    ("self", "req_to_token_pool"): "sglang.srt.mem_cache.memory_pool.ReqToTokenPool",
+    ("self", "token_to_kv_pool"): "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool",
 }
 
 PATHS = {c.path for c in CONTACTS}
@@ -305,7 +309,7 @@ def test_every_sglang_name_in_the_plugin_source_has_a_row() -> None:
     every = set().union(*found.values())
     for must in ("_release_page_ids", "free_pages", "staged_pages", "_create_buffers",
                  "current_offset", "batch_is_full", "full_available_size", "num_effective_layers",
-                 "_patched"):
+                 "_patched", "req_to_token", "seq_lens", "tp_q_head_num"):
         assert any(p.endswith("." + must) for p in every), f"the scan must see {must}"
     # settings_of reads the refused settings by name from a list: rows come from that list.
     for name in [r.setting for r in REFUSALS] + [name for name, _ in PARALLEL_SIZES]:
