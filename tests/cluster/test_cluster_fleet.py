@@ -106,8 +106,11 @@ def test_demo_fleet_on_two_nodes_serves_and_re_places_a_lost_nodes_models(tmp_pa
 
         def stream() -> None:
             try:
+                # ignore_eos: a random-weight model may end the stream in a few tokens, before
+                # the kill (seen in a CI rehearsal: "finished" 0.6 s after the first token).
                 for _ in client.completions.create(model=on_b[0], prompt="Count: one two",
-                                                   max_tokens=2000, stream=True):
+                                                   max_tokens=2000, stream=True,
+                                                   extra_body={"ignore_eos": True}):
                     ended.setdefault("first", time.monotonic())
                 ended["outcome"] = "finished"
             except openai.APIError as exc:
