@@ -4,7 +4,7 @@ SETUP_ARGS ?=
 
 .PHONY: setup test test-fast lint typecheck check gpu-check lock clean
 
-setup:  ## install everything into .venv/ (CPU mode unless a GPU is found; SETUP_ARGS=--cuda|--cpu|--smollm2)
+setup:  ## install everything into .venv/ (CPU mode unless a GPU is found; SETUP_ARGS=--cuda|--cpu|--no-smollm2)
 	bash scripts/setup.sh $(SETUP_ARGS)
 
 test:  ## the CPU test suite (unit + real SGLang integration tests)

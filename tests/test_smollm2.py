@@ -16,7 +16,8 @@ from fineslab.runtime import cpu_engine_kwargs, shutdown_engine
 MODEL_DIR = smollm2.find(Path(FineslabEnv.from_environ().model_cache_dir))
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(MODEL_DIR is None, reason="SmolLM2 not installed (setup --smollm2)"),
+    pytest.mark.skipif(MODEL_DIR is None,
+                       reason="SmolLM2 not installed (set-up --no-smollm2, or not fetched)"),
 ]
 
 

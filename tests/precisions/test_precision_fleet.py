@@ -38,7 +38,7 @@ TOP_K = GATE_TOP_K
 #: SmolLM2-135M: fp8 0.926 / 0.974 / 1.049, kv4 0.809 / 0.903 / 1.034 (68 positions); qoq
 #: 0.647 / 0.697 / 1.487 (2026-11-26, `fineslab.bench.precisions`, same prompts and text):
 #: round-to-nearest W4A8 without QServe's SmoothAttention or rotation costs a 135M model a lot
-#: (docs/precisions.md). SmolLM2 is opt-in at set-up, so CI runs the random-weight bounds.
+#: (docs/precisions.md). Set-up installs SmolLM2 (unless --no-smollm2), so CI gates on it.
 GATES_REAL = {"fp8": (0.85, 0.95, 1.10), "kv4": (0.70, 0.85, 1.10), "qoq": (0.55, 0.60, 1.65)}
 GATES_RANDOM = {"fp8": (0.50, 0.75, 1.10), "kv4": (0.35, 0.55, 1.20), "qoq": (0.10, 0.25, 1.10)}
 #: |logprob| difference of the served AWQ model vs transformers on the dequantized weights.
