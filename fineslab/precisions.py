@@ -48,6 +48,8 @@ class WeightFormat:
     quantization_flag: str       # when the runtime gets `--quantization <method>`: always|gpu|never
     roofline_bytes_per_param: float
     roofline_compute: str        # the tensor-core dtype of its GEMMs: fp16 | fp8 | int8
+    #: The quantization group fineslab's checkpoint writer uses (None: not group-quantized).
+    group_size: int | None = None
 
     @property
     def torch_dtype(self) -> str:
@@ -72,13 +74,19 @@ class WeightFormat:
 #: plugin registers it with SGLang).
 QOQ_METHOD = "fineslab_qoq"
 _AWQ_BYTES = 0.5 + 4 / 128
+#: The writers' groups: AWQ 64 (SmolLM2's hidden size 576 is not a multiple of 128); QoQ 128,
+#: or per layer the largest power of two below it that divides K.
+AWQ_GROUP_SIZE = 64
+QOQ_GROUP_SIZE = 128
 
 WEIGHT_FORMATS: dict[str, WeightFormat] = {w.name: w for w in (
     WeightFormat("bf16", KVDtype.BF16, KVDtype.BF16, None, "never", 2.0, "fp16"),
     WeightFormat("fp16", KVDtype.FP16, KVDtype.FP16, None, "never", 2.0, "fp16"),
     WeightFormat("fp8", KVDtype.BF16, KVDtype.BF16, "fp8", "gpu", 1.0, "fp8"),
-    WeightFormat("awq", KVDtype.FP16, KVDtype.FP16, "awq", "always", _AWQ_BYTES, "fp16"),
-    WeightFormat("qoq", KVDtype.BF16, KVDtype.INT4, QOQ_METHOD, "never", _AWQ_BYTES, "int8"),
+    WeightFormat("awq", KVDtype.FP16, KVDtype.FP16, "awq", "always", _AWQ_BYTES, "fp16",
+                 AWQ_GROUP_SIZE),
+    WeightFormat("qoq", KVDtype.BF16, KVDtype.INT4, QOQ_METHOD, "never", _AWQ_BYTES, "int8",
+                 QOQ_GROUP_SIZE),
 )}
 
 

@@ -45,10 +45,10 @@ from fineslab.bench.report import add_json_flag, emit
 from fineslab.launch.precision_fleet import RunningFleet, run_fleet
 from fineslab.models import smollm2
 from fineslab.models.generate import ensure_model
-from fineslab.precisions import NAMED_PRECISIONS
+from fineslab.precisions import AWQ_GROUP_SIZE, NAMED_PRECISIONS, QOQ_GROUP_SIZE
 from fineslab.quant.awq import AWQConfig, write_awq_checkpoint
 from fineslab.quant.checkpoint import LINEAR_SUFFIXES, read_config
-from fineslab.quant.fleet import AWQ_GROUP_SIZE, PRECISIONS, QOQ_GROUP_SIZE, prepare_runtime
+from fineslab.quant.fleet import PRECISIONS, prepare_runtime
 from fineslab.quant.fp8 import write_fp8_checkpoint
 from fineslab.quant.gates import (
     GATE_PROMPTS,
