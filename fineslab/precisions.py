@@ -48,8 +48,6 @@ class WeightFormat:
     quantization_flag: str       # when the runtime gets `--quantization <method>`: always|gpu|never
     roofline_bytes_per_param: float
     roofline_compute: str        # the tensor-core dtype of its GEMMs: fp16 | fp8 | int8
-    #: The quantization group fineslab's checkpoint writer uses (None: not group-quantized).
-    group_size: int | None = None
 
     @property
     def torch_dtype(self) -> str:
@@ -83,10 +81,8 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {w.name: w for w in (
     WeightFormat("bf16", KVDtype.BF16, KVDtype.BF16, None, "never", 2.0, "fp16"),
     WeightFormat("fp16", KVDtype.FP16, KVDtype.FP16, None, "never", 2.0, "fp16"),
     WeightFormat("fp8", KVDtype.BF16, KVDtype.BF16, "fp8", "gpu", 1.0, "fp8"),
-    WeightFormat("awq", KVDtype.FP16, KVDtype.FP16, "awq", "always", _AWQ_BYTES, "fp16",
-                 AWQ_GROUP_SIZE),
-    WeightFormat("qoq", KVDtype.BF16, KVDtype.INT4, QOQ_METHOD, "never", _AWQ_BYTES, "int8",
-                 QOQ_GROUP_SIZE),
+    WeightFormat("awq", KVDtype.FP16, KVDtype.FP16, "awq", "always", _AWQ_BYTES, "fp16"),
+    WeightFormat("qoq", KVDtype.BF16, KVDtype.INT4, QOQ_METHOD, "never", _AWQ_BYTES, "int8"),
 )}
 
 
@@ -123,10 +119,6 @@ class Precision:
     name: str
     weights: WeightFormat
     kv: KVDtype
-
-    @property
-    def kv_storage(self) -> KVStorage:
-        return KV_STORAGE[self.kv]
 
 
 def _named(name: str, weights: str, kv: KVDtype) -> Precision:

@@ -45,10 +45,15 @@ from fineslab.bench.report import add_json_flag, emit
 from fineslab.launch.precision_fleet import RunningFleet, run_fleet
 from fineslab.models import smollm2
 from fineslab.models.generate import ensure_model
-from fineslab.precisions import AWQ_GROUP_SIZE, NAMED_PRECISIONS, QOQ_GROUP_SIZE
+from fineslab.precisions import (
+    AWQ_GROUP_SIZE,
+    FLEET_PRECISIONS,
+    NAMED_PRECISIONS,
+    QOQ_GROUP_SIZE,
+)
 from fineslab.quant.awq import AWQConfig, write_awq_checkpoint
 from fineslab.quant.checkpoint import LINEAR_SUFFIXES, read_config
-from fineslab.quant.fleet import PRECISIONS, prepare_runtime
+from fineslab.quant.fleet import prepare_runtime
 from fineslab.quant.fp8 import write_fp8_checkpoint
 from fineslab.quant.gates import (
     GATE_PROMPTS,
@@ -71,10 +76,10 @@ PROMPT = "The quick brown fox jumps over the lazy dog while the GPU serves four 
 def tokens_per_gib(shape: KVShape) -> dict[str, float]:
     """Tokens per GiB of one arena planned for the four precisions of `shape`."""
     shapes = [dataclasses.replace(shape, name=p, kv_dtype=NAMED_PRECISIONS[p].kv)
-              for p in PRECISIONS]
+              for p in FLEET_PRECISIONS]
     plan = plan_slabs(shapes, page_sizes=(PAGE_SIZE_TOKENS,))
     out = {}
-    for p in PRECISIONS:
+    for p in FLEET_PRECISIONS:
         fmt = plan.format_of(p)
         per_slab = fmt.blocks_per_slab(plan.slab_bytes) * fmt.tokens_per_block
         out[p] = GIB * per_slab / plan.slab_bytes
@@ -97,7 +102,7 @@ def weight_bytes(src: Path, work: Path) -> tuple[dict[str, int], dict[str, float
     bf16_total = sum(2 * i.num_elements for i in source.values())
     bf16_linear = sum(2 * i.num_elements for n, i in source.items() if _is_linear(n))
     total, ratio = {}, {}
-    for p in PRECISIONS:
+    for p in FLEET_PRECISIONS:
         weights = NAMED_PRECISIONS[p].weights.name
         if weights not in checkpoints:
             total[p], ratio[p] = bf16_total, 1.0
@@ -177,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         speeds: dict[str, float] = {}
         gates: dict[str, dict[str, float]] = {}
         if not args.no_decode:
-            runtimes = [prepare_runtime(p, src, work, device=args.device) for p in PRECISIONS]
+            runtimes = [prepare_runtime(p, src, work, device=args.device) for p in FLEET_PRECISIONS]
             with run_fleet(runtimes, work, f"bench{os.getpid()}", arena_bytes=64 << 20,
                            page_size_tokens=PAGE_SIZE_TOKENS, cpu=args.device == "cpu") as fleet:
                 speeds = decode_tokens_per_s(fleet, args.batch, args.new_tokens)
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     nan = float("nan")
     top1, kl = gates.get("top1", {}), gates.get("kl", {})
     rows = [[p, served[p], eight_b[p], total_bytes[p], ratio[p], speeds.get(p, nan),
-             top1.get(p, nan), kl.get(p, nan)] for p in PRECISIONS]
+             top1.get(p, nan), kl.get(p, nan)] for p in FLEET_PRECISIONS]
     emit(f"precisions of {src.name} on {args.device}: KV tokens per GiB, weights, decode "
          "tokens/s, accuracy against bf16",
          ["precision", "tokens/GiB", "tokens/GiB (8B)", "weight B", "linear/bf16",

@@ -456,7 +456,7 @@ def _model_problems(model: ModelConfig, config: FleetConfig) -> list[str]:
     if kv in ("bf16", "fp16") and kv != act:
         problems.append(f"kv_dtype {kv} needs activations in {kv}, but precision "
                         f"{model.precision} computes in {act}; use precision {kv} or kv_dtype auto")
-    if model.kv in KV_STORAGE and KV_STORAGE[model.kv].arena_only and config.kv_pool != "arena":
+    if KV_STORAGE[model.kv].arena_only and config.kv_pool != "arena":
         problems.append(f"kv_dtype {kv} is stored only in the slab arena (fineslab's KV4 pool); "
                         "use kv_pool: arena")
     flags = sorted({a.split("=", 1)[0] for a in model.extra_args} & set(RESERVED_ARGS))

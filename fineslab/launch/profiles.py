@@ -57,10 +57,6 @@ def profile_dirs(configured: Sequence[str]) -> list[Path]:
     return [Path(d) for d in configured] + [REPO_PROFILES_DIR]
 
 
-def _kv_name(kv_dtype: str) -> str:
-    return {"fp8_e4m3": "fp8"}.get(kv_dtype, kv_dtype)
-
-
 def _find_named(name: str, dirs: Sequence[Path]) -> ModelProfile | None:
     """The profile `name` in `dirs`: the first measured one, else the first analytical one."""
     found = [load_profile(d / f"{name}.json") for d in dirs if (d / f"{name}.json").is_file()]
@@ -70,7 +66,7 @@ def _find_named(name: str, dirs: Sequence[Path]) -> ModelProfile | None:
 
 
 def _with_kv_dtype(profile: ModelProfile, model: ModelConfig) -> ModelProfile:
-    kv = _kv_name(model.resolved_kv_dtype)
+    kv = model.kv.profile_name
     if profile.kv_dtype == kv:
         return profile
     s = profile.shape
@@ -115,7 +111,7 @@ def cpu_estimate_profile(model: ModelConfig, model_dir: Path) -> ModelProfile:
     shape, _ = read_shape(model_dir)
     weights_bytes, num_params = safetensors_bytes_and_params(model_dir)
     shape = dataclasses.replace(shape, num_params=num_params)
-    precision = dataclasses.replace(PRECISIONS["fp16"], kv_dtype=_kv_name(model.resolved_kv_dtype))
+    precision = dataclasses.replace(PRECISIONS["fp16"], kv_dtype=model.kv.profile_name)
     roof = Roofline(shape, precision, CPU_ESTIMATE, tp=1)
 
     def step_s(tokens: int, context: float, prefill: bool = False) -> float:

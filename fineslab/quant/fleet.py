@@ -51,7 +51,6 @@ from fineslab.env import KV_FORMAT_VAR, KV_SCALES_VAR
 from fineslab.errors import ConfigError
 from fineslab.precisions import (
     AWQ_GROUP_SIZE,
-    FLEET_PRECISIONS,
     KV_STORAGE,
     QOQ_GROUP_SIZE,
     WEIGHT_FORMATS,
@@ -77,8 +76,6 @@ from fineslab.slabs.formats import KVDtype, KVShape
 
 logger = logging.getLogger(__name__)
 
-#: The mixed fleet of the precision tests and benchmark (the registry's `FLEET_PRECISIONS`).
-PRECISIONS = FLEET_PRECISIONS
 #: Calibration token ids for the FP8 KV scales (a fixed, model-agnostic prompt of small ids).
 CALIBRATION_IDS = (tuple(range(3, 131)), tuple(range(200, 264)))
 STAMP_FILE = "prepared.json"

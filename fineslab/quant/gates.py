@@ -48,7 +48,7 @@ class GateResult:
     cosine_mean: float
     cosine_min: float
     num_positions: int
-    kl_mean: float = 0.0
+    kl_mean: float
 
 
 def _top_maps(result: dict[str, Any]) -> list[dict[int, float]]:

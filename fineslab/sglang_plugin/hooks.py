@@ -52,13 +52,13 @@ def kv_shape_of(configurator: Any, runtime_id: str) -> KVShape:
     """This rank's KV geometry, from SGLang's KV cache configurator (heads already per rank)."""
     dtype = str(configurator.kv_cache_dtype)
     try:
-        kv_dtype = KVDtype.from_name(dtype)
-        if kv_dtype not in SGLANG_KV_DTYPES:
-            raise ConfigError(dtype)
+        kv_dtype: KVDtype | None = KVDtype.from_name(dtype)
     except ConfigError:
+        kv_dtype = None
+    if kv_dtype is None or kv_dtype not in SGLANG_KV_DTYPES:
         raise ConfigError(
             f"unknown model format: KV dtype {dtype} has no slab block format (supported: "
-            "bfloat16, float16, fp8_e4m3); set --dtype / --kv-cache-dtype accordingly") from None
+            "bfloat16, float16, fp8_e4m3); set --dtype / --kv-cache-dtype accordingly")
     model_config = configurator.model_config
     if model_config.v_head_dim != model_config.head_dim:
         raise ConfigError("unknown model format: K and V head dims differ")

@@ -21,7 +21,8 @@ import pytest
 
 from fineslab.launch.precision_fleet import RunningFleet, run_fleet
 from fineslab.models import smollm2
-from fineslab.quant.fleet import PRECISIONS, prepare_runtime
+from fineslab.precisions import FLEET_PRECISIONS
+from fineslab.quant.fleet import prepare_runtime
 
 PAGE_SIZE_TOKENS = 16
 ARENA_BYTES = 48 << 20
@@ -41,7 +42,7 @@ def source_model(cache: Path) -> Path:
 def fleet(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningFleet]:
     work = tmp_path_factory.mktemp("precisions")
     src = source_model(model_cache)
-    runtimes = [prepare_runtime(p, src, work) for p in PRECISIONS]
+    runtimes = [prepare_runtime(p, src, work) for p in FLEET_PRECISIONS]
     with run_fleet(runtimes, work, f"prec{os.getpid()}", arena_bytes=ARENA_BYTES,
                    page_size_tokens=PAGE_SIZE_TOKENS, extra_env=ONE_THREAD,
                    extra_args=("--log-level", "info"), max_running_requests=8) as running:
