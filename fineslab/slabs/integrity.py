@@ -87,6 +87,10 @@ def _check_free_slabs(table: SlabTable) -> None:
           free & ((table.key != 0) | (table.used != 0) | table.free_map.any(axis=1)))
     _fail("T6: block owners outside a POOLED slab",
           (table.owner != POOLED) & table.block_owner.any(axis=1))
+    marks = table.lent_to.astype(np.int64)
+    borrowers = np.clip(marks - 1, 0, table.dims.max_runtimes - 1)
+    _fail("T7: a lent slab not FREE or lent to no active runtime",
+          (marks != 0) & (~free | (table.rt_status[borrowers] != 1)))
 
 
 def _check_owned_slabs(table: SlabTable) -> np.ndarray:

@@ -23,6 +23,12 @@ Glossary
     registry    max_runtimes slots: runtime id, (pid, start ticks), key, pooled, status
                 FREE/ACTIVE, and its KV limit (below).
     KV limit    an operator's cap on one runtime id's KV bytes (`fineslab ctl limit`; limits.py)
+    lent slab   a FREE slab holding a borrower's evicted prefix pages (SwiftCache, `lent.py`):
+                lent_to = its slot + 1. It stays FREE, so every reader counts it as free and
+                every carve may take it (unlent slabs first); lent_gen changes whenever a carve
+                takes it or its mark is cleared, which is how the borrower learns its pages
+                are gone. rt_lend_cap: the slabs a runtime may hold lent (0: none; the
+                launcher's lending round sets it)
 
 Invariants (check_integrity verifies each; T3 and T4 only for owners that are quiescent)
     T1  state[s] == FREE  <=>  owner[s] == NO_OWNER
@@ -37,6 +43,7 @@ Invariants (check_integrity verifies each; T3 and T4 only for owners that are qu
                                 block_owner[s, j] - 1 is an ACTIVE pooled runtime of key[s],
                                 block_owner[s, bps:] == 0
         owner[s] != POOLED  =>  block_owner[s] == 0
+    T7  lent_to[s] != 0  =>  state[s] == FREE,  registry[lent_to[s] - 1] ACTIVE
     free_bytes + slab_bytes * #{s: state[s] != FREE} == num_slabs * slab_bytes
 
 Ownership and locking
@@ -73,7 +80,7 @@ from fineslab.slabs.shm import ProcessIdentity, create_file, map_fd, open_file
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x3142_5441_4C53_4946  # "FISLATB1" little-endian
-VERSION = 3  # 2: key pools (block_owner, rt_pooled); 3: KV limits
+VERSION = 4  # 2: key pools (block_owner, rt_pooled); 3: KV limits; 4: lent slabs (lent.py)
 NO_OWNER = -1
 POOLED = -2
 #: Slab 0 holds slot 0 of every format, where SGLang writes its padded tokens, so it only ever
@@ -142,6 +149,8 @@ class TableDims:
             ("used", np.dtype(np.int32), (n,)),
             ("free_map", np.dtype(np.uint8), (n, m)),
             ("block_owner", np.dtype(np.uint8), (n, m)),
+            ("lent_to", np.dtype(np.uint8), (n,)),
+            ("lent_gen", np.dtype(np.int64), (n,)),
             ("rt_status", np.dtype(np.uint8), (r,)),
             ("rt_pid", np.dtype(np.int64), (r,)),
             ("rt_start", np.dtype(np.int64), (r,)),
@@ -153,6 +162,7 @@ class TableDims:
             ("lim_set", np.dtype(np.uint8), (r,)),
             ("lim_bytes", np.dtype(np.int64), (r,)),
             ("lim_name", np.dtype(np.uint8), (r, RUNTIME_ID_BYTES)),
+            ("rt_lend_cap", np.dtype(np.int32), (r,)),
         ]
 
     def offsets(self) -> tuple[dict[str, int], int]:
@@ -200,6 +210,8 @@ class SlabTable(KVLimitRows):
         self.rt_limited, self.rt_limit = views["rt_limited"], views["rt_limit"]
         self.lim_set, self.lim_bytes, self.lim_name = (
             views["lim_set"], views["lim_bytes"], views["lim_name"])
+        self.lent_to, self.lent_gen = views["lent_to"], views["lent_gen"]
+        self.rt_lend_cap = views["rt_lend_cap"]
         self.me = ProcessIdentity.current()
         self._repaired_ids: list[str] = []  # runtimes dropped by a repair, for reclaim's report
         self._lock = _TableLock(self)
@@ -243,7 +255,8 @@ class SlabTable(KVLimitRows):
     def close(self) -> None:
         for name in ("header", "handle", "state", "key", "owner", "used", "free_map",
                      "block_owner", "rt_status", "rt_pid", "rt_start", "rt_key", "rt_pooled",
-                     "rt_name", "rt_limited", "rt_limit", "lim_set", "lim_bytes", "lim_name"):
+                     "rt_name", "rt_limited", "rt_limit", "lim_set", "lim_bytes", "lim_name",
+                     "lent_to", "lent_gen", "rt_lend_cap"):
             setattr(self, name, None)
         try:
             self._mm.close()
@@ -379,10 +392,11 @@ class SlabTable(KVLimitRows):
     def carve_locked(self, slot: int, num_slabs: int, owner: int,
                      lowest: int = 0) -> np.ndarray:
         """`carve` for a caller holding the lock; `owner` is `slot` or POOLED. Only slabs
-        from `lowest` on (weights pass FIRST_WEIGHT_SLAB)."""
-        free = np.flatnonzero(self.state[lowest:] == SlabState.FREE) + lowest
+        from `lowest` on (weights pass FIRST_WEIGHT_SLAB). Unlent FREE slabs first, then lent
+        ones, whose pages are dropped (never moved: `lent.py`), lowest ids first in each."""
+        free = self._carvable_locked(lowest)
         if free.size < num_slabs and self._reclaim_dead_locked():
-            free = np.flatnonzero(self.state[lowest:] == SlabState.FREE) + lowest
+            free = self._carvable_locked(lowest)
         if free.size < num_slabs:
             raise ArenaExhausted(
                 f"{num_slabs} slab(s) wanted, {free.size} free of {self.dims.num_slabs}"
@@ -400,8 +414,16 @@ class SlabTable(KVLimitRows):
         self.free_map[chosen, : self.dims.slab_bytes // key] = 1
         self.owner[chosen] = owner
         self.state[chosen] = SlabState.PARTIAL
+        self.lent_to[chosen] = 0
+        self.lent_gen[chosen] += 1
         self.header[_Hdr.SLAB_EPOCH] += 1
         return chosen
+
+    def _carvable_locked(self, lowest: int) -> np.ndarray:
+        free = self.state[lowest:] == SlabState.FREE
+        lent = self.lent_to[lowest:] != 0
+        return np.concatenate([np.flatnonzero(free & ~lent), np.flatnonzero(free & lent)]
+                              ) + lowest
 
     def release(self, slot: int, slab_ids: Collection[int]) -> None:
         """Return empty slabs of `slot` to the free space."""
@@ -434,6 +456,8 @@ class SlabTable(KVLimitRows):
     def _drop_runtime_locked(self, slot: int) -> None:
         for slab in np.flatnonzero(self.owner == slot):
             self._free_slab_locked(int(slab))
+        self.drop_lent_locked(np.flatnonzero(self.lent_to == slot + 1))
+        self.rt_lend_cap[slot] = 0
         self._drop_pooled_blocks_locked(self.block_owner == slot + 1)
         self.rt_status[slot] = self.rt_pooled[slot] = self.rt_limited[slot] = 0
         self.rt_limit[slot] = 0
@@ -452,6 +476,12 @@ class SlabTable(KVLimitRows):
                 self._free_slab_locked(slab)
             else:
                 self.state[slab] = SlabState.PARTIAL
+
+    def drop_lent_locked(self, slabs: np.ndarray) -> None:
+        """Clear the lent marks of `slabs` (FREE already): their pages are gone for the borrower,
+        whose next check sees `lent_gen` changed."""
+        self.lent_to[slabs] = 0
+        self.lent_gen[slabs] += 1
 
     def _reclaim_dead_locked(self) -> list[str]:
         dead = [(slot, name) for slot, name in self.active_runtimes().items()
@@ -473,6 +503,10 @@ class SlabTable(KVLimitRows):
         reclaimed = self._reclaim_dead_locked()
         for slab in np.flatnonzero(self.state == SlabState.FREE):
             self._free_slab_locked(int(slab))
+        marks = self.lent_to.astype(np.int64)
+        borrowers = np.clip(marks - 1, 0, self.dims.max_runtimes - 1)
+        self.drop_lent_locked(np.flatnonzero((marks != 0) & (
+            (self.state != SlabState.FREE) | (self.rt_status[borrowers] != 1))))
         self._repair_pooled_locked()
         slots = np.clip(self.owner, 0, self.dims.max_runtimes - 1)
         orphaned = (self.state != SlabState.FREE) & (self.owner != POOLED) & (
