@@ -39,6 +39,10 @@ WEIGHTS_DIR_VAR = "FINESLAB_WEIGHTS_DIR"
 #: "1" (with FINESLAB_WEIGHTS_IN_ARENA): each decoder layer's weights on whole slabs of its own,
 #: which the layer streamer can lend to KV and stream back (fineslab.sglang_plugin.streaming).
 LAYER_STREAMING_VAR = "FINESLAB_LAYER_STREAMING"
+#: SwiftCache's lent tier (issue #20), set: the tier is on and this runtime may hold that many
+#: slabs lent for its evicted prefix pages (a whole number; 0: none until the launcher's
+#: lending round, which moves the cap with the neighbours' demand). Unset: no lent tier.
+PREFIX_LENDING_VAR = "FINESLAB_PREFIX_LENDING"
 #: FP8 KV only: the per-layer scales file (SGLang's `--quantization-param-path` JSON).
 KV_SCALES_VAR = "FINESLAB_KV_SCALES"
 
@@ -51,6 +55,14 @@ def _parse_tristate(name: str, raw: str | None) -> bool | None:
     if raw in ("0", "false", "no"):
         return False
     raise ConfigError(f"{name}={raw!r}: expected 1/0, true/false or yes/no")
+
+
+def _parse_slabs(name: str, raw: str | None) -> int | None:
+    if raw is None or raw == "":
+        return None
+    if not raw.isdigit():
+        raise ConfigError(f"{name}={raw!r}: expected a whole number of slabs")
+    return int(raw)
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,7 @@ class FineslabEnv:
     kv_scales_path: str | None = None
     weights_in_arena: bool = False
     layer_streaming: bool = False
+    prefix_lending: int | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> FineslabEnv:
@@ -83,4 +96,5 @@ class FineslabEnv:
                                                   env.get(WEIGHTS_IN_ARENA_VAR))),
             layer_streaming=bool(_parse_tristate(LAYER_STREAMING_VAR,
                                                  env.get(LAYER_STREAMING_VAR))),
+            prefix_lending=_parse_slabs(PREFIX_LENDING_VAR, env.get(PREFIX_LENDING_VAR)),
         )

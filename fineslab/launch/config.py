@@ -32,6 +32,8 @@ rules that span fields (unique names, KV dtype vs activation dtype, precision pe
         layer_streaming: null       # {policy: selectn, interval: 4}, {policy: selectn,
                                     #   interval: auto, tpot_slo_s: 0.2} or {policy: oneiros,
                                     #   cap: 2, priority: 0} (docs/streaming.md)
+        prefix_lending: null        # {cap: 0.5, window_s: 10, check_s: 1}: evicted prefix
+                                    #   pages kept in the arena's free slabs (docs/prefix.md)
     supervision: {probe_interval_s: 5, probe_timeout_s: 20, probe_failures: 2,
                   backoff_max_s: 60, stable_after_s: 300, health_timeout_s: 600}
     cluster: null                   # {engine: ray, address: auto, min_nodes: 1, wait_nodes_s: 60}:
@@ -122,6 +124,17 @@ class StreamingConfig:
 
 
 @dataclass(frozen=True)
+class PrefixLendingConfig:
+    """A model's lent tier (SwiftCache, docs/prefix.md): its radix cache's evicted pages kept
+    in the arena's free slabs, at most `cap` of the arena's slabs, less the headroom that
+    Algorithm 1 (`window_s`, `check_s`) keeps for the device's other models."""
+
+    cap: float = 0.5
+    window_s: float = 10.0
+    check_s: float = 1.0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str
     model_path: str | None
@@ -141,6 +154,7 @@ class ModelConfig:
     idle_timeout_s: float | None = None
     pinned: bool = False
     layer_streaming: StreamingConfig | None = None
+    prefix_lending: PrefixLendingConfig | None = None
 
     @property
     def elastic(self) -> bool:
@@ -324,6 +338,17 @@ def _one_of(value: str, known: tuple[str, ...]) -> str:
     return value
 
 
+#: SGLang flags that would take the lent tier's radix cache away.
+_LENDING_CLASHES = ("--disable-radix-cache", "--radix-cache-backend",
+                    "--enable-hierarchical-cache", "--enable-hicache")
+
+
+class _PrefixLending(_Strict):
+    cap: float = Field(default=0.5, gt=0, le=1)
+    window_s: float = Field(default=10.0, ge=0, le=86400)
+    check_s: float = Field(default=1.0, gt=0, le=86400)
+
+
 class _Model(_Strict):
     name: str = Field(pattern=_NAME)
     path: str | None = None
@@ -341,6 +366,7 @@ class _Model(_Strict):
     idle_timeout_s: float | None = Field(default=None, gt=0, le=7 * 86400)
     pinned: bool = False
     layer_streaming: _Streaming | None = None
+    prefix_lending: _PrefixLending | None = None
 
     @field_validator("precision")
     @classmethod
@@ -411,7 +437,10 @@ def _to_dataclasses(fleet: _Fleet, source: str, base_dir: Path) -> FleetConfig:
                     m.tp, m.ttft_slo_s, m.request_rate_per_s, m.replicas, m.profile,
                     m.max_running_requests, tuple(m.extra_args), tuple(sorted(m.env.items())),
                     m.idle_timeout_s, m.pinned,
-                    None if m.layer_streaming is None else m.layer_streaming.resolved())
+                    None if m.layer_streaming is None else m.layer_streaming.resolved(),
+                    None if m.prefix_lending is None else PrefixLendingConfig(
+                        m.prefix_lending.cap, m.prefix_lending.window_s,
+                        m.prefix_lending.check_s))
         for m in fleet.models)
     r = fleet.router
     router = RouterConfig(r.host, r.port, r.api_key_env, r.on_drop, r.drop_status,
@@ -470,6 +499,16 @@ def _model_problems(model: ModelConfig, config: FleetConfig) -> list[str]:
         problems.append("a model streams layers or sleeps, not both, in this version: a wake "
                         "restores every layer, so it needs the slabs its lent layers gave away "
                         "(drop idle_timeout_s/pinned or layer_streaming)")
+    if model.prefix_lending is not None:
+        clash = sorted({a.split("=", 1)[0] for a in model.extra_args} & set(_LENDING_CLASHES))
+        if clash:
+            problems.append(f"prefix_lending keeps evicted pages through fineslab's radix "
+                            f"cache; drop {clash} from extra_args")
+        if config.kv_pool != "arena":
+            problems.append("prefix_lending lends the slab arena's free slabs; use "
+                            "kv_pool: arena")
+        if model.tp > 1:
+            problems.append("prefix_lending serves tp: 1 in this version")
     if model.weights_in_arena:
         kind, uses = ("an elastic model (idle_timeout_s or pinned)", "keeps its weights in") \
             if model.elastic else ("a streaming model", "lends weight slabs to")

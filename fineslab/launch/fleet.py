@@ -6,9 +6,11 @@
            arenas (one per device, SlabArena.create) -> runtimes (all at once, each joining its
            device's arena through the plugin env) -> wait until healthy -> router -> supervisor
            -> cache reclaimer (idle runtimes flush their prefix caches when a neighbour
-           needs the arena: fineslab.launch.reclaim)
-    stop:  cache reclaimer -> router (no new requests) -> runtimes (all at once: process
-           groups, SIGTERM then SIGKILL, SGLang's shm files removed) -> arenas (close unlinks
+           needs the arena: fineslab.launch.reclaim) -> layer lender and prefix lending
+           (each borrower's lent-slab cap: fineslab.launch.prefix_lending)
+    stop:  layer lender, prefix lending, cache reclaimer -> router (no new requests) ->
+           runtimes (all at once: process groups, SIGTERM then SIGKILL, SGLang's shm files
+           removed) -> arenas (close unlinks
            /dev/shm/fineslab-<fleet>-<device>.{table,arena}) -> the run record
 
 The CLI (`fineslab.launch.__main__`) runs a Fleet until SIGINT or SIGTERM; `Fleet.stop` is safe
@@ -42,6 +44,7 @@ from fineslab.launch.plan import (
     RuntimePlan,
     runtime_weight_slabs,
 )
+from fineslab.launch.prefix_lending import BorrowerSpec, PrefixLending, start_prefix_lending
 from fineslab.launch.reclaim import CacheReclaimer
 from fineslab.launch.runtimes import server_spec
 from fineslab.launch.supervisor import SupervisedRuntime, Supervisor
@@ -88,6 +91,7 @@ class Fleet:
         self.supervisor: Supervisor | None = None
         self.reclaimer: CacheReclaimer | None = None
         self.lender: Lender | None = None
+        self.prefix_lending: PrefixLending | None = None
         self.router: Router | None = None
         self.server: RouterServer | None = None
         self.record: RunRecord | None = None
@@ -162,6 +166,11 @@ class Fleet:
                                             router.demand, self.runtime_url)
             self.reclaimer.start()
             self.lender = self._lender(self.reclaimer, router.demand)
+            self.prefix_lending = start_prefix_lending(
+                [BorrowerSpec(r.runtime_id, r.device.name, r.model.prefix_lending.cap,
+                              r.model.prefix_lending.window_s, r.model.prefix_lending.check_s)
+                 for r in self.plan.runtimes if r.model.prefix_lending is not None],
+                devices, lambda d: self.arenas[d].table if d in self.arenas else None)
         self.progress(f"router serving {[m.name for m in config.models]} on "
                       f"{self.server.base_url}/v1")
         self._ready = True
@@ -417,6 +426,9 @@ class Fleet:
         if self.lender is not None:
             self.lender.stop()
             self.lender = None
+        if self.prefix_lending is not None:
+            self.prefix_lending.stop()
+            self.prefix_lending = None
         if self.reclaimer is not None:
             self.reclaimer.stop()
             self.reclaimer = None

@@ -22,6 +22,7 @@ from fineslab.launch.plan import RuntimePlan, prefill_chunk_args
 from fineslab.quant.fleet import PrecisionRuntime
 from fineslab.runtime import ServerSpec, free_port
 from fineslab.sglang_plugin import ArenaJoin
+from fineslab.sglang_plugin.config import LENT_RADIX_BACKEND
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,12 @@ def server_spec(plan: RuntimePlan, prepared: PrecisionRuntime, fleet_id: str, us
         args += ["--base-gpu-id", plan.device.name.split(":")[1]]
     env = {**dict(model.env), FLEET_MARKER: fleet_id}
     if use_arena:
+        # A lent tier starts with no slabs: the launcher's lending round sets its cap.
         env.update(ArenaJoin(fleet_id, plan.runtime_id, plan.key_pool, plan.weights_in_arena,
-                             model.layer_streaming is not None).environ(), **prepared.kv_env)
+                             model.layer_streaming is not None,
+                             prefix_lending=None if model.prefix_lending is None else 0
+                             ).environ(), **prepared.kv_env)
+        if model.prefix_lending is not None:
+            args += ["--radix-cache-backend", LENT_RADIX_BACKEND]
     return ServerSpec(str(prepared.model_path), port or free_port(), cpu=cpu,
                       extra_args=(*args, *model.extra_args), env=env)

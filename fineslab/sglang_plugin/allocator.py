@@ -66,6 +66,7 @@ from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 from sglang.srt.utils import get_num_new_pages
 
 from fineslab.errors import ArenaExhausted, InvalidBlockError
+from fineslab.slabs.table import SlabTable
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class BlockSource(Protocol):
     """What SlabAllocator needs from the per-runtime slab allocator."""
 
     blocks_per_slab: int
+    table: SlabTable  # the device's slab table, and this runtime's slot in it (the lent
+    slot: int         # tier of prefix_tier.py takes free slabs there)
 
     def alloc(self, num_blocks: int) -> list[int]: ...
 

@@ -24,6 +24,7 @@ from fineslab.env import (
     KV_FORMAT_VAR,
     KV_SCALES_VAR,
     LAYER_STREAMING_VAR,
+    PREFIX_LENDING_VAR,
     RUNTIME_ID_VAR,
     WEIGHTS_IN_ARENA_VAR,
     FineslabEnv,
@@ -31,6 +32,10 @@ from fineslab.env import (
 from fineslab.errors import ConfigError
 from fineslab.precisions import PLUGIN_KV_FORMATS
 from fineslab.slabs.formats import KVDtype
+
+#: The radix-cache backend of the lent tier (`sglang_plugin/prefix_tier.py`), registered by a
+#: join with `prefix_lending` and named by the launcher's `--radix-cache-backend`.
+LENT_RADIX_BACKEND = "fineslab_lent"
 
 #: The SGLang release whose hook targets and signatures this plugin was written and tested on.
 TESTED_SGLANG_VERSION = "0.5.23"
@@ -51,6 +56,10 @@ class ArenaJoin:
     kv_format: KVDtype | None = None
     #: FP8 only: the per-layer scales file (SGLang's `--quantization-param-path` JSON).
     kv_scales_path: str | None = None
+    #: SwiftCache's lent tier (`FINESLAB_PREFIX_LENDING`): None = none; a number = the tier is
+    #: on (the `fineslab_lent` radix-cache backend is registered) and may hold that many lent
+    #: slabs until a lending round (the launcher's) moves the cap; 0 = none until then.
+    prefix_lending: int | None = None
 
     def __post_init__(self) -> None:
         if not self.arena_name:
@@ -65,6 +74,8 @@ class ArenaJoin:
                               f"not {self.kv_format.config_name}")
         if self.kv_scales_path is not None and self.kv_format is not KVDtype.FP8_E4M3:
             raise ConfigError(f"{KV_SCALES_VAR} is for {KV_FORMAT_VAR}=fp8_e4m3 only")
+        if self.prefix_lending is not None and self.prefix_lending < 0:
+            raise ConfigError(f"{PREFIX_LENDING_VAR} is a number of slabs, not negative")
 
     @classmethod
     def from_env(cls, env: FineslabEnv | None = None) -> ArenaJoin | None:
@@ -84,7 +95,8 @@ class ArenaJoin:
             kv_format = PLUGIN_KV_FORMATS[env.kv_format]
         return cls(env.arena_name, env.runtime_id, env.key_pool, env.weights_in_arena,
                    env.layer_streaming, kv_format,
-                   env.kv_scales_path if kv_format is KVDtype.FP8_E4M3 else None)
+                   env.kv_scales_path if kv_format is KVDtype.FP8_E4M3 else None,
+                   env.prefix_lending)
 
     def environ(self) -> dict[str, str]:
         """The variables a launcher puts in a runtime's environment to make it join."""
@@ -99,4 +111,6 @@ class ArenaJoin:
             variables[KV_FORMAT_VAR] = self.kv_format.config_name
         if self.kv_scales_path is not None:
             variables[KV_SCALES_VAR] = self.kv_scales_path
+        if self.prefix_lending is not None:
+            variables[PREFIX_LENDING_VAR] = str(self.prefix_lending)
         return variables

@@ -368,6 +368,58 @@ KV4_BACKEND_CONTACTS: tuple[Contact, ...] = (
             "SGLang's own way to add an --attention-backend choice"),
 )
 
+_RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
+_BASE_CACHE = "sglang.srt.mem_cache.base_prefix_cache"
+#: The `fineslab_lent` radix-cache backend (prefix_tier.py): `install` checks these where the
+#: join asks for a lent tier (`ArenaJoin.prefix_lending`).
+PREFIX_TIER_CONTACTS: tuple[Contact, ...] = (
+    Contact("sglang.srt.mem_cache.registry.register_radix_cache_backend", Kind.FUNCTION,
+            "SGLang's own way to add a --radix-cache-backend", ("name", "factory")),
+    *_members("sglang.srt.mem_cache.registry.TreeCacheBuildContext", _ATTRIBUTE,
+              ("params", "disable_radix_cache"), "what the backend factory reads"),
+    Contact(_RADIX, Kind.CLASS, "LentRadixCache's base: the tree, insert, lock refs"),
+    Contact(f"{_RADIX}.__init__", _METHOD, "LentRadixCache keeps its constructor", ("params",)),
+    Contact(f"{_RADIX}.evict", _METHOD, "overridden: victims go to the lent tier first",
+            ("params",)),
+    Contact(f"{_RADIX}.match_prefix", _METHOD, "overridden: lent pages past the tree's match",
+            ("params",)),
+    Contact(f"{_RADIX}.init_load_back", _METHOD,
+            "overridden: SGLang calls it to load a host hit before the prefill",
+            ("params",), in_source_of=()),
+    Contact(f"{_RADIX}.on_release", _METHOD, "overridden: a request's marker dropped",
+            ("req", "checkpointed")),
+    Contact(f"{_RADIX}.reset", _METHOD, "overridden: the markers cleared with the tree"),
+    *_members(_RADIX, _METHOD, ("_delete_leaf", "_update_leaf_status",
+                                "update_eviction_metrics"),
+              "the tree's own bookkeeping, called as SGLang's evict calls it"),
+    *_members(_RADIX, _ATTRIBUTE, (
+        "disable", "page_size", "evictable_leaves", "eviction_strategy", "kv_events",
+        "token_to_kv_pool_allocator"),
+        "the tree's settings and parts the overrides use", in_source_of=("__init__",)),
+    *_members(_RADIX, _ATTRIBUTE, ("root_node", "evictable_size_"),
+              "the tree's root and evictable count the overrides read and update",
+              in_source_of=("reset",)),
+    *_members("sglang.srt.mem_cache.radix_cache.TreeNode", _ATTRIBUTE, (
+        "key", "value", "parent", "children", "lock_ref", "priority"),
+        "a node of the tree, as evict and load back walk and attach them",
+        in_source_of=("__init__",)),
+    *_members("sglang.srt.mem_cache.radix_cache.RadixKey", _METHOD, (
+        "page_aligned", "raw_token_ids", "child_key"), "a key's pages, tokens and child key"),
+    *_members("sglang.srt.mem_cache.radix_cache.RadixKey", _ATTRIBUTE, (
+        "extra_key", "cache_salt"), "a key's namespace (the first page hash)",
+        in_source_of=("__init__",)),
+    *_members(f"{_BASE_CACHE}.MatchResult", _ATTRIBUTE, (
+        "device_prefix_len", "last_device_node", "host_hit_length"),
+        "the match the tier extends with a host hit"),
+    *_members(f"{_BASE_CACHE}.InitLoadBackParams", _ATTRIBUTE, (
+        "best_match_node", "host_hit_length", "req"), "the load SGLang asks for"),
+    Contact(f"{_BASE_CACHE}.MatchPrefixParams.req", _ATTRIBUTE, "whose match it is"),
+    Contact(f"{_BASE_CACHE}.EvictParams.num_tokens", _ATTRIBUTE, "how much to evict"),
+    Contact(f"{_BASE_CACHE}.EvictResult.num_tokens_evicted", _ATTRIBUTE, "what was evicted"),
+    Contact("sglang.srt.managers.schedule_batch.Req.rid", _ATTRIBUTE, "a request's id",
+            in_source_of=("__init__",)),
+)
+
 #: What a runtime joining an arena relies on: `install` checks these (not QOQ_CONTACTS or
 #: KV4_BACKEND_CONTACTS, which only a runtime serving a QoQ checkpoint or naming fineslab_kv4
 #: needs, checked where the method or backend is registered).
@@ -375,7 +427,8 @@ ARENA_CONTACTS: tuple[Contact, ...] = (
     *_HOOKS, *_REGISTRY_CONTACTS, *_RUNNER_STATE, *_SCHEDULER_STATE, *_ALLOCATOR_CONTACTS,
     *_POOL_CONTACTS, *_STREAMING_CONTACTS)
 #: Every SGLang name the plugin relies on.
-CONTACTS: tuple[Contact, ...] = (*ARENA_CONTACTS, *QOQ_CONTACTS, *KV4_BACKEND_CONTACTS)
+CONTACTS: tuple[Contact, ...] = (*ARENA_CONTACTS, *QOQ_CONTACTS, *KV4_BACKEND_CONTACTS,
+                                 *PREFIX_TIER_CONTACTS)
 
 #: The rows the plugin wraps with AROUND hooks, in the order SGLang calls them.
 HOOK_TARGETS: tuple[Contact, ...] = tuple(c for c in ARENA_CONTACTS if c.hook is not None)

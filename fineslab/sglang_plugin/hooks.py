@@ -191,6 +191,22 @@ class PluginSession:
             configurator.kv_cache_dtype, device, pool, need_sort=False, source=link.source,
             page_bytes=link.page_bytes() if needs_zeroed_pages(device) else None)
 
+    def tree_cache(self, ctx: Any) -> Any:
+        """The `fineslab_lent` radix-cache backend: SGLang's radix cache over a lent tier in
+        this runtime's arena (`prefix_tier.py`), its cap set from the join."""
+        from fineslab.sglang_plugin.prefix_tier import LentRadixCache
+        from fineslab.slabs.lent import LentPages, set_lend_cap
+
+        if ctx.disable_radix_cache:
+            return LentRadixCache(ctx.params, None)
+        link = self._require_link()
+        table, slot = link.source.table, link.source.slot
+        set_lend_cap(table, self.join.runtime_id, self.join.prefix_lending or 0)
+        lent = LentPages(table, slot, link.page_bytes(), link.source.blocks_per_slab)
+        logger.info("fineslab: runtime %r keeps evicted prefix pages in up to %d lent slab(s)",
+                    self.join.runtime_id, self.join.prefix_lending)
+        return LentRadixCache(ctx.params, lent)
+
     def new_batch_prefill(self, original: Callable[..., Any], scheduler: Any, *args: Any,
                           **kwargs: Any) -> Any:
         """Reopen SGLang's admission when a neighbour gave memory back (see

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, TypeVar
 from fineslab.errors import ConfigError, EnvironmentSetupError, FineslabError
 from fineslab.quant.kv4 import KV4_ATTENTION_BACKEND
 from fineslab.quant.qoq_checkpoint import QUANT_METHOD
-from fineslab.sglang_plugin.config import TESTED_SGLANG_VERSION, ArenaJoin
+from fineslab.sglang_plugin.config import LENT_RADIX_BACKEND, TESTED_SGLANG_VERSION, ArenaJoin
 from fineslab.sglang_plugin.contact import (
     ARENA_CONTACTS,
     HOOK_TARGETS,
@@ -91,6 +91,13 @@ def install(join: ArenaJoin, contacts: Sequence[Contact] = ARENA_CONTACTS) -> Pl
     from fineslab.sglang_plugin.hooks import PluginSession
 
     session = install_session(PluginSession(join), contacts)
+    if join.prefix_lending is not None:
+        from sglang.srt.mem_cache.registry import register_radix_cache_backend
+
+        from fineslab.sglang_plugin.contact import PREFIX_TIER_CONTACTS
+
+        check_contacts(PREFIX_TIER_CONTACTS)
+        register_radix_cache_backend(LENT_RADIX_BACKEND, session.tree_cache)
     logger.info("fineslab plugin: runtime %r will keep its %sKV in arena %r", join.runtime_id,
                 "" if join.kv_format is None else f"{join.kv_format.config_name} ",
                 join.arena_name)

@@ -2,7 +2,8 @@
 
 The master (`prefix.py`) and each lender run one engine: a `ChunkedServer` on its own step
 clock, driven by `run_server`, asking a `Memory` whether a job fits. A lender's memory is its
-own KV (`WorkerMemory`); its demand over time gives, by Algorithm 1 (`elastic_offers`), what it
+own KV (`WorkerMemory`); its demand over time gives, by Algorithm 1 (`elastic_offers`, with
+`scale_up`/`scale_down` from the live policy `fineslab.scheduler.swiftcache`), what it
 offers the master. Lenders are simulated first, alone (their own demand always wins, so their
 service is the same under every tier policy); their offers are replayed into the master's run.
 
@@ -48,6 +49,7 @@ from fineslab.errors import ConfigError
 from fineslab.scheduler.devices import get_device
 from fineslab.scheduler.profile_schema import ModelProfile
 from fineslab.scheduler.roofline import COMPUTE_EFFICIENCY, MEMORY_EFFICIENCY, PRECISIONS
+from fineslab.scheduler.swiftcache import scale_down, scale_up  # Algorithm 1, shared
 
 BLOCK_TOKENS = 16  # a KV block (page) of every model, for the elastic unit MEU
 
@@ -237,16 +239,6 @@ class WorkerMemory:
     def finish(self, job: Job, now: float) -> None:
         self.reserved_tokens -= job.reserve_tokens
         self.demand.append((now, self.reserved_tokens))
-
-
-def scale_up(alloc: int, need: int, meu: int) -> int:
-    """Algorithm 1, SCALEUP: what to add (a multiple of MEU) so that `need` fits `alloc`."""
-    return 0 if need <= alloc else math.ceil((need - alloc) / meu) * meu
-
-
-def scale_down(alloc: int, max_need: int, meu: int) -> int:
-    """Algorithm 1, SCALEDOWN: what to release (a multiple of MEU) down to `max_need`."""
-    return 0 if max_need >= alloc else (alloc - max_need) // meu * meu
 
 
 def elastic_offers(demand_bytes: Sequence[tuple[float, int]], capacity_bytes: int, meu_bytes: int,
