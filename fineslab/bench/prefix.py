@@ -1,0 +1,295 @@
+"""SwiftCache's lent tier on a launched CPU fleet: multi-turn TTFT with prefix lending off and on.
+
+    python -m fineslab.bench.prefix [--json] [--quick] [--seed N]
+
+A fleet of one chat model (`chat`, its own KV capped small with `--max-total-tokens`) and two
+idle neighbours in one arena is launched twice, the same sessions driven through the router
+each time: first without `prefix_lending` (SGLang's own radix cache), then with it. Sessions
+(`fineslab.workload.sessions`, closed loop, interleaved) send each turn as the whole history
+(earlier prompts and the model's own replies, as token ids) plus a new message, streamed.
+
+Figures (last line, with --json):
+    ttft_later_turns_p50_off / _on   median TTFT of turns after the first (s)
+    ttft_ratio                       on / off (target <= 0.5)
+    hit_rate_off / _on               cached prompt tokens / prompt tokens, later turns
+                                     (SGLang's `cached_tokens`: the tree's and the lent tier's)
+    lender_reclaim_ms                p99 time for a lender (this process, as a weight owner)
+                                     to carve one slab that is lent, after the run "on"
+    lender_carve_unlent_ms           p99 of the same carve of a free, unlent slab (the baseline)
+    lent_slabs_peak                  the most slabs the chat model held lent during "on"
+
+Turn lengths: new input drawn from ShareGPT's prompt lengths divided by `LENGTH_SCALE` (the
+stats file of ../shared/traces when present, else a seeded log-normal of the same median),
+replies `REPLY_TOKENS` long (decode time on CPU is not what this measures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from fineslab.bench.chaos_fleet import ChaosFleet
+from fineslab.workload.sessions import Session, SessionSpec, build_sessions
+from fineslab.workload.traces import SHAREGPT_STATS, LengthTable, load_lengths
+
+logger = logging.getLogger(__name__)
+
+LENGTH_SCALE = 8
+REPLY_TOKENS = 16
+CHAT = "chat"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    preset: str = "llama-small"
+    own_kv_tokens: int = 1024
+    arena_mib: int = 64
+    sessions: int = 8
+    session_rate_per_s: float = 2.0
+    mean_turns: float = 5.0
+    think_mean_s: float = 0.5
+    seed: int = 0
+
+
+QUICK = BenchConfig(preset="llama-tiny", own_kv_tokens=640, arena_mib=16, sessions=4,
+                    mean_turns=3.0)
+
+
+def fleet_config(cfg: BenchConfig, lending: bool, fleet_id: str) -> dict[str, Any]:
+    chat: dict[str, Any] = {
+        "name": CHAT, "preset": cfg.preset, "precision": "bf16", "kv_dtype": "bf16",
+        "ttft_slo_s": 30.0, "request_rate_per_s": 1.0, "replicas": 1,
+        "extra_args": ["--max-total-tokens", str(cfg.own_kv_tokens), "--enable-cache-report"]}
+    if lending:
+        chat["prefix_lending"] = {"cap": 0.5, "window_s": 10.0, "check_s": 1.0}
+    idle = [{"name": name, "preset": preset, "precision": "bf16", "kv_dtype": "bf16",
+             "ttft_slo_s": 30.0, "request_rate_per_s": 0.1, "replicas": 1}
+            for name, preset in (("idle-llama", "llama-tiny"), ("idle-qwen", "qwen2-tiny"))]
+    return {"fleet_id": fleet_id, "kv_pool": "arena", "placement": "mme",
+            "devices": [{"name": "cpu", "kind": "cpu", "memory_gib": 8,
+                         "kv_arena_mib": cfg.arena_mib}],
+            "router": {"host": "127.0.0.1", "max_running_requests": 8},
+            "models": [chat, *idle]}
+
+
+def turn_lengths(seed: int) -> LengthTable:
+    if SHAREGPT_STATS.exists():
+        table = load_lengths(SHAREGPT_STATS, 8192, 1024)
+        prompts = np.clip(table.prompt_tokens // LENGTH_SCALE, 16, 384)
+    else:
+        rng = np.random.default_rng(seed)
+        prompts = np.clip(rng.lognormal(np.log(1730 / LENGTH_SCALE), 0.8, 512), 16, 384)
+    prompts = prompts.astype(np.int64)
+    return LengthTable(prompts, np.full_like(prompts, REPLY_TOKENS))
+
+
+@dataclass
+class TurnResult:
+    turn_index: int
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Drive:
+    results: list[TurnResult] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _stream_turn(base_url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int],
+                                                                             int]:
+    """One streamed completion: (TTFT s, output token ids, cached prompt tokens)."""
+    started = time.perf_counter()
+    ttft, out, cached = None, [], 0
+    body = {"model": CHAT, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=600) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("error"):
+                raise RuntimeError(str(chunk["error"])[:300])
+            for choice in chunk.get("choices") or []:
+                if ttft is None:
+                    ttft = time.perf_counter() - started
+                out += choice.get("token_ids") or []
+            usage = chunk.get("usage") or {}
+            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or
+                         cached)
+    if ttft is None:
+        raise RuntimeError("the stream ended without a token")
+    return ttft, out, cached
+
+
+def _run_session(base_url: str, session: Session, vocab: np.random.Generator, clock0: float,
+                 drive: Drive) -> None:
+    time.sleep(max(0.0, session.start_s - (time.monotonic() - clock0)))
+    history: list[int] = []
+    for turn in session.turns:
+        time.sleep(turn.think_s)
+        prompt = history + vocab.integers(10, 1900, turn.input_tokens).tolist()
+        try:
+            ttft, out, cached = _stream_turn(base_url, prompt, turn.output_tokens)
+        except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+            with drive.lock:
+                drive.errors.append(f"{turn.request_id}: {exc}")
+            return
+        with drive.lock:
+            drive.results.append(TurnResult(turn.turn_index, ttft, len(prompt), cached))
+        history = prompt + out
+
+
+def drive_sessions(base_url: str, sessions: Sequence[Session], seed: int) -> Drive:
+    drive, clock0 = Drive(), time.monotonic()
+    threads = [threading.Thread(target=_run_session, args=(
+        base_url, s, np.random.default_rng([seed, k]), clock0, drive), daemon=True)
+        for k, s in enumerate(sessions)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(1800)
+    return drive
+
+
+def _percentile_ms(values: Sequence[float], q: float) -> float:
+    return round(float(np.percentile(np.asarray(values) * 1000, q)), 3) if values else float("nan")
+
+
+def lender_carves(fleet_id: str, samples: int = 32) -> tuple[list[float], list[float], int]:
+    """Carve times (s) of a weight owner registered by this process: each free unlent slab,
+    then each lent one (the lender's burst), one slab a carve; and how many were lent."""
+    from fineslab.slabs.arena import SlabArena
+    from fineslab.slabs.table import SlabState
+    from fineslab.slabs.weights import carve_weight_slabs, release_weight_slabs
+
+    unlent_s, lent_s, held = [], [], []
+    with SlabArena.attach(fleet_id, "cpu:0") as arena:
+        table = arena.table
+        slot = table.register("bench-lender:w", table.dims.slab_bytes)
+        try:
+            while True:
+                free = (table.state[1:] == SlabState.FREE)
+                lent_now = free & (table.lent_to[1:] != 0)
+                if not free.any() or len(lent_s) >= samples:
+                    break
+                was_lent = bool(lent_now.any()) and not (free & ~lent_now).any()
+                started = time.perf_counter()
+                held.append(carve_weight_slabs(table, slot, 1))
+                (lent_s if was_lent else unlent_s).append(time.perf_counter() - started)
+        finally:
+            for slabs in held:
+                release_weight_slabs(table, slot, slabs, "bench-lender")
+            table.unregister(slot)
+    return unlent_s, lent_s, len(lent_s)
+
+
+def _watch_lent(fleet_id: str, stop: threading.Event, peak: list[int]) -> None:
+    from fineslab.slabs.arena import SlabArena
+    from fineslab.slabs.lent import lent_slabs
+
+    with SlabArena.attach(fleet_id, "cpu:0") as arena:
+        while not stop.wait(0.2):
+            lent = lent_slabs(arena.table)
+            peak[0] = max(peak[0], sum(n for r, n in lent.items() if r.startswith(CHAT + "-")))
+
+
+def run_mode(cfg: BenchConfig, lending: bool, folder: Path) -> dict[str, Any]:
+    name = "on" if lending else "off"
+    fleet_id = f"bench-prefix-{name}-{int(time.time())}"
+    sessions = build_sessions(SessionSpec(CHAT, turn_lengths(cfg.seed), cfg.sessions,
+                                          cfg.session_rate_per_s, cfg.mean_turns, 8,
+                                          cfg.think_mean_s, cfg.own_kv_tokens - 64, cfg.seed))
+    print(f"[prefix] {name}: launching the fleet ({cfg.preset} chat + 2 idle)", flush=True)
+    fleet = ChaosFleet.launch(fleet_config(cfg, lending, fleet_id), folder, name)
+    stop, peak = threading.Event(), [0]
+    watcher = threading.Thread(target=_watch_lent, args=(fleet_id, stop, peak), daemon=True)
+    try:
+        watcher.start()
+        turns = sum(len(s.turns) for s in sessions)
+        print(f"[prefix] {name}: {len(sessions)} sessions, {turns} turns", flush=True)
+        drive = drive_sessions(fleet.base_url, sessions, cfg.seed)
+        stop.set()
+        watcher.join(5)
+        out: dict[str, Any] = {"drive": drive, "lent_peak": peak[0]}
+        if lending:
+            out["carves"] = lender_carves(fleet_id)
+        fleet.interrupt()
+        return out
+    finally:
+        stop.set()
+        fleet.cleanup()
+
+
+def summarize(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
+    for name, run in (("off", off), ("on", on)):
+        later = [r for r in run["drive"].results if r.turn_index > 0]
+        figures[f"ttft_later_turns_p50_{name}"] = round(
+            statistics.median([r.ttft_s for r in later]), 4) if later else float("nan")
+        prompt = sum(r.prompt_tokens for r in later)
+        figures[f"hit_rate_{name}"] = round(sum(r.cached_tokens for r in later) / prompt, 4) \
+            if prompt else float("nan")
+        figures[f"later_turns_{name}"] = len(later)
+        figures[f"errors_{name}"] = len(run["drive"].errors)
+    figures["ttft_ratio"] = round(figures["ttft_later_turns_p50_on"]
+                                  / figures["ttft_later_turns_p50_off"], 4)
+    unlent_s, lent_s, _ = on["carves"]
+    figures["lender_reclaim_ms"] = _percentile_ms(lent_s, 99)
+    figures["lender_carve_unlent_ms"] = _percentile_ms(unlent_s, 99)
+    figures["lender_reclaims"] = len(lent_s)
+    figures["lent_slabs_peak"] = on["lent_peak"]
+    return figures
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fineslab.bench.prefix",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON last")
+    parser.add_argument("--quick", action="store_true",
+                        help="llama-tiny, 4 sessions: the short version the tests run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sessions", type=int, default=None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    cfg = QUICK if args.quick else BenchConfig()
+    cfg = BenchConfig(**{**cfg.__dict__, "seed": args.seed,
+                         "sessions": args.sessions or cfg.sessions})
+    with tempfile.TemporaryDirectory(prefix="fineslab-bench-prefix-") as tmp:
+        folder = Path(tmp)
+        off = run_mode(cfg, False, folder)
+        on = run_mode(cfg, True, folder)
+    figures = {"preset": cfg.preset, "sessions": cfg.sessions, "seed": cfg.seed,
+               "lengths": "sharegpt/8" if SHAREGPT_STATS.exists() else "lognormal",
+               **summarize(off, on)}
+    for run in (off, on):
+        for error in run["drive"].errors[:5]:
+            print(f"[prefix] error: {error}", flush=True)
+    for key, value in figures.items():
+        print(f"{key:28s} {value}")
+    if args.json:
+        print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
