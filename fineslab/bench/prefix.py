@@ -1,6 +1,6 @@
 """SwiftCache's lent tier on a launched CPU fleet: multi-turn TTFT with prefix lending off and on.
 
-    python -m fineslab.bench.prefix [--json] [--quick] [--seed N]
+    python -m fineslab.bench.prefix [--json] [--quick] [--seed N] [--load moderate|busy]
 
 A fleet of one chat model (`chat`, its own KV capped small with `--max-total-tokens`) and two
 idle neighbours in one arena is launched twice, the same sessions driven through the router
@@ -57,11 +57,14 @@ class BenchConfig:
     own_kv_tokens: int = 1024
     arena_mib: int = 64
     sessions: int = 8
-    session_rate_per_s: float = 2.0
     mean_turns: float = 5.0
-    think_mean_s: float = 0.5
     seed: int = 0
+    load: str = "moderate"
 
+
+#: (session starts a second, mean think time s): "busy" queues turns behind each other on this
+#: CPU (TTFT mostly waiting), "moderate" leaves the prefill to dominate.
+LOADS = {"moderate": (0.5, 2.0), "busy": (2.0, 0.5)}
 
 QUICK = BenchConfig(preset="llama-tiny", own_kv_tokens=640, arena_mib=16, sessions=4,
                     mean_turns=3.0)
@@ -213,9 +216,10 @@ def _watch_lent(fleet_id: str, stop: threading.Event, peak: list[int]) -> None:
 def run_mode(cfg: BenchConfig, lending: bool, folder: Path) -> dict[str, Any]:
     name = "on" if lending else "off"
     fleet_id = f"bench-prefix-{name}-{int(time.time())}"
-    sessions = build_sessions(SessionSpec(CHAT, turn_lengths(cfg.seed), cfg.sessions,
-                                          cfg.session_rate_per_s, cfg.mean_turns, 8,
-                                          cfg.think_mean_s, cfg.own_kv_tokens - 64, cfg.seed))
+    rate, think = LOADS[cfg.load]
+    sessions = build_sessions(SessionSpec(CHAT, turn_lengths(cfg.seed), cfg.sessions, rate,
+                                          cfg.mean_turns, 8, think, cfg.own_kv_tokens - 64,
+                                          cfg.seed))
     print(f"[prefix] {name}: launching the fleet ({cfg.preset} chat + 2 idle)", flush=True)
     fleet = ChaosFleet.launch(fleet_config(cfg, lending, fleet_id), folder, name)
     stop, peak = threading.Event(), [0]
@@ -266,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="llama-tiny, 4 sessions: the short version the tests run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sessions", type=int, default=None)
+    parser.add_argument("--load", choices=sorted(LOADS), default="moderate",
+                        help="session rate and think time (module docstring)")
     return parser
 
 
@@ -273,13 +279,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     cfg = QUICK if args.quick else BenchConfig()
-    cfg = BenchConfig(**{**cfg.__dict__, "seed": args.seed,
+    cfg = BenchConfig(**{**cfg.__dict__, "seed": args.seed, "load": args.load,
                          "sessions": args.sessions or cfg.sessions})
     with tempfile.TemporaryDirectory(prefix="fineslab-bench-prefix-") as tmp:
         folder = Path(tmp)
         off = run_mode(cfg, False, folder)
         on = run_mode(cfg, True, folder)
-    figures = {"preset": cfg.preset, "sessions": cfg.sessions, "seed": cfg.seed,
+    figures = {"preset": cfg.preset, "sessions": cfg.sessions, "seed": cfg.seed, "load": cfg.load,
                "lengths": "sharegpt/8" if SHAREGPT_STATS.exists() else "lognormal",
                **summarize(off, on)}
     for run in (off, on):

@@ -16,9 +16,10 @@ Glossary
     valid       an entry whose slab still has lent_to == slot + 1 and the recorded lent_gen
 
 Concurrency (the table lock is the only lock)
-    write   under the lock, a slab at a time, after checking its mark and gen: a carve (which
-            bumps the gen under the lock) can never land between the check and the copy, so a
-            borrower never writes into a slab a lender already took
+    write   under the lock, one slab's pages a hold, after checking its mark and gen: a carve
+            (which bumps the gen under the lock) can never land between the check and the copy,
+            so a borrower never writes into a slab a lender already took, and a carve waits for
+            the lock at most one slab's copy (slab_bytes at memcpy speed)
     read    without the lock, seqlock-style: check, copy, check again; a page whose slab was
             taken meanwhile reads as a miss (the caller recomputes). On CPU (x86 TSO) a lender's
             writes follow its carve's gen bump, so a copy that saw any of them sees the bump at
@@ -112,20 +113,26 @@ class LentPages:
             self._fit_cap_locked()
             self._grow_locked(len(fresh))
             placed = self._place(len(fresh))
-            by_slab: dict[int, list[tuple[bytes, int, int]]] = {}
-            for (h, page), (slab, block) in zip(fresh, placed, strict=False):
-                by_slab.setdefault(slab, []).append((h, page, block))
-            for slab, items in by_slab.items():
-                gen = self.held[slab][0]
+        by_slab: dict[int, list[tuple[bytes, int, int]]] = {}
+        for (h, page), (slab, block) in zip(fresh, placed, strict=False):
+            by_slab.setdefault(slab, []).append((h, page, block))
+        stored = 0
+        for slab, items in by_slab.items():
+            # One slab's copy a lock hold: a carve waits at most that long for the lock.
+            with self.table.lock():
+                gen = self.held.get(slab, (-1, []))[0]
+                if not self._alive(slab, gen):
+                    continue  # taken since it was planned: those pages are not lent
                 dst = torch.tensor([slab * self.bps + b for _, _, b in items], dtype=torch.long)
                 src = torch.tensor([p for _, p, _ in items], dtype=torch.long)
                 self.pages.index_copy_(0, dst.to(self.pages.device),
                                        self.pages.index_select(0, src.to(self.pages.device)))
-                for h, _, block in items:
-                    self.index[h] = _Entry(slab, block, gen)
-        self.stats.stored_pages += len(placed)
-        self.stats.refused_pages += len(fresh) - len(placed)
-        return len(placed)
+            for h, _, block in items:
+                self.index[h] = _Entry(slab, block, gen)
+            stored += len(items)
+        self.stats.stored_pages += stored
+        self.stats.refused_pages += len(fresh) - stored
+        return stored
 
     def _fit_cap_locked(self) -> None:
         """Give back held slabs beyond the cap (the emptiest first)."""

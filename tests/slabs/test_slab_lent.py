@@ -118,3 +118,25 @@ def test_release_gives_every_lent_slab_back(arena: SlabArena) -> None:
     lent.release()
     assert lent_slabs(arena.table) == {} and lent.lookup(hashes(1)) == 0
     check_integrity(arena.table)
+
+
+def test_a_slab_taken_between_the_plan_and_the_copy_is_never_written(arena: SlabArena) -> None:
+    """The race the per-slab lock holds close: a lender carves a lent slab after the borrower
+    planned its pages there and writes its own KV; the borrower's copy must skip that slab."""
+    own, plain = borrower(arena, cap=1)
+    lender = arena.client("lender", FMT_A)
+    pages = pages_of(arena)
+
+    class Raced(LentPages):
+        def _place(self, count: int) -> list[tuple[int, int]]:
+            placed = super()._place(count)
+            taken = lender.alloc(lender.available_blocks())  # every free slab, the lent one too
+            pages[taken] = 0xAB  # the lender's own KV
+            self.lender_blocks = taken
+            return placed
+
+    raced = Raced(arena.table, plain.slot, pages, BPS)
+    assert raced.store(hashes(BPS), own) == 0, "nothing was lent: the slab was taken"
+    assert bool((pages[raced.lender_blocks] == 0xAB).all()), "the lender's bytes are intact"
+    assert raced.lookup(hashes(1)) == 0
+    check_integrity(arena.table)
