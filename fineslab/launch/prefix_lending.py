@@ -19,7 +19,7 @@ every INTERVAL_S per device, the most slabs each borrower may hold (`rt_lend_cap
 
 A lower cap takes effect at the borrower's next store (`LentPages._fit_cap_locked`); a carve
 needs no cap change to take a lent slab. Decisions are logged at debug level when they change,
-and the lent slabs per runtime show in `lent_slabs(table)` (the benchmark's figures).
+and the lent slabs per runtime show in `/metrics` (`fineslab_slab_owner_lent_slabs`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from fineslab.launch.reclaim import LOW_FREE_FRACTION
 from fineslab.launch.rounds import Rounds
 from fineslab.scheduler.swiftcache import ElasticAllocation, lend_budget
 from fineslab.slabs.integrity import snapshot
-from fineslab.slabs.lent import lent_slabs, set_lend_cap
+from fineslab.slabs.lent import set_lend_cap
 from fineslab.slabs.table import SlabTable
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class PrefixLending(Rounds):
                 continue
             snap = snapshot(table)
             held = {o.runtime_id: o.num_slabs for o in snap.owners if o.alive}
-            lent = lent_slabs(table)
+            lent = {o.runtime_id: o.lent_slabs for o in snap.owners if o.lent_slabs}
             headrooms = []
             for runtime_id in runtime_ids:
                 if runtime_id in self.borrowers or runtime_id not in held:

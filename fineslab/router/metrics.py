@@ -126,6 +126,9 @@ def _slab_metrics(snapshots: dict[str, TableSnapshot]) -> Iterator[Metric]:
     limits = GaugeMetricFamily("fineslab_slab_owner_kv_limit_bytes",
                                "A runtime's KV limit (fineslab ctl limit); absent: none",
                                labels=["device", "owner"])
+    lent = GaugeMetricFamily("fineslab_slab_owner_lent_slabs",
+                             "Free slabs holding a runtime's evicted prefix pages (lent tier)",
+                             labels=["device", "owner"])
     for device, snap in snapshots.items():
         for (key, state), count in sorted(snap.slabs_by_key_state.items()):
             slabs.add_metric([device, str(key), state], count)
@@ -136,8 +139,10 @@ def _slab_metrics(snapshots: dict[str, TableSnapshot]) -> Iterator[Metric]:
             owner_used.add_metric([device, owner.runtime_id], owner.used_bytes)
             if owner.kv_limit_bytes is not None:
                 limits.add_metric([device, owner.runtime_id], owner.kv_limit_bytes)
+            if owner.lent_slabs:
+                lent.add_metric([device, owner.runtime_id], owner.lent_slabs)
         free.add_metric([device], snap.free_bytes)
-    yield from (slabs, owner_slabs, owner_used, free, limits)
+    yield from (slabs, owner_slabs, owner_used, free, limits, lent)
 
 
 class RouterMetrics:

@@ -21,6 +21,8 @@ Glossary
                 h_{-1} of its namespace, computed per key
     marker      what match_prefix found for a request (its hashes and tokens), consumed by
                 init_load_back; at most one per request, dropped on release
+    flush       `reset` (SGLang's /flush_cache, which a weight update also runs) drops the lent
+                pages with the tree: they are KV of the weights they were computed with
 
 Why a `RadixCache` subclass and not the unified cache's external linker: the linker writes
 through (every insert is copied out, SGLANG-ON-CPU.md), twice the copy traffic of a tier that
@@ -202,6 +204,10 @@ class LentRadixCache(RadixCache):
         super().on_release(req, checkpointed=checkpointed)
 
     def reset(self) -> None:
+        """The tree emptied (`/flush_cache`, and SGLang flushes after a weight update): the lent
+        pages go too, as KV of weights that may have changed."""
         super().reset()
         if hasattr(self, "_markers"):
             self._markers.clear()
+        if self.lent is not None:
+            self.lent.release()

@@ -30,6 +30,7 @@ class OwnerUsage:
     free_blocks: int  # free blocks it can take without carving: its slabs', or its key pool's
     pooled: bool = False
     kv_limit_bytes: int | None = None  # `fineslab ctl limit`; None: uncapped
+    lent_slabs: int = 0  # FREE slabs holding its evicted prefix pages (lent.py)
 
     @property
     def used_bytes(self) -> int:
@@ -190,6 +191,8 @@ def snapshot(table: SlabTable) -> TableSnapshot:
     partial = state == SlabState.PARTIAL
     bps = np.where(key > 0, table.dims.slab_bytes // np.maximum(key, 1), 0)
     pool_marks = table.block_owner[owner == POOLED]  # only POOLED rows hold block owners
+    marks = table.lent_to[state == SlabState.FREE].astype(np.int64)
+    lent = np.bincount(marks, minlength=table.dims.max_runtimes + 1)
     for slot, name in sorted(table.active_runtimes().items()):
         identity = table.identity_of(slot)
         slot_key = int(table.rt_key[slot])
@@ -204,6 +207,6 @@ def snapshot(table: SlabTable) -> TableSnapshot:
             free_blocks = int((bps[mine] - used[mine]).sum())
         owners.append(OwnerUsage(name, identity.pid, identity.is_alive(), slot_key, num_slabs,
                                  used_blocks, free_blocks, bool(table.rt_pooled[slot]),
-                                 table.kv_limit(slot)))
+                                 table.kv_limit(slot), int(lent[slot + 1])))
     return TableSnapshot(table.dims.slab_bytes, table.dims.num_slabs, counts, tuple(owners),
                          bool(state[PADDING_SLAB] == SlabState.FREE))

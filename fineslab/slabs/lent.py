@@ -226,7 +226,6 @@ def set_lend_cap(table: SlabTable, runtime_id: str, slabs: int) -> bool:
 
 def lent_slabs(table: SlabTable) -> dict[str, int]:
     """Runtime id -> slabs it holds lent now (lock-free read)."""
-    marks = table.lent_to[(table.lent_to != 0) & (table.state == SlabState.FREE)]
-    counts = np.bincount(marks.astype(np.int64), minlength=table.dims.max_runtimes + 1)
-    return {name: int(counts[slot + 1])
-            for slot, name in table.active_runtimes().items() if counts[slot + 1]}
+    from fineslab.slabs.integrity import snapshot
+
+    return {o.runtime_id: o.lent_slabs for o in snapshot(table).owners if o.lent_slabs}
