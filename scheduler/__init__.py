@@ -8,6 +8,9 @@
                                          get_batch_policy(name)
     placement/                           placers: mme, mme-exact (Algorithm 1), kvpr, static;
                                          get_placement_policy(name, config); colocation
+    elastic                              sleep/wake placement (lru-idle, prism)
+    oneiros, selectn                     layer streaming: which layers to lend or offload
+    swiftcache                           prefix lending: Algorithm 1 live, the lend budget
 
 See docs/scheduling.md for the formulas.
 """

@@ -1,0 +1,32 @@
+"""`python -m fineslab.bench.prefix --quick --json`: the benchmark's short version, two launched
+CPU fleets (prefix lending off, then on) under the same multi-turn sessions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_quick_benchmark_lends_evicted_histories_and_prints_every_figure(
+        model_cache: Path) -> None:
+    env = dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache))
+    done = subprocess.run([sys.executable, "-m", "fineslab.bench.prefix", "--quick", "--json"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    for key in ("ttft_later_turns_p50_off", "ttft_later_turns_p50_on", "ttft_ratio",
+                "hit_rate_off", "hit_rate_on", "lender_reclaim_ms", "lender_carve_unlent_ms"):
+        assert isinstance(figures[key], float) and figures[key] == figures[key], key  # not NaN
+    assert figures["errors_off"] == figures["errors_on"] == 0
+    assert figures["lent_slabs_peak"] > 0, "the chat model's evicted histories were lent"
+    assert figures["hit_rate_on"] > figures["hit_rate_off"], figures
+    assert figures["lender_reclaims"] > 0, "a lender carved lent slabs, so it was timed"
