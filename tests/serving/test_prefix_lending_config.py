@@ -149,3 +149,11 @@ def test_lent_slabs_count_as_the_borrowers_own_when_its_cap_is_computed(
                             {"cpu": ["chat-r0"]}, lambda d: table, Clock())
     # no lenders: free unlent 15 (20 - 5 lent), lent 5: min(10, 5 + 15 - 2) = 10
     assert lending.run_once() == {"chat-r0": 10}
+
+
+def test_the_prefix_example_plans_one_borrower_beside_two_lenders() -> None:
+    data = yaml.safe_load((REPO / "examples" / "cpu-prefix.yaml").read_text())
+    plan = make_plan(fleet_from_dict(data, "cpu-prefix.yaml"))
+    lending = [r.model.name for r in plan.runtimes if r.model.prefix_lending is not None]
+    assert lending == ["chat"] and len(plan.runtimes) == 3
+    assert len({r.device.name for r in plan.runtimes}) == 1, "one arena: the lenders' memory"

@@ -2,7 +2,8 @@
 
 Runtime "m": llama-tiny, BF16 KV (2 KiB a token), page 16, `--max-total-tokens 640` (its own KV
 capped small, so its radix cache evicts), `FINESLAB_PREFIX_LENDING=20` and
-`--radix-cache-backend fineslab_lent`. The arena: 24 slabs of 256 KiB (128 tokens each).
+`--radix-cache-backend fineslab_lent`; runtime "n", its neighbour (a lender): llama-tiny, radix
+cache off. The arena: 24 slabs of 256 KiB (128 tokens each).
 
 Each scenario: a first turn leaves its history in m's radix cache; fillers evict it (their
 prompts need the room), so the history's pages go to lent slabs; the second turn (history +
@@ -27,7 +28,14 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from plugin_test_support import ScratchArena, arena_for, kv_shape, prompts, tie_problem
+from plugin_test_support import (
+    ScratchArena,
+    arena_for,
+    generate_concurrently,
+    kv_shape,
+    prompts,
+    tie_problem,
+)
 
 from fineslab.runtime import ServerProcess, ServerSpec, free_port
 from fineslab.slabs import check_integrity
@@ -49,6 +57,7 @@ FMT = BlockFormat.unpadded(kv_shape("llama-tiny", "bfloat16", "m"), PAGE)
 class Borrower:
     server: ServerProcess
     arena: ScratchArena
+    neighbour: ServerProcess  # "n": llama-tiny in the same arena, no lent tier (a lender)
 
     def generate(self, input_ids: list[int]) -> tuple[list[int], int]:
         """Greedy output ids and the cached (not prefilled) prompt tokens."""
@@ -89,12 +98,18 @@ def borrower(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     spec = ServerSpec(str(model_cache / "llama-tiny"), free_port(), extra_args=(
         "--dtype", "bfloat16", "--page-size", str(PAGE), "--max-total-tokens", "640",
         "--radix-cache-backend", "fineslab_lent", "--log-level", "warning"), env=join.environ())
-    server = ServerProcess(spec, tmp_path_factory.mktemp("prefix") / "m.log")
+    logs = tmp_path_factory.mktemp("prefix")
+    server = ServerProcess(spec, logs / "m.log")
+    neighbour = ServerProcess(ServerSpec(str(model_cache / "llama-tiny"), free_port(), extra_args=(
+        "--dtype", "bfloat16", "--page-size", str(PAGE), "--disable-radix-cache",
+        "--log-level", "warning"), env=arena.join("n").environ()), logs / "n.log")
     try:
         server.wait_healthy(300)
-        yield Borrower(server, arena)
+        neighbour.wait_healthy(300)
+        yield Borrower(server, arena, neighbour)
     finally:
         server.stop()
+        neighbour.stop()
         arena.close()
 
 
@@ -150,6 +165,23 @@ def test_a_lenders_burst_takes_lent_slabs_at_once_and_the_borrower_recomputes(
     check_integrity(borrower.arena.arena.table, exact_owners=[])
 
 
+def test_a_real_neighbours_burst_takes_lent_slabs_and_both_models_serve_without_error(
+        borrower: Borrower) -> None:
+    turn2, _ = borrower.first_turn_then_evict(seed=55)
+    lent_before = borrower.lent()
+    assert lent_before > 0
+    # Four 600-token prompts at once: about 2,400 tokens of KV, 19 of the arena's 128-token
+    # slabs, more than its unlent free slabs, so the burst must take lent ones.
+    burst = prompts(4, 600, seed=56)
+    outputs = generate_concurrently(borrower.neighbour.spec.base_url, burst, NEW)
+    assert all(isinstance(o, list) and len(o) == NEW for o in outputs), outputs
+    assert borrower.lent() < lent_before, "the neighbour's burst took lent slabs back"
+    out, _ = borrower.generate(turn2)
+    problem = tie_problem(borrower.server.spec.base_url, turn2, borrower.recomputed(turn2), out)
+    assert problem is None, problem
+    check_integrity(borrower.arena.arena.table, exact_owners=[])
+
+
 def test_sigkill_of_a_lender_holding_taken_lent_slabs_leaks_no_slab(borrower: Borrower) -> None:
     borrower.first_turn_then_evict(seed=61)
     assert borrower.lent() > 0
@@ -186,5 +218,8 @@ def test_sigkill_of_the_borrower_leaks_no_lent_slab(borrower: Borrower) -> None:
     while time.monotonic() < deadline and "m" not in table.reclaim_dead_owners():
         time.sleep(0.2)
     assert not table.lent_to.any(), "the dead borrower's lent marks went with its slot"
-    assert (table.state == SlabState.FREE).all()
-    check_integrity(table)
+    assert "m" not in table.active_runtimes().values()
+    check_integrity(table, exact_owners=[])
+    assert len(generate_concurrently(borrower.neighbour.spec.base_url,
+                                     prompts(1, 32, seed=72), NEW)[0]) == NEW, \
+        "the neighbour serves on"
