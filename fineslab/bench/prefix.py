@@ -117,7 +117,9 @@ def _stream_turn(base_url: str, prompt: list[int], max_tokens: int) -> tuple[flo
                                                                              int]:
     """One streamed completion: (TTFT s, output token ids, cached prompt tokens)."""
     started = time.perf_counter()
-    ttft, out, cached = None, [], 0
+    ttft: float | None = None
+    out: list[int] = []
+    cached = 0
     body = {"model": CHAT, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "return_token_ids": True,
             "stream_options": {"include_usage": True}}
@@ -182,7 +184,9 @@ def lender_carves(fleet_id: str, samples: int = 32) -> tuple[list[float], list[f
     from fineslab.slabs.table import SlabState
     from fineslab.slabs.weights import carve_weight_slabs, release_weight_slabs
 
-    unlent_s, lent_s, held = [], [], []
+    unlent_s: list[float] = []
+    lent_s: list[float] = []
+    held: list[np.ndarray] = []
     with SlabArena.attach(fleet_id, "cpu:0") as arena:
         table = arena.table
         slot = table.register("bench-lender:w", table.dims.slab_bytes)
