@@ -418,6 +418,8 @@ PREFIX_TIER_CONTACTS: tuple[Contact, ...] = (
     Contact(f"{_BASE_CACHE}.EvictResult.num_tokens_evicted", _ATTRIBUTE, "what was evicted"),
     Contact("sglang.srt.managers.schedule_batch.Req.rid", _ATTRIBUTE, "a request's id",
             in_source_of=("__init__",)),
+    Contact(f"{_SERVER_ARGS}.radix_cache_backend", _ATTRIBUTE,
+            "a join asking for the lent tier refuses a runtime on another radix cache"),
 )
 
 #: What a runtime joining an arena relies on: `install` checks these (not QOQ_CONTACTS or

@@ -25,10 +25,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from fineslab.env import KV_FORMAT_VAR
+from fineslab.env import KV_FORMAT_VAR, PREFIX_LENDING_VAR
 from fineslab.errors import ConfigError
 from fineslab.sglang_plugin.allocator import SlabAllocator, needs_zeroed_pages
-from fineslab.sglang_plugin.config import ArenaJoin
+from fineslab.sglang_plugin.config import LENT_RADIX_BACKEND, ArenaJoin
 from fineslab.sglang_plugin.link import ArenaLink, join_arena
 from fineslab.sglang_plugin.memory_saver import ArenaMemorySaver, WeightSleeper
 from fineslab.sglang_plugin.pool import SlabKVPool
@@ -145,6 +145,12 @@ class PluginSession:
         """Join the arena and report its capacity instead of profiling device memory."""
         refuse_unsupported(settings_of(configurator.server_args))
         refuse_model_kinds(configurator)
+        backend = configurator.server_args.radix_cache_backend if \
+            self.join.prefix_lending is not None else LENT_RADIX_BACKEND
+        if backend != LENT_RADIX_BACKEND:
+            raise ConfigError(
+                f"{PREFIX_LENDING_VAR} asks for the lent tier, but SGLang runs radix-cache "
+                f"backend {backend!r}: start it with --radix-cache-backend {LENT_RADIX_BACKEND}")
         model_shape = kv_shape_of(configurator, self.join.runtime_id)
         shape = self._stored_shape(model_shape)
         if self.link is None:

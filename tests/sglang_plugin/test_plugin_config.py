@@ -1,6 +1,6 @@
 """Bad configuration stops a runtime at start-up with a clear error; no silent fallback.
 
-The four start-up failures run as real SGLang servers, started together to share the wait.
+The five start-up failures run as real SGLang servers, started together to share the wait.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ BAD_STARTS = {
                          "--enable-hierarchical-cache"),
     # Issue #16: weights asked into an arena of 3 slabs (llama-tiny needs more).
     "weights_do_not_fit": ("bfloat16", (), "do not fit the arena"),
+    # Issue #20: the lent tier asked for (FINESLAB_PREFIX_LENDING) on SGLang's own radix cache.
+    "lent_tier_without_backend": ("bfloat16", (), "--radix-cache-backend fineslab_lent"),
 }
 
 
@@ -45,13 +47,15 @@ def failed_logs(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
         "unknown_format": arena_for([shape], 16, 1 << 20, 2),
         "unsupported_flag": arena_for([shape], 16, 1 << 20, 2),
         "weights_do_not_fit": arena_for([shape], 16, 1 << 20, 3),
+        "lent_tier_without_backend": arena_for([shape], 16, 1 << 20, 4),
     }
     servers = {}
     for case, (dtype, flags, _) in BAD_STARTS.items():
         spec = ServerSpec(str(model_cache / "llama-tiny"), free_port(), extra_args=(
             "--dtype", dtype, "--page-size", "16", *flags),
-            env=dataclasses.replace(arenas[case].join("m"),
-                                    weights_in_arena=case == "weights_do_not_fit").environ())
+            env=dataclasses.replace(
+                arenas[case].join("m"), weights_in_arena=case == "weights_do_not_fit",
+                prefix_lending=2 if case == "lent_tier_without_backend" else None).environ())
         servers[case] = ServerProcess(spec, logs / f"{case}.log")
     texts = {}
     try:
