@@ -157,3 +157,13 @@ def test_the_prefix_example_plans_one_borrower_beside_two_lenders() -> None:
     lending = [r.model.name for r in plan.runtimes if r.model.prefix_lending is not None]
     assert lending == ["chat"] and len(plan.runtimes) == 3
     assert len({r.device.name for r in plan.runtimes}) == 1, "one arena: the lenders' memory"
+
+
+def test_two_borrowers_on_a_device_split_the_free_slabs(arena: SlabArena) -> None:
+    table = arena.table
+    table.register("a-r0", 512)
+    table.register("b-r0", 512)
+    lending = PrefixLending([BorrowerSpec(r, "cpu", 1.0, 10.0, 1.0) for r in ("a-r0", "b-r0")],
+                            {"cpu": ["a-r0", "b-r0"]}, lambda d: table, Clock())
+    # no lenders, 20 free unlent slabs: each borrower min(20, 0 + 20 // 2 - 0 - 2) = 8
+    assert lending.run_once() == {"a-r0": 8, "b-r0": 8}
