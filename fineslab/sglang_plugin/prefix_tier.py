@@ -122,7 +122,11 @@ class LentRadixCache(RadixCache):
             if not parent.children and parent.lock_ref == 0 and parent is not self.root_node:
                 heapq.heappush(heap, (self.eviction_strategy.get_priority(parent), parent))
             self.kv_events.record_remove(node)
-        self._lend(victims)  # before any page is freed: nobody else can have them yet
+        try:
+            self._lend(victims)  # before any page is freed: nobody else can have them yet
+        except Exception:  # the tier is an optimization: never fail SGLang's eviction
+            logger.exception("lent tier: storing %d evicted node(s) failed; their pages are "
+                             "dropped as without the tier", len(victims))
         for node in victims:
             self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
         self.update_eviction_metrics(evicted, started)
@@ -146,6 +150,16 @@ class LentRadixCache(RadixCache):
         req = params.req
         if self.disable or self.lent is None or req is None or not self.lent.index:
             return base
+        try:
+            return self._match_lent(params, base, req)
+        except Exception:  # a failed lookup is a miss, never a failed request
+            logger.exception("lent tier: lookup for %s failed; prefilling instead", req.rid)
+            self._markers.pop(req.rid, None)
+            return base
+
+    def _match_lent(self, params: MatchPrefixParams, base: MatchResult, req: Any
+                    ) -> MatchResult:
+        assert self.lent is not None
         key = params.key.page_aligned(self.page_size)
         done = base.device_prefix_len
         if done >= len(key):
@@ -164,6 +178,7 @@ class LentRadixCache(RadixCache):
             self._markers.pop(req.rid, None)
             return base
         self._markers[req.rid] = _Marker(node, key[done: done + hits * size], hashes)
+        self.lent.touch(hashes)  # about to be loaded: last in the tier's LRU order
         return base._replace(host_hit_length=hits * self.page_size)
 
     def init_load_back(self, params: InitLoadBackParams) -> tuple[int, Any]:
@@ -173,6 +188,15 @@ class LentRadixCache(RadixCache):
         if self.lent is None or marker is None or marker.node is not node or \
                 len(marker.tokens) != params.host_hit_length:
             return 0, node
+        try:
+            return self._load(node, marker)
+        except Exception:  # a failed load is a recompute, never a failed request
+            logger.exception("lent tier: loading %d tokens for %s failed; prefilling instead",
+                             len(marker.tokens), req.rid)
+            return 0, node
+
+    def _load(self, node: TreeNode, marker: _Marker) -> tuple[int, Any]:
+        assert self.lent is not None
         child = marker.tokens.child_key(self.page_size)
         if child in node.children:  # the same prefix was computed meanwhile
             return 0, node
@@ -184,10 +208,15 @@ class LentRadixCache(RadixCache):
         if slots is None:
             return 0, node
         page_ids = (slots[:: self.page_size] // self.page_size).tolist()
-        if not self.lent.load(marker.hashes, page_ids):
+        try:
+            loaded_ok = self.lent.load(marker.hashes, page_ids)
+        except BaseException:
             allocator.free(slots)
-            logger.info("lent tier: a lender took pages back before %s loaded them; "
-                        "recomputing %d tokens", req.rid, need)
+            raise
+        if not loaded_ok:
+            allocator.free(slots)
+            logger.info("lent tier: a lender took pages back before they loaded; recomputing "
+                        "%d tokens", need)
             return 0, node
         loaded = TreeNode(priority=node.priority)
         loaded.key, loaded.value, loaded.parent = marker.tokens, slots.to(torch.int64), node

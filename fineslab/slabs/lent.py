@@ -181,6 +181,12 @@ class LentPages:
             count += 1
         return count
 
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        """Mark `hashes` most recently used (a hit about to be loaded is not recycled first)."""
+        for h in hashes:
+            if h in self.index:
+                self.index.move_to_end(h)
+
     def load(self, hashes: Sequence[bytes], page_ids: Sequence[int]) -> bool:
         """Copy the pages under `hashes` into the borrower's pages `page_ids`; True if every one
         was still valid after the copy (else the caller must not use any of them)."""
