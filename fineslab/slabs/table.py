@@ -50,7 +50,8 @@ Ownership and locking
     One lock: an exclusive flock on the table file (released by the kernel if its holder dies).
     No other lock exists, so there is no lock order to respect; never hold it while calling out.
     Under the lock only: carve (FREE -> owned), release (owned -> FREE), register/unregister,
-    reclaim of dead owners, and every change to a POOLED slab. Without the lock: the owner of a
+    reclaim of dead owners, every change to a POOLED slab, every lent mark, generation and
+    cap, and a borrower's copy into a lent slab (lent.py). Without the lock: the owner of a
     private slab, and only it, changes that slab's used count, free map and PARTIAL/FULL state
     (RuntimeSlabs' fast path). So under the
     lock every FREE slab and every owner/key field is stable; the block counts of another
