@@ -17,6 +17,10 @@ Figures (last line, with --json):
                                      to carve one slab that is lent, after the run "on"
     lender_carve_unlent_ms           p99 of the same carve of a free, unlent slab (the baseline)
     lent_slabs_peak                  the most slabs the chat model held lent during "on"
+    carve_alone_ms / carve_during_stores_ms
+                                     p99 of a carve in a scratch arena of the fleet's slab
+                                     size, alone and while a borrower process stores 8 pages
+                                     every 5 ms (the lock wait stores add)
 
 Turn lengths: new input drawn from ShareGPT's prompt lengths divided by `LENGTH_SCALE` (the
 stats file of ../shared/traces when present, else a seeded log-normal of the same median),
@@ -207,6 +211,69 @@ def lender_carves(fleet_id: str, samples: int = 32) -> tuple[list[float], list[f
     return unlent_s, lent_s, len(lent_s)
 
 
+#: The borrower of `carves_during_stores`, in a process of its own (as a runtime is: in one
+#: process the lender would wait on the GIL, not on the table lock).
+_STORE_LOOP = """
+import sys, time
+from pathlib import Path
+from fineslab.slabs.arena import SlabArena
+from fineslab.slabs.lent import LentPages, set_lend_cap
+from fineslab.slabs.weights import carve_weight_slabs
+arena = SlabArena.attach("bench-store", "cpu:0", Path(sys.argv[1]))
+table, slab = arena.table, arena.spec.slab_bytes
+slot = table.register("borrower:w", slab)
+own = carve_weight_slabs(table, slot, 8).tolist()
+set_lend_cap(table, "borrower:w", table.dims.num_slabs)
+lent = LentPages(table, slot, arena.tensor().view(-1, slab), 1)
+print("storing", flush=True)
+k = 0
+while True:  # an eviction of 8 pages every 5 ms: a busy borrower's scheduler steps
+    lent.store([f"{k}-{i}".encode() for i in range(len(own))], own)
+    k += 1
+    time.sleep(0.005)
+"""
+
+
+def carves_during_stores(slab_bytes: int, folder: Path, carves: int = 64
+                         ) -> tuple[list[float], list[float]]:
+    """A lender's carve times (s) in a scratch arena of the fleet's slab size: alone, then while
+    a borrower process stores 8 evicted pages (one a slab) every 5 ms, each slab's copy a lock
+    hold of its own (the wait docs/prefix.md discusses)."""
+    import subprocess
+    import sys
+
+    from fineslab.slabs.arena import ArenaSpec, SlabArena
+    from fineslab.slabs.weights import carve_weight_slabs, release_weight_slabs
+
+    spec = ArenaSpec("bench-store", "cpu:0", (2 * carves + 24) * slab_bytes, slab_bytes, 1, 4)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    with SlabArena.create(spec, shm_dir=folder) as arena:
+        table = arena.table
+        lender = table.register("lender:w", slab_bytes)
+        for storing in (False, True):
+            borrower = subprocess.Popen([sys.executable, "-c", _STORE_LOOP, str(folder)],
+                                        stdout=subprocess.PIPE, text=True) if storing else None
+            try:
+                if borrower is not None:
+                    assert borrower.stdout is not None
+                    assert borrower.stdout.readline().strip() == "storing"
+                    time.sleep(0.2)
+                held = []
+                for _ in range(carves):
+                    started = time.perf_counter()
+                    held.append(carve_weight_slabs(table, lender, 1))
+                    times[storing].append(time.perf_counter() - started)
+                    time.sleep(0.002)
+                for slabs in held:
+                    release_weight_slabs(table, lender, slabs, "lender")
+            finally:
+                if borrower is not None:
+                    borrower.kill()
+                    borrower.wait()
+        table.reclaim_dead_owners()
+    return times[False], times[True]
+
+
 def _watch_lent(fleet_id: str, stop: threading.Event, peak: list[int]) -> None:
     from fineslab.slabs.arena import SlabArena
     from fineslab.slabs.lent import lent_slabs
@@ -215,6 +282,13 @@ def _watch_lent(fleet_id: str, stop: threading.Event, peak: list[int]) -> None:
         while not stop.wait(0.2):
             lent = lent_slabs(arena.table)
             peak[0] = max(peak[0], sum(n for r, n in lent.items() if r.startswith(CHAT + "-")))
+
+
+def _slab_bytes(fleet_id: str) -> int:
+    from fineslab.slabs.arena import SlabArena
+
+    with SlabArena.attach(fleet_id, "cpu:0") as arena:
+        return arena.spec.slab_bytes
 
 
 def run_mode(cfg: BenchConfig, lending: bool, folder: Path) -> dict[str, Any]:
@@ -238,6 +312,7 @@ def run_mode(cfg: BenchConfig, lending: bool, folder: Path) -> dict[str, Any]:
         out: dict[str, Any] = {"drive": drive, "lent_peak": peak[0]}
         if lending:
             out["carves"] = lender_carves(fleet_id)
+            out["store_carves"] = carves_during_stores(_slab_bytes(fleet_id), folder)
         fleet.interrupt()
         return out
     finally:
@@ -263,6 +338,9 @@ def summarize(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
     figures["lender_carve_unlent_ms"] = _percentile_ms(unlent_s, 99)
     figures["lender_reclaims"] = len(lent_s)
     figures["lent_slabs_peak"] = on["lent_peak"]
+    alone_s, storing_s = on["store_carves"]
+    figures["carve_alone_ms"] = _percentile_ms(alone_s, 99)
+    figures["carve_during_stores_ms"] = _percentile_ms(storing_s, 99)
     return figures
 
 

@@ -92,6 +92,7 @@ def _check_free_slabs(table: SlabTable) -> None:
     borrowers = np.clip(marks - 1, 0, table.dims.max_runtimes - 1)
     _fail("T7: a lent slab not FREE or lent to no active runtime",
           (marks != 0) & (~free | (table.rt_status[borrowers] != 1)))
+    _fail("T7: a copy running into a slab that is not lent", (table.lent_busy != 0) & (marks == 0))
 
 
 def _check_owned_slabs(table: SlabTable) -> np.ndarray:

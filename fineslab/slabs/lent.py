@@ -16,10 +16,11 @@ Glossary
     valid       an entry whose slab still has lent_to == slot + 1 and the recorded lent_gen
 
 Concurrency (the table lock is the only lock)
-    write   under the lock, one slab's pages a hold, after checking its mark and gen: a carve
-            (which bumps the gen under the lock) can never land between the check and the copy,
-            so a borrower never writes into a slab a lender already took, and a carve waits for
-            the lock at most one slab's copy (slab_bytes at memcpy speed)
+    write   a slab at a time: under the lock, check its mark and gen and raise its busy flag
+            (`lent_busy`); copy without the lock; lower the flag. A carve takes a busy slab
+            last, and only after the flag is down (table.py, `_wait_copies_locked`), so a
+            borrower never writes into a slab a lender took, the lock is never held for a copy,
+            and a carve waits for a copy only when it needs that very slab (one slab's bytes)
     read    without the lock, seqlock-style: check, copy, check again; a page whose slab was
             taken meanwhile reads as a miss (the caller recomputes). On CPU (x86 TSO) a lender's
             writes follow its carve's gen bump, so a copy that saw any of them sees the bump at
@@ -118,15 +119,18 @@ class LentPages:
             by_slab.setdefault(slab, []).append((h, page, block))
         stored = 0
         for slab, items in by_slab.items():
-            # One slab's copy a lock hold: a carve waits at most that long for the lock.
-            with self.table.lock():
+            with self.table.lock():  # still ours? then the busy flag keeps carves off it
                 gen = self.held.get(slab, (-1, []))[0]
                 if not self._alive(slab, gen):
                     continue  # taken since it was planned: those pages are not lent
+                self.table.lent_busy[slab] = 1
+            try:
                 dst = torch.tensor([slab * self.bps + b for _, _, b in items], dtype=torch.long)
                 src = torch.tensor([p for _, p, _ in items], dtype=torch.long)
                 self.pages.index_copy_(0, dst.to(self.pages.device),
                                        self.pages.index_select(0, src.to(self.pages.device)))
+            finally:
+                self.table.lent_busy[slab] = 0
             for h, _, block in items:
                 self.index[h] = _Entry(slab, block, gen)
             stored += len(items)

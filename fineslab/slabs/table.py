@@ -27,8 +27,10 @@ Glossary
                 lent_to = its slot + 1. It stays FREE, so every reader counts it as free and
                 every carve may take it (unlent slabs first); lent_gen changes whenever a carve
                 takes it or its mark is cleared, which is how the borrower learns its pages
-                are gone. rt_lend_cap: the slabs a runtime may hold lent (0: none; the
-                launcher's lending round sets it)
+                are gone. lent_busy: 1 while the borrower copies pages in, without the lock; a
+                carve that must take such a slab waits for the copy (one slab's bytes).
+                rt_lend_cap: the slabs a runtime may hold lent (0: none; the launcher's lending
+                round sets it)
 
 Invariants (check_integrity verifies each; T3 and T4 only for owners that are quiescent)
     T1  state[s] == FREE  <=>  owner[s] == NO_OWNER
@@ -44,6 +46,7 @@ Invariants (check_integrity verifies each; T3 and T4 only for owners that are qu
                                 block_owner[s, bps:] == 0
         owner[s] != POOLED  =>  block_owner[s] == 0
     T7  lent_to[s] != 0  =>  state[s] == FREE,  registry[lent_to[s] - 1] ACTIVE
+        lent_busy[s] == 1  =>  lent_to[s] != 0
     free_bytes + slab_bytes * #{s: state[s] != FREE} == num_slabs * slab_bytes
 
 Ownership and locking
@@ -93,6 +96,8 @@ PADDING_SLAB = 0
 #: found it).
 FIRST_WEIGHT_SLAB = PADDING_SLAB + 1
 HANDLE_CAPACITY_BYTES = 4096
+#: The longest a carve waits for a borrower's copy into a lent slab it must take (lent.py).
+BUSY_WAIT_S = 1.0
 _READY_TIMEOUT_S = 5.0
 
 
@@ -152,6 +157,7 @@ class TableDims:
             ("block_owner", np.dtype(np.uint8), (n, m)),
             ("lent_to", np.dtype(np.uint8), (n,)),
             ("lent_gen", np.dtype(np.int64), (n,)),
+            ("lent_busy", np.dtype(np.uint8), (n,)),
             ("rt_status", np.dtype(np.uint8), (r,)),
             ("rt_pid", np.dtype(np.int64), (r,)),
             ("rt_start", np.dtype(np.int64), (r,)),
@@ -212,6 +218,7 @@ class SlabTable(KVLimitRows):
         self.lim_set, self.lim_bytes, self.lim_name = (
             views["lim_set"], views["lim_bytes"], views["lim_name"])
         self.lent_to, self.lent_gen = views["lent_to"], views["lent_gen"]
+        self.lent_busy = views["lent_busy"]
         self.rt_lend_cap = views["rt_lend_cap"]
         self.me = ProcessIdentity.current()
         self._repaired_ids: list[str] = []  # runtimes dropped by a repair, for reclaim's report
@@ -257,7 +264,7 @@ class SlabTable(KVLimitRows):
         for name in ("header", "handle", "state", "key", "owner", "used", "free_map",
                      "block_owner", "rt_status", "rt_pid", "rt_start", "rt_key", "rt_pooled",
                      "rt_name", "rt_limited", "rt_limit", "lim_set", "lim_bytes", "lim_name",
-                     "lent_to", "lent_gen", "rt_lend_cap"):
+                     "lent_to", "lent_gen", "lent_busy", "rt_lend_cap"):
             setattr(self, name, None)
         try:
             self._mm.close()
@@ -410,6 +417,7 @@ class SlabTable(KVLimitRows):
                     f"{num_slabs} slab(s) wanted beyond the KV limit of {limit} B "
                     f"({held} slab(s) of {self.dims.slab_bytes} B held)")
         chosen = free[:num_slabs]
+        self._wait_copies_locked(chosen)
         key = int(self.rt_key[slot])
         self.key[chosen], self.used[chosen] = key, 0
         self.free_map[chosen, : self.dims.slab_bytes // key] = 1
@@ -421,10 +429,31 @@ class SlabTable(KVLimitRows):
         return chosen
 
     def _carvable_locked(self, lowest: int) -> np.ndarray:
+        """FREE slabs in the order carves take them: unlent, lent, lent with a copy running."""
         free = self.state[lowest:] == SlabState.FREE
         lent = self.lent_to[lowest:] != 0
-        return np.concatenate([np.flatnonzero(free & ~lent), np.flatnonzero(free & lent)]
-                              ) + lowest
+        busy = self.lent_busy[lowest:] != 0
+        return np.concatenate([np.flatnonzero(free & ~lent), np.flatnonzero(free & lent & ~busy),
+                               np.flatnonzero(free & lent & busy)]) + lowest
+
+    def _wait_copies_locked(self, slabs: np.ndarray) -> None:
+        """Wait (holding the lock) until no borrower copies into `slabs` (lent.py writes a slab
+        outside the lock with its busy flag up: one slab's bytes at memcpy speed). A borrower
+        that died mid-copy writes no more; one stopped mid-copy fails the carve after
+        BUSY_WAIT_S rather than hang it (ArenaExhausted, nothing changed)."""
+        deadline = time.monotonic() + BUSY_WAIT_S
+        while True:
+            busy = slabs[self.lent_busy[slabs] != 0]
+            if busy.size == 0:
+                return
+            slots = self.lent_to[busy].astype(np.int64) - 1
+            if not any(self.identity_of(int(s)).is_alive() for s in slots if s >= 0):
+                self.lent_busy[busy] = 0
+                return
+            if time.monotonic() > deadline:
+                raise ArenaExhausted(f"slab(s) {busy.tolist()} lent and still being copied into "
+                                     f"after {BUSY_WAIT_S} s (a stopped borrower?)")
+            time.sleep(20e-6)
 
     def release(self, slot: int, slab_ids: Collection[int]) -> None:
         """Return empty slabs of `slot` to the free space."""
@@ -479,8 +508,9 @@ class SlabTable(KVLimitRows):
                 self.state[slab] = SlabState.PARTIAL
 
     def drop_lent_locked(self, slabs: np.ndarray) -> None:
-        """Clear the lent marks of `slabs` (FREE already): their pages are gone for the borrower,
-        whose next check sees `lent_gen` changed."""
+        """Clear the lent marks of `slabs` (FREE already, no copy running into them): their
+        pages are gone for the borrower, whose next check sees `lent_gen` changed."""
+        self._wait_copies_locked(np.asarray(slabs, dtype=np.int64))
         self.lent_to[slabs] = 0
         self.lent_gen[slabs] += 1
 

@@ -7,9 +7,13 @@ table's invariants (T7: a lent slab is FREE and lent to an active runtime) after
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 from slab_constants import FMT_A, NUM_SLABS, SLAB_BYTES, dead_pid
 
+from fineslab.errors import ArenaExhausted
 from fineslab.slabs.arena import SlabArena
 from fineslab.slabs.integrity import check_integrity, snapshot
 from fineslab.slabs.lent import LentPages, lent_slabs, set_lend_cap
@@ -140,3 +144,55 @@ def test_a_slab_taken_between_the_plan_and_the_copy_is_never_written(arena: Slab
     assert bool((pages[raced.lender_blocks] == 0xAB).all()), "the lender's bytes are intact"
     assert raced.lookup(hashes(1)) == 0
     check_integrity(arena.table)
+
+
+def _busy_lent_slab(arena: SlabArena, slot: int, slab: int) -> None:
+    """What a borrower's store does before its copy: slab `slab` lent to `slot`, busy."""
+    with arena.table.lock():
+        arena.table.lent_to[slab] = slot + 1
+        arena.table.lent_busy[slab] = 1
+
+
+def test_a_carve_needing_a_slab_under_copy_waits_for_the_copy_and_no_longer(
+        arena: SlabArena) -> None:
+    import threading
+
+    _, plain = borrower(arena, cap=2)  # its own pages: slab 0
+    _busy_lent_slab(arena, plain.slot, 5)
+    lender = arena.client("lender", FMT_A)
+    first = lender.alloc((NUM_SLABS - 2) * BPS)  # slabs 1..4: no wait, the busy one is last
+    assert {b // BPS for b in first} == {1, 2, 3, 4}
+    done: list[float] = []
+
+    def carve_the_busy_one() -> None:
+        started = time.perf_counter()
+        lender.alloc(BPS)
+        done.append(time.perf_counter() - started)
+
+    thread = threading.Thread(target=carve_the_busy_one)
+    thread.start()
+    time.sleep(0.2)
+    assert not done, "the carve waits while the copy runs"
+    arena.table.lent_busy[5] = 0  # the borrower's copy ends (it lowers the flag, no lock)
+    thread.join(5)
+    assert done and done[0] >= 0.2
+    assert arena.table.lent_to[5] == 0, "taken, its pages dropped"
+    check_integrity(arena.table)
+
+
+def test_a_borrower_stopped_mid_copy_fails_the_carve_and_a_dead_one_does_not(
+        arena: SlabArena, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fineslab.slabs import table as table_module
+
+    monkeypatch.setattr(table_module, "BUSY_WAIT_S", 0.1)
+    _, plain = borrower(arena, cap=2)
+    lender = arena.client("lender", FMT_A)
+    lender.alloc((NUM_SLABS - 2) * BPS)
+    _busy_lent_slab(arena, plain.slot, 5)
+    before = arena.table.raw()
+    with pytest.raises(ArenaExhausted, match="still being copied into"):
+        lender.alloc(BPS)
+    assert arena.table.raw() == before, "a failed carve changes nothing"
+    arena.table.rt_pid[plain.slot] = dead_pid()  # now the borrower is gone mid-copy
+    assert len(lender.alloc(BPS)) == BPS
+    check_integrity(arena.table, exact_owners=[lender.slot])
