@@ -2,7 +2,8 @@
 
 Registered as the radix-cache backend `fineslab_lent` (`--radix-cache-backend fineslab_lent`,
 SGLang's own `register_radix_cache_backend`); the launcher selects it for a model with
-`prefix_lending` (docs/prefix.md). Three overrides of `RadixCache`:
+`prefix_lending` (docs/prefix.md). The overrides of `RadixCache` that do the work (`reset` and
+`on_release` below only keep its state):
 
     evict             the victims' pages are copied into lent slabs of the arena (`LentPages`)
                       before their pages are freed, keyed by `page_hashes`; then freed as usual
@@ -25,9 +26,8 @@ Glossary
                 pages with the tree: they are KV of the weights they were computed with
 
 Why a `RadixCache` subclass and not the unified cache's external linker: the linker writes
-through (every insert is copied out, SGLANG-ON-CPU.md), twice the copy traffic of a tier that
-copies only what eviction would drop; and this seam is the one whose loads are synchronous,
-so no fence is needed on CPU. It costs UnifiedRadixCache's extras (session cache, SWA/Mamba
+through (every insert is copied out, SGLANG-ON-CPU.md), where this tier copies only the pages
+eviction would drop; and this seam's loads are synchronous, so no fence is needed on CPU. It costs UnifiedRadixCache's extras (session cache, SWA/Mamba
 models), which the slab pool refuses anyway.
 """
 
