@@ -27,8 +27,9 @@ Glossary
 
 Why a `RadixCache` subclass and not the unified cache's external linker: the linker writes
 through (every insert is copied out, SGLANG-ON-CPU.md), where this tier copies only the pages
-eviction would drop; and this seam's loads are synchronous, so no fence is needed on CPU. It costs UnifiedRadixCache's extras (session cache, SWA/Mamba
-models), which the slab pool refuses anyway.
+eviction would drop; and this seam's loads are synchronous, so no fence is needed on CPU. It
+costs UnifiedRadixCache's extras (session cache, SWA/Mamba models), which the slab pool refuses
+anyway.
 """
 
 from __future__ import annotations
