@@ -455,8 +455,8 @@ class Fleet:
         if self.record is not None:
             self.record.remove()
             self.record = None
-        if self._temp_logs and self._ready and not troubled:
-            shutil.rmtree(self.log_dir, ignore_errors=True)
+        if self._temp_logs and ((self._ready and not troubled) or _empty(self.log_dir)):
+            shutil.rmtree(self.log_dir, ignore_errors=True)  # nothing to read in it
         elif self._temp_logs:
             self.progress(f"runtime logs kept in {self.log_dir} "
                           f"({'a runtime went down' if self._ready else 'the start failed'})")
@@ -466,3 +466,11 @@ class Fleet:
     def base_url(self) -> str:
         assert self.server is not None, "the fleet is not started"
         return self.server.base_url
+
+
+def _empty(folder: Path) -> bool:
+    """Whether `folder` holds nothing (a start that failed before any runtime wrote a log)."""
+    try:
+        return not any(folder.iterdir())
+    except OSError:
+        return False

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,5 @@ def test_a_bad_awq_checkpoint_stops_the_launch_naming_the_file(tmp_path: Path,
     assert "model.layers.1.mlp.down_proj.scales: missing" in result.stderr, result.stderr
     assert "starting 1 runtimes" not in result.stdout, "no runtime was started"
     assert not list(Path("/dev/shm").glob(f"fineslab-{data['fleet_id']}-*")), "no arena left"
+    assert not list(Path(tempfile.gettempdir()).glob(f"fineslab-{data['fleet_id']}-*")), \
+        "no empty log folder left"
