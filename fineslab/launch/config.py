@@ -43,6 +43,7 @@ rules that span fields (unique names, KV dtype vs activation dtype, precision pe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -479,6 +480,11 @@ def check_fleet(config: FleetConfig) -> None:
         raise ConfigError(f"invalid fleet config {config.source}:\n  " + "\n  ".join(problems))
 
 
+def _flags_among(args: Sequence[str], flags: Sequence[str]) -> list[str]:
+    """The flags of `flags` that `args` sets (as `--flag value` or `--flag=value`), sorted."""
+    return sorted({a.split("=", 1)[0] for a in args} & set(flags))
+
+
 def _model_problems(model: ModelConfig, config: FleetConfig) -> list[str]:
     problems = []
     kv, act = model.resolved_kv_dtype, model.activation_dtype
@@ -488,7 +494,7 @@ def _model_problems(model: ModelConfig, config: FleetConfig) -> list[str]:
     if KV_STORAGE[model.kv].arena_only and config.kv_pool != "arena":
         problems.append(f"kv_dtype {kv} is stored only in the slab arena (fineslab's KV4 pool); "
                         "use kv_pool: arena")
-    flags = sorted({a.split("=", 1)[0] for a in model.extra_args} & set(RESERVED_ARGS))
+    flags = _flags_among(model.extra_args, RESERVED_ARGS)
     if flags:
         problems.append(f"extra_args may not set {flags}: the launcher derives them from "
                         "precision, kv_dtype and the plan (set precision / kv_dtype instead)")
@@ -500,7 +506,7 @@ def _model_problems(model: ModelConfig, config: FleetConfig) -> list[str]:
                         "restores every layer, so it needs the slabs its lent layers gave away "
                         "(drop idle_timeout_s/pinned or layer_streaming)")
     if model.prefix_lending is not None:
-        clash = sorted({a.split("=", 1)[0] for a in model.extra_args} & set(_LENDING_CLASHES))
+        clash = _flags_among(model.extra_args, _LENDING_CLASHES)
         if clash:
             problems.append(f"prefix_lending keeps evicted pages through fineslab's radix "
                             f"cache; drop {clash} from extra_args")

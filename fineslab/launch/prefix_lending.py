@@ -73,7 +73,7 @@ class PrefixLending(Rounds):
                 continue
             snap = snapshot(table)
             held = {o.runtime_id: o.num_slabs for o in snap.owners if o.alive}
-            lent = {o.runtime_id: o.lent_slabs for o in snap.owners if o.lent_slabs}
+            lent = snap.lent_by_runtime
             headrooms = []
             for runtime_id in runtime_ids:
                 if runtime_id in self.borrowers or runtime_id not in held:

@@ -145,9 +145,8 @@ class PluginSession:
         """Join the arena and report its capacity instead of profiling device memory."""
         refuse_unsupported(settings_of(configurator.server_args))
         refuse_model_kinds(configurator)
-        backend = configurator.server_args.radix_cache_backend if \
-            self.join.prefix_lending is not None else LENT_RADIX_BACKEND
-        if backend != LENT_RADIX_BACKEND:
+        backend = configurator.server_args.radix_cache_backend
+        if self.join.prefix_lending is not None and backend != LENT_RADIX_BACKEND:
             raise ConfigError(
                 f"{PREFIX_LENDING_VAR} asks for the lent tier, but SGLang runs radix-cache "
                 f"backend {backend!r}: start it with --radix-cache-backend {LENT_RADIX_BACKEND}")

@@ -73,6 +73,11 @@ class TableSnapshot:
     def free_bytes(self) -> int:
         return self.free_slabs * self.slab_bytes
 
+    @property
+    def lent_by_runtime(self) -> dict[str, int]:
+        """Runtime id -> free slabs holding its lent prefix pages, for those holding any."""
+        return {o.runtime_id: o.lent_slabs for o in self.owners if o.lent_slabs}
+
 
 def _fail(rule: str, mask: np.ndarray) -> None:
     slabs = np.flatnonzero(mask)

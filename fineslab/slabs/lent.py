@@ -59,7 +59,7 @@ class _Entry:
 
 @dataclass
 class LentStats:
-    """Counters since start (exported by the plugin's log and the benchmark)."""
+    """Counters since start, for a debugger and the tests (not exported yet)."""
 
     stored_pages: int = 0
     loaded_pages: int = 0
@@ -238,4 +238,4 @@ def lent_slabs(table: SlabTable) -> dict[str, int]:
     """Runtime id -> slabs it holds lent now (lock-free read)."""
     from fineslab.slabs.integrity import snapshot
 
-    return {o.runtime_id: o.lent_slabs for o in snapshot(table).owners if o.lent_slabs}
+    return snapshot(table).lent_by_runtime
