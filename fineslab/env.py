@@ -43,6 +43,10 @@ LAYER_STREAMING_VAR = "FINESLAB_LAYER_STREAMING"
 #: slabs lent for its evicted prefix pages (a whole number; 0: none until the launcher's
 #: lending round, which moves the cap with the neighbours' demand). Unset: no lent tier.
 PREFIX_LENDING_VAR = "FINESLAB_PREFIX_LENDING"
+#: Algorithm 2 inside the runtime (issue #18): a JSON object {"policy", "ttft_slo_s",
+#: "chunk_tokens", "prefill_s"} naming the local scheduler's batch policy and the model's TTFT
+#: predictor; the plugin then picks SGLang's prefill batches with it. Unset: SGLang's own.
+ENGINE_POLICY_VAR = "FINESLAB_ENGINE_POLICY"
 #: FP8 KV only: the per-layer scales file (SGLang's `--quantization-param-path` JSON).
 KV_SCALES_VAR = "FINESLAB_KV_SCALES"
 

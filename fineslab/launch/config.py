@@ -11,6 +11,8 @@ rules that span fields (unique names, KV dtype vs activation dtype, precision pe
     kv_pool: arena                  # "sglang": runtimes keep SGLang's own pool (no plugin)
     placement: mme                  # global placer (fineslab.scheduler.placement)
     batch_policy: adaptive-early-shed  # or adaptive (Algorithm 2 as written), fcfs, ...
+    local_scheduler: router         # "engine": the policy also picks each runtime's prefill
+                                    #   batches inside SGLang, by the router's deadlines
     router: {host: 127.0.0.1, port: 8000, api_key_env: null, on_drop: reject,
              drop_status: 429, retry_after_s: 1, max_running_requests: 32,
              upstream_timeout_s: 600, max_body_mib: 4}
@@ -258,6 +260,9 @@ class FleetConfig:
     supervision: SupervisionPolicy = SupervisionPolicy()
     #: None: one machine, Ray never imported
     cluster: ClusterConfig | None = None
+    #: "router": the batch policy gates requests at the router, SGLang forms the batches;
+    #: "engine": the same policy also picks SGLang's prefill batches (engine_policy.py)
+    local_scheduler: str = "router"
 
     def model(self, name: str) -> ModelConfig:
         for model in self.models:
@@ -412,6 +417,7 @@ class _Fleet(_Strict):
     kv_pool: Literal["arena", "sglang"] = "arena"
     placement: str = "mme"
     batch_policy: str = "adaptive-early-shed"
+    local_scheduler: Literal["router", "engine"] = "router"
     router: _Router = Field(default_factory=_Router)
     models: list[_Model] = Field(min_length=1)
     profile_dirs: list[str] = Field(default_factory=list)
@@ -452,7 +458,7 @@ def _to_dataclasses(fleet: _Fleet, source: str, base_dir: Path) -> FleetConfig:
                        fleet.batch_policy, router, models, dirs, source,
                        SupervisionPolicy(**fleet.supervision.model_dump()),
                        None if fleet.cluster is None else
-                       ClusterConfig(**fleet.cluster.model_dump()))
+                       ClusterConfig(**fleet.cluster.model_dump()), fleet.local_scheduler)
 
 
 def _resolve_path(path: str | None, base_dir: Path) -> str | None:
@@ -515,6 +521,9 @@ def _model_problems(model: ModelConfig, config: FleetConfig) -> list[str]:
                             "kv_pool: arena")
         if model.tp > 1:
             problems.append("prefix_lending serves tp: 1 in this version")
+    if config.local_scheduler == "engine" and model.tp > 1:
+        problems.append("local_scheduler: engine serves tp: 1 in this version (every rank "
+                        "would have to drop the same requests at the same step)")
     if model.weights_in_arena:
         kind, uses = ("an elastic model (idle_timeout_s or pinned)", "keeps its weights in") \
             if model.elastic else ("a streaming model", "lends weight slabs to")

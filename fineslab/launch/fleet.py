@@ -55,6 +55,7 @@ from fineslab.router.elastic import CONTROL_TIMEOUT_S, SLEEP_CALLS, ArenaView, E
 from fineslab.router.server import bind_router_socket
 from fineslab.runtime import ServerSpec
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
+from fineslab.sglang_plugin.config import EngineSchedule
 from fineslab.slabs import ArenaSpec, SlabArena, TableSnapshot, snapshot
 from fineslab.slabs.shm import arena_device
 from fineslab.slabs.streamctl import StreamState
@@ -177,9 +178,15 @@ class Fleet:
 
     def _server_spec(self, r: RuntimePlan) -> ServerSpec:
         config = self.plan.config
+        schedule = None
+        if config.local_scheduler == "engine":
+            schedule = EngineSchedule.for_model(
+                config.batch_policy, r.model.ttft_slo_s,
+                ChunkedPrefillPredictor.from_profile(self.plan.profiles[r.model.name]))
         spec = server_spec(r, self.prepared[r.model.name], config.fleet_id,
                            config.kv_pool == "arena",
-                           max_running_requests=config.router.max_running_requests)
+                           max_running_requests=config.router.max_running_requests,
+                           schedule=schedule)
         if r.weights_in_arena and self.weights_dir is not None:
             spec = dataclasses.replace(spec, env={**spec.env,
                                                   WEIGHTS_DIR_VAR: str(self.weights_dir)})
@@ -347,7 +354,8 @@ class Fleet:
                 vocab_size=_vocab_size(hf_config),
                 max_running_requests=(model.max_running_requests
                                       or self.plan.config.router.max_running_requests),
-                kv_free_tokens=self.kv_free_tokens if self.plan.arenas else None))
+                kv_free_tokens=self.kv_free_tokens if self.plan.arenas else None,
+                engine_deadlines=self.plan.config.local_scheduler == "engine"))
         return routes
 
     # -- slab table views (router thread) and reclaim (supervisor thread) -----------------------

@@ -6,7 +6,8 @@ model's name in the fleet (the OpenAI `model` field), the page size is the arena
 tokens, the precision's arguments (`--dtype`, `--quantization`, `--kv-cache-dtype`, ...) come
 from the prepared checkpoint, and the environment carries the plugin's join request
 (`FINESLAB_ARENA=<fleet_id>`, `FINESLAB_RUNTIME_ID=<runtime id>`), the quantized KV format
-(`FINESLAB_KV_FORMAT`, `FINESLAB_KV_SCALES`) and the model's `env`. This is the one way
+(`FINESLAB_KV_FORMAT`, `FINESLAB_KV_SCALES`), the engine schedule (`FINESLAB_ENGINE_POLICY`,
+with `local_scheduler: engine`) and the model's `env`. This is the one way
 fineslab starts a runtime of any precision.
 
 The supervision of the processes started from these specs is in `supervisor.py`.
@@ -22,7 +23,7 @@ from fineslab.launch.plan import RuntimePlan, prefill_chunk_args
 from fineslab.quant.fleet import PrecisionRuntime
 from fineslab.runtime import ServerSpec, free_port
 from fineslab.sglang_plugin import ArenaJoin
-from fineslab.sglang_plugin.config import LENT_RADIX_BACKEND
+from fineslab.sglang_plugin.config import LENT_RADIX_BACKEND, EngineSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +32,10 @@ OWN_POOL_MAX_TOTAL_TOKENS = 16384
 
 
 def server_spec(plan: RuntimePlan, prepared: PrecisionRuntime, fleet_id: str, use_arena: bool,
-                port: int | None = None, max_running_requests: int | None = None) -> ServerSpec:
-    """The SGLang server for one runtime of the plan (see the module docstring)."""
+                port: int | None = None, max_running_requests: int | None = None,
+                schedule: EngineSchedule | None = None) -> ServerSpec:
+    """The SGLang server for one runtime of the plan (see the module docstring); `schedule`:
+    the local scheduler inside the runtime (`local_scheduler: engine`)."""
     model = plan.model
     args = ["--served-model-name", model.name, *prepared.server_args]
     if prepared.kv_env and not use_arena:
@@ -52,6 +55,8 @@ def server_spec(plan: RuntimePlan, prepared: PrecisionRuntime, fleet_id: str, us
     if not cpu:
         args += ["--base-gpu-id", plan.device.name.split(":")[1]]
     env = {**dict(model.env), FLEET_MARKER: fleet_id}
+    if schedule is not None:
+        env.update(schedule.environ())
     if use_arena:
         # A lent tier starts with no slabs: the launcher's lending round sets its cap.
         env.update(ArenaJoin(fleet_id, plan.runtime_id, plan.key_pool, plan.weights_in_arena,

@@ -51,7 +51,7 @@ from fineslab.router.attribution import CrashAttribution, fingerprint
 from fineslab.router.config import ModelRoute, RouterSettings
 from fineslab.router.elastic import CannotWake, Elastic
 from fineslab.router.metrics import LiveCollector, RouterMetrics
-from fineslab.router.proxy import error_body, forward
+from fineslab.router.proxy import error_body, forward, runtime_body
 from fineslab.router.queues import ModelQueue, NoLiveRuntime, RequestDropped
 from fineslab.router.replicas import Replica
 from fineslab.router.requests import (
@@ -296,7 +296,8 @@ class Router:
             status = self.settings.drop_status
             return JSONResponse(error_body(str(exc), "slo_drop", status), status,
                                 headers={"Retry-After": str(self.settings.retry_after_s)}), False
-        return await forward(queue, lease, path, parsed.body, parsed.stream), True
+        body = runtime_body(parsed.body, queue.route, lease)
+        return await forward(queue, lease, path, body, parsed.stream), True
 
     def _read(self, raw: bytes, path: str, chat: bool) -> tuple[ModelRoute, ParsedRequest, str]:
         """Parse, validate and fingerprint one body (on the loop or the parse pool: touches no

@@ -44,6 +44,9 @@ class ModelRoute:
     #: Token ids are checked against it at the router (None: only their type is checked).
     vocab_size: int | None = None
     kv_free_tokens: Callable[[str], int | None] | None = field(default=None, compare=False)
+    #: The runtimes pick their prefill batches with the same policy (`FINESLAB_ENGINE_POLICY`):
+    #: each request goes to them with its deadline in SGLang's `priority` field.
+    engine_deadlines: bool = False
 
     def __post_init__(self) -> None:
         if not self.replicas:

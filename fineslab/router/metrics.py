@@ -6,7 +6,8 @@ request path never pays for them.
 
     fineslab_queue_length{model}                 waiting requests (scrape time)
     fineslab_requests_admitted_total{model}      released to a runtime by the local scheduler
-    fineslab_requests_dropped_total{model,outcome}  outcome: rejected | best_effort
+    fineslab_requests_dropped_total{model,outcome}  outcome: rejected | best_effort | engine (the
+                                                    runtime's engine policy dropped it)
     fineslab_requests_failed_total{model,reason} runtime died / unreachable / upstream error
     fineslab_ttft_seconds{model}                 router arrival -> first streamed token
     fineslab_tpot_seconds{model}                 mean time per output token after the first

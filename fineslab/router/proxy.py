@@ -23,14 +23,16 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from fineslab.router.config import ModelRoute
 from fineslab.router.queues import Lease, ModelQueue
 from fineslab.router.replicas import Replica, RuntimeDown
+from fineslab.scheduler.local import ENGINE_DROP_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +128,39 @@ def upstream_error(status: int, content: bytes) -> JSONResponse:
                         status)
 
 
+def runtime_body(body: dict[str, Any], route: ModelRoute, lease: Lease,
+                 wall: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+    """The body sent to the runtime: the client's, without its `priority` (SGLang's scheduling
+    field is the router's to set), and with the request's TTFT deadline in it (wall-clock
+    milliseconds) when the runtimes schedule by deadline (`ModelRoute.engine_deadlines`)."""
+    sent = {key: value for key, value in body.items() if key != "priority"}
+    if route.engine_deadlines:
+        deadline_s = wall() + (lease.arrival_s + route.ttft_slo_s - monotonic())
+        sent["priority"] = int(deadline_s * 1000)
+    return sent
+
+
+def engine_dropped(queue: ModelQueue, content: bytes) -> Response | None:
+    """The router's drop answer when `content` (a runtime's 429, or the first event of its
+    stream) is the engine policy's drop; None otherwise."""
+    if ENGINE_DROP_PREFIX.encode() not in content:
+        return None
+    message = ""
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        text = content.decode(errors="replace").strip()
+        parsed = json.loads(text.removeprefix("data:").strip().split("\n", 1)[0])
+        inner = parsed.get("error", parsed)
+        message = str(inner.get("message") or inner.get("detail") or "")
+    if not message.startswith(ENGINE_DROP_PREFIX):
+        message = f"{ENGINE_DROP_PREFIX}: it cannot get its first token by its deadline"
+    settings = queue.settings
+    queue.metrics.dropped(queue.route.name, "engine")
+    return JSONResponse(error_body(f"model {queue.route.name} is overloaded: {scrub(message)}; "
+                                   "retry later", "slo_drop", settings.drop_status),
+                        settings.drop_status, headers={"Retry-After": str(settings.retry_after_s)})
+
+
 async def _post_whole(replica: Replica, path: str, body: dict[str, Any],
                       ) -> tuple[int, bytes, str]:
     async with replica.client.post(path, json=body) as upstream:
@@ -149,6 +184,8 @@ async def forward(queue: ModelQueue, lease: Lease, path: str, body: dict[str, An
             return await _failed_before_answer(queue, lease, exc)
         queue.release(lease)
         if status != 200:
+            if status == 429 and (dropped := engine_dropped(queue, content)) is not None:
+                return dropped
             return upstream_error(status, content)
         return Response(content, status_code=status, media_type=media_type)
     try:
@@ -165,11 +202,29 @@ async def forward(queue: ModelQueue, lease: Lease, path: str, body: dict[str, An
             upstream.release()
             queue.release(lease)
         return upstream_error(upstream.status, content)
-    return StreamingResponse(_relay(queue, lease, upstream), media_type="text/event-stream")
+    first = b""
+    if queue.route.engine_deadlines:
+        # The engine may still drop it before prefill: hold the head until the first event so
+        # that such a drop is a 429, not a 200 whose stream holds an error.
+        try:
+            first = await replica.guard(upstream.content.readuntil(b"\n\n"))
+        except UPSTREAM_ERRORS as exc:
+            upstream.close()
+            queue.release(lease)
+            return await _failed_before_answer(queue, lease, exc)
+        except ValueError:  # an event longer than aiohttp's line limit: relay as it comes
+            first = b""
+        if (dropped := engine_dropped(queue, first)) is not None:
+            upstream.close()
+            queue.release(lease)
+            return dropped
+    return StreamingResponse(_relay(queue, lease, upstream, first),
+                             media_type="text/event-stream")
 
 
 async def _relay(queue: ModelQueue, lease: Lease, upstream: aiohttp.ClientResponse,
-                 ) -> AsyncIterator[bytes]:
+                 first: bytes = b"") -> AsyncIterator[bytes]:
+    """Pass the stream through (`first`: what `forward` already read of it)."""
     model, replica = queue.route.name, lease.replica
     first_s: float | None = None
     last_s = 0.0
@@ -178,11 +233,14 @@ async def _relay(queue: ModelQueue, lease: Lease, upstream: aiohttp.ClientRespon
     complete = False
     try:
         while True:
-            try:
-                chunk = await replica.guard(chunks.__anext__())
-            except StopAsyncIteration:
-                complete = True
-                break
+            if first:
+                chunk, first = first, b""
+            else:
+                try:
+                    chunk = await replica.guard(chunks.__anext__())
+                except StopAsyncIteration:
+                    complete = True
+                    break
             events = chunk.count(b"data:") - chunk.count(b"data: [DONE]")
             if events > 0:
                 last_s = time.monotonic()

@@ -16,10 +16,15 @@ with the quantized block format and hands SGLang a `Kv4SlabKVPool` / `Fp8SlabKVP
 
 from __future__ import annotations
 
+import json
+import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fineslab.env import (
     ARENA_VAR,
+    ENGINE_POLICY_VAR,
     KEY_POOL_VAR,
     KV_FORMAT_VAR,
     KV_SCALES_VAR,
@@ -31,6 +36,8 @@ from fineslab.env import (
 )
 from fineslab.errors import ConfigError
 from fineslab.precisions import PLUGIN_KV_FORMATS
+from fineslab.scheduler.curves import PiecewiseLinear
+from fineslab.scheduler.predictors import ChunkedPrefillPredictor
 from fineslab.slabs.formats import KVDtype
 
 #: The radix-cache backend of the lent tier (`sglang_plugin/prefix_tier.py`), registered by a
@@ -114,3 +121,58 @@ class ArenaJoin:
         if self.prefix_lending is not None:
             variables[PREFIX_LENDING_VAR] = str(self.prefix_lending)
         return variables
+
+
+@dataclass(frozen=True)
+class EngineSchedule:
+    """The local scheduler inside a runtime (`FINESLAB_ENGINE_POLICY`, `engine_policy.py`):
+    the batch policy's name, the model's TTFT SLO (the deadline of a request that carries none)
+    and its TTFT predictor (chunked prefill: `chunk_tokens` and the profiled prefill curve,
+    `prefill_s` as [tokens, seconds] points), the same the router decides with."""
+
+    policy: str
+    ttft_slo_s: float
+    chunk_tokens: int
+    prefill_s: tuple[tuple[float, float], ...]
+
+    def __post_init__(self) -> None:
+        from fineslab.scheduler.local import BATCH_POLICIES
+
+        if self.policy not in BATCH_POLICIES:
+            raise ConfigError(f"{ENGINE_POLICY_VAR}: unknown batch policy {self.policy!r} "
+                              f"(known: {sorted(BATCH_POLICIES)})")
+        if not (math.isfinite(self.ttft_slo_s) and self.ttft_slo_s > 0):
+            raise ConfigError(f"{ENGINE_POLICY_VAR}: ttft_slo_s must be a positive number")
+        self.predictor()  # the curve and chunk size are checked where they are built
+
+    @classmethod
+    def for_model(cls, policy: str, ttft_slo_s: float, predictor: ChunkedPrefillPredictor,
+                  ) -> EngineSchedule:
+        points = tuple((x, y) for x, y in zip(predictor.prefill_s.xs, predictor.prefill_s.ys,
+                                               strict=True))
+        return cls(policy, ttft_slo_s, predictor.chunk_tokens, points)
+
+    def predictor(self) -> ChunkedPrefillPredictor:
+        return ChunkedPrefillPredictor(PiecewiseLinear.from_points(self.prefill_s),
+                                       self.chunk_tokens)
+
+    def environ(self) -> dict[str, str]:
+        return {ENGINE_POLICY_VAR: json.dumps(
+            {"policy": self.policy, "ttft_slo_s": self.ttft_slo_s,
+             "chunk_tokens": self.chunk_tokens, "prefill_s": [list(p) for p in self.prefill_s]})}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> EngineSchedule | None:
+        """The schedule in the environment; None when unset; ConfigError naming the variable
+        when it is malformed (a runtime told to schedule must not silently fall back)."""
+        raw = (os.environ if environ is None else environ).get(ENGINE_POLICY_VAR)
+        if not raw:
+            return None
+        try:
+            data = json.loads(raw)
+            points = tuple((float(x), float(y)) for x, y in data["prefill_s"])
+            return cls(str(data["policy"]), float(data["ttft_slo_s"]), int(data["chunk_tokens"]),
+                       points)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ConfigError(f"{ENGINE_POLICY_VAR} is not a valid engine schedule "
+                              f"({type(exc).__name__}: {exc})") from exc

@@ -128,7 +128,8 @@ _HOOKS = (
             "SGLang's idle leak check, with the neighbours' memory accounted for",
             ("ps", "uncached"), hook="check_full_pool"),
     Contact(f"{_SCHEDULER}._get_new_batch_prefill_raw", _METHOD,
-            "reopens admission (batch_is_full) when a neighbour gave memory back",
+            "reopens admission (batch_is_full) when a neighbour gave memory back; with an "
+            "engine schedule, runs Algorithm 2 over the waiting queue first",
             ("prefill_delayer_single_pass", "running_batch"), hook="new_batch_prefill"),
     Contact(f"{_SCHEDULER}.update_running_batch", _METHOD,
             "skips a decode step (SGLang's own 'None skips decode this step') while a lone "
@@ -369,6 +370,9 @@ KV4_BACKEND_CONTACTS: tuple[Contact, ...] = (
 )
 
 _RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
+_REQ = "sglang.srt.managers.schedule_batch.Req"
+#: Read by the lent tier and the engine policy (one row, in both tables).
+_REQ_RID = Contact(f"{_REQ}.rid", _ATTRIBUTE, "a request's id", in_source_of=("__init__",))
 _BASE_CACHE = "sglang.srt.mem_cache.base_prefix_cache"
 #: The `fineslab_lent` radix-cache backend (prefix_tier.py): `install` checks these where the
 #: join asks for a lent tier (`ArenaJoin.prefix_lending`).
@@ -416,10 +420,34 @@ PREFIX_TIER_CONTACTS: tuple[Contact, ...] = (
     Contact(f"{_BASE_CACHE}.MatchPrefixParams.req", _ATTRIBUTE, "whose match it is"),
     Contact(f"{_BASE_CACHE}.EvictParams.num_tokens", _ATTRIBUTE, "how much to evict"),
     Contact(f"{_BASE_CACHE}.EvictResult.num_tokens_evicted", _ATTRIBUTE, "what was evicted"),
-    Contact("sglang.srt.managers.schedule_batch.Req.rid", _ATTRIBUTE, "a request's id",
-            in_source_of=("__init__",)),
+    _REQ_RID,
     Contact(f"{_SERVER_ARGS}.radix_cache_backend", _ATTRIBUTE,
             "a join asking for the lent tier refuses a runtime on another radix cache"),
+)
+
+#: The engine policy (engine_policy.py): Algorithm 2 over SGLang's waiting queue, checked where
+#: the environment asks for it (`FINESLAB_ENGINE_POLICY`).
+ENGINE_POLICY_CONTACTS: tuple[Contact, ...] = (
+    *_members(_SCHEDULER, _ATTRIBUTE, ("waiting_queue", "tp_size"),
+              "the engine policy reads and reorders the queue (one rank only)",
+              in_source_of=("init_running_status",)),
+    Contact(f"{_SCHEDULER}.chunked_req", _ATTRIBUTE, "the prefill already under way",
+            in_source_of=("init_chunked_prefill",)),
+    *_members(_SCHEDULER, _ATTRIBUTE, ("max_running_requests", "max_prefill_tokens"),
+              "N_max and T_max of the engine policy", in_source_of=("init_model_worker",)),
+    Contact(f"{_SCHEDULER}.abort_request", _METHOD,
+            "drops a waiting request through SGLang's own abort path (answered 429)",
+            ("recv_req",)),
+    Contact("sglang.srt.managers.io_struct.AbortReq", Kind.CLASS,
+            "the abort the engine policy sends (rid, finished_reason with status_code)"),
+    *_members("sglang.srt.managers.io_struct.AbortReq", _ATTRIBUTE,
+              ("rid", "finished_reason"), "fields of the engine policy's abort"),
+    _REQ_RID,
+    *_members(_REQ, _ATTRIBUTE, ("priority", "origin_input_ids", "output_ids", "prefix_len"),
+              "a waiting request's deadline (the router's priority), prompt, whether it "
+              "already produced tokens, and a chunked request's prefilled length",
+              in_source_of=("__init__",)),
+    Contact(f"{_BATCH}.reqs", _ATTRIBUTE, "the running requests, for N_max"),
 )
 
 #: What a runtime joining an arena relies on: `install` checks these (not QOQ_CONTACTS or
@@ -429,8 +457,14 @@ ARENA_CONTACTS: tuple[Contact, ...] = (
     *_HOOKS, *_REGISTRY_CONTACTS, *_RUNNER_STATE, *_SCHEDULER_STATE, *_ALLOCATOR_CONTACTS,
     *_POOL_CONTACTS, *_STREAMING_CONTACTS)
 #: Every SGLang name the plugin relies on.
-CONTACTS: tuple[Contact, ...] = (*ARENA_CONTACTS, *QOQ_CONTACTS, *KV4_BACKEND_CONTACTS,
-                                 *PREFIX_TIER_CONTACTS)
+CONTACTS: tuple[Contact, ...] = tuple(dict.fromkeys((
+    *ARENA_CONTACTS, *QOQ_CONTACTS, *KV4_BACKEND_CONTACTS, *PREFIX_TIER_CONTACTS,
+    *ENGINE_POLICY_CONTACTS)))
+#: What a runtime with an engine schedule and no arena relies on (`SchedulingSession`): the
+#: prefill hook and the registry, and the engine policy's rows.
+SCHEDULING_CONTACTS: tuple[Contact, ...] = (
+    *(c for c in _HOOKS if c.hook == "new_batch_prefill"), *_REGISTRY_CONTACTS,
+    *ENGINE_POLICY_CONTACTS)
 
 #: The rows the plugin wraps with AROUND hooks, in the order SGLang calls them.
 HOOK_TARGETS: tuple[Contact, ...] = tuple(c for c in ARENA_CONTACTS if c.hook is not None)

@@ -10,7 +10,9 @@ order:
     _resolve_kv_pool_class    -> SlabKVPool over the arena views (kind "mha")
     _build_token_to_kv_pool_allocator -> SlabAllocator over this runtime's blocks
     _check_full_pool (idle)   -> SGLang's leak check, with the neighbours' memory accounted for
-    _get_new_batch_prefill_raw (every step) -> reopen admission after a neighbour freed memory
+    _get_new_batch_prefill_raw (every step) -> reopen admission after a neighbour freed memory;
+                                 with an engine schedule, Algorithm 2 over the waiting queue
+                                 (`engine_policy.py`)
     update_running_batch (every decode step) -> skip the step while the neighbours starve a lone
                                  request (`starvation.py`), instead of SGLang aborting it
 
@@ -29,6 +31,7 @@ from fineslab.env import KV_FORMAT_VAR, PREFIX_LENDING_VAR
 from fineslab.errors import ConfigError
 from fineslab.sglang_plugin.allocator import SlabAllocator, needs_zeroed_pages
 from fineslab.sglang_plugin.config import LENT_RADIX_BACKEND, ArenaJoin
+from fineslab.sglang_plugin.engine_policy import EngineBatchPolicy
 from fineslab.sglang_plugin.link import ArenaLink, join_arena
 from fineslab.sglang_plugin.memory_saver import ArenaMemorySaver, WeightSleeper
 from fineslab.sglang_plugin.pool import SlabKVPool
@@ -90,8 +93,11 @@ class PluginSession:
 
     def __init__(self, join: ArenaJoin,
                  opener: Callable[[ArenaJoin, KVShape, int, str], ArenaLink] = join_arena,
-                 starvation: StarvedRequestPolicy | None = None) -> None:
+                 starvation: StarvedRequestPolicy | None = None,
+                 engine: EngineBatchPolicy | None = None) -> None:
         self.join = join
+        #: Algorithm 2 over SGLang's waiting queue (`engine_policy.py`), when asked for.
+        self.engine = engine
         self._opener = opener
         self.starvation = starvation or StarvedRequestPolicy()
         self.link: ArenaLink | None = None
@@ -215,12 +221,15 @@ class PluginSession:
     def new_batch_prefill(self, original: Callable[..., Any], scheduler: Any, *args: Any,
                           **kwargs: Any) -> Any:
         """Reopen SGLang's admission when a neighbour gave memory back (see
-        `SlabAllocator.admission_reopens`), then run SGLang's own prefill admission."""
+        `SlabAllocator.admission_reopens`), then run SGLang's own prefill admission (on what
+        the engine policy admitted, when there is one)."""
         allocator = scheduler.token_to_kv_pool_allocator
         running_batch = kwargs.get("running_batch", args[1] if len(args) > 1 else None)
         if isinstance(allocator, SlabAllocator) and running_batch is not None and \
                 allocator.admission_reopens(bool(running_batch.batch_is_full)):
             running_batch.batch_is_full = False
+        if self.engine is not None:
+            return self.engine.around(original, scheduler, *args, **kwargs)
         return original(scheduler, *args, **kwargs)
 
     def update_running_batch(self, original: Callable[..., Any], scheduler: Any, *args: Any,

@@ -31,22 +31,30 @@ from typing import TYPE_CHECKING, TypeVar
 from fineslab.errors import ConfigError, EnvironmentSetupError, FineslabError
 from fineslab.quant.kv4 import KV4_ATTENTION_BACKEND
 from fineslab.quant.qoq_checkpoint import QUANT_METHOD
-from fineslab.sglang_plugin.config import LENT_RADIX_BACKEND, TESTED_SGLANG_VERSION, ArenaJoin
+from fineslab.sglang_plugin.config import (
+    LENT_RADIX_BACKEND,
+    TESTED_SGLANG_VERSION,
+    ArenaJoin,
+    EngineSchedule,
+)
 from fineslab.sglang_plugin.contact import (
     ARENA_CONTACTS,
+    ENGINE_POLICY_CONTACTS,
     HOOK_TARGETS,
     KV4_BACKEND_CONTACTS,
     QOQ_CONTACTS,
+    SCHEDULING_CONTACTS,
     Contact,
 )
 from fineslab.sglang_plugin.contact_check import check_contacts, sglang_version
 
 if TYPE_CHECKING:
+    from fineslab.sglang_plugin.engine_policy import SchedulingSession
     from fineslab.sglang_plugin.hooks import PluginSession
 
 logger = logging.getLogger(__name__)
 
-Session = TypeVar("Session", bound="PluginSession")
+Session = TypeVar("Session", "PluginSession", "SchedulingSession")
 
 
 def apply_session_hooks(session: object, targets: Sequence[Contact]) -> None:
@@ -86,11 +94,19 @@ def install_session(session: Session, contacts: Sequence[Contact] = ARENA_CONTAC
     return session
 
 
-def install(join: ArenaJoin, contacts: Sequence[Contact] = ARENA_CONTACTS) -> PluginSession:
-    """Make this process's SGLang keep its KV in the arena `join` names; returns the session."""
+def install(join: ArenaJoin, contacts: Sequence[Contact] = ARENA_CONTACTS,
+            schedule: EngineSchedule | None = None) -> PluginSession:
+    """Make this process's SGLang keep its KV in the arena `join` names (and, with `schedule`,
+    pick its prefill batches by the local scheduler's policy); returns the session."""
+    from fineslab.sglang_plugin.engine_policy import EngineBatchPolicy
     from fineslab.sglang_plugin.hooks import PluginSession
 
-    session = install_session(PluginSession(join), contacts)
+    engine = None
+    if schedule is not None:
+        check_contacts(ENGINE_POLICY_CONTACTS)
+        engine = EngineBatchPolicy(schedule)
+        _log_schedule(schedule)
+    session = install_session(PluginSession(join, engine=engine), contacts)
     if join.prefix_lending is not None:
         from sglang.srt.mem_cache.registry import register_radix_cache_backend
 
@@ -102,6 +118,20 @@ def install(join: ArenaJoin, contacts: Sequence[Contact] = ARENA_CONTACTS) -> Pl
                 "" if join.kv_format is None else f"{join.kv_format.config_name} ",
                 join.arena_name)
     return session
+
+
+def install_scheduling(schedule: EngineSchedule) -> SchedulingSession:
+    """The engine policy alone, in a runtime that keeps SGLang's own KV pool."""
+    from fineslab.sglang_plugin.engine_policy import EngineBatchPolicy, SchedulingSession
+
+    session = install_session(SchedulingSession(EngineBatchPolicy(schedule)), SCHEDULING_CONTACTS)
+    _log_schedule(schedule)
+    return session
+
+
+def _log_schedule(schedule: EngineSchedule) -> None:
+    logger.info("fineslab plugin: prefill batches chosen by %r (TTFT SLO %g s unless the "
+                "request carries a deadline)", schedule.policy, schedule.ttft_slo_s)
 
 
 #: Set to 1 to register the `fineslab_qoq` quantization method whatever the model (an
@@ -154,7 +184,8 @@ def register() -> None:
     the arena named in the environment, if any.
 
     A quantized KV format named by FINESLAB_KV_FORMAT (KV4, scaled FP8) is part of the join
-    (`ArenaJoin.kv_format`): the same session, with the quantized pool.
+    (`ArenaJoin.kv_format`): the same session, with the quantized pool. An engine schedule
+    (FINESLAB_ENGINE_POLICY) rides on the join's session, or gets one of its own without a join.
     """
     try:
         if wants_qoq(sys.argv, os.environ):
@@ -168,8 +199,11 @@ def register() -> None:
             check_contacts(KV4_BACKEND_CONTACTS)
             register_kv4_backend()
         join = ArenaJoin.from_env()
+        schedule = EngineSchedule.from_env()
         if join is not None:
-            install(join)
+            install(join, schedule=schedule)
+        elif schedule is not None:
+            install_scheduling(schedule)
     except FineslabError as exc:
         logger.critical("%s", exc)
         raise SystemExit(f"fineslab SGLang plugin: {exc}") from exc

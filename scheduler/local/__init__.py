@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from fineslab.scheduler.local.adaptive import AdaptiveBatchPolicy
 from fineslab.scheduler.local.base import (
+    ENGINE_DROP_PREFIX,
     BatchDecision,
     BatchLimits,
     BatchPolicy,
@@ -40,7 +41,8 @@ def get_batch_policy(name: str) -> BatchPolicy:
 
 
 __all__ = [
-    "BATCH_POLICIES", "AdaptiveBatchPolicy", "BatchDecision", "BatchLimits", "BatchPolicy",
-    "DroppedRequest", "EarlyShedBatchPolicy", "FcfsBatchPolicy", "MooreHodgsonBatchPolicy",
+    "BATCH_POLICIES", "ENGINE_DROP_PREFIX", "AdaptiveBatchPolicy", "BatchDecision",
+    "BatchLimits", "BatchPolicy", "DroppedRequest", "EarlyShedBatchPolicy", "FcfsBatchPolicy",
+    "MooreHodgsonBatchPolicy",
     "QueueSnapshot", "TtftPredictor", "WaitingRequest", "get_batch_policy",
 ]

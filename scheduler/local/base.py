@@ -20,6 +20,11 @@ from typing import Protocol
 
 from fineslab.errors import ConfigError
 
+#: The message of every drop made inside a runtime by the engine policy
+#: (`fineslab.sglang_plugin.engine_policy`) starts with this; the router answers such a runtime
+#: 429 as its own drop.
+ENGINE_DROP_PREFIX = "fineslab scheduler: dropped before prefill"
+
 
 @dataclass(frozen=True)
 class WaitingRequest:

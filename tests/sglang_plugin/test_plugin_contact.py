@@ -58,6 +58,9 @@ TYPED_NAMES = {
     "HookRegistry": "sglang.srt.plugins.hook_registry.HookRegistry",
     "HookType": "sglang.srt.plugins.hook_registry.HookType",
     "forward_batch": "sglang.srt.model_executor.forward_batch_info.ForwardBatch",
+    "req": "sglang.srt.managers.schedule_batch.Req",
+    "chunked": "sglang.srt.managers.schedule_batch.Req",
+    "other": "sglang.srt.managers.schedule_batch.Req",
 }
 #: SGLang objects reached through one more step: (variable, attribute or subscript) -> class.
 CHAINED_NAMES = {

@@ -1,0 +1,207 @@
+"""Algorithm 2 where SGLang forms its prefill batches (issue #18, item 1).
+
+Installed around `Scheduler._get_new_batch_prefill_raw` (the PluginSession's hook, or
+`SchedulingSession` in a runtime with no arena) when the environment names an engine schedule
+(`FINESLAB_ENGINE_POLICY`, `config.EngineSchedule`). Before SGLang's own admission runs, each
+step, the local scheduler's policy (`fineslab.scheduler.local`, the one the router decides
+with) decides over the waiting queue:
+
+    deadline d_r   the `priority` field of the request when it holds a plausible deadline
+                   (the router sets it: wall-clock milliseconds); otherwise the time this
+                   runtime first saw it + the model's TTFT SLO
+    work ahead     the prompt tokens the chunked request still has to prefill: SGLang
+                   continues it first, so every TTFT the policy predicts starts after it
+    N_max, T_max   request slots left (max_running_requests - running) and
+                   `max_prefill_tokens`; SGLang's memory checks stay in charge of what fits
+    admitted       stay in the queue, earliest deadline first, for SGLang's own adder
+    deferred       taken out of the queue for this step and put back after it
+    dropped        aborted through SGLang's `abort_request` with HTTP 429 and the policy's
+                   reason (prefixed `ENGINE_DROP_PREFIX`, which the router recognises)
+
+A request that already produced tokens (retracted back to the queue) is never dropped or
+deferred: its first token is out. A failure inside the policy is logged and the step runs on
+SGLang's own admission with the queue untouched; it never stops the scheduler. The clock is
+this host's wall clock (the router's deadlines are wall-clock too: one host, or hosts in NTP).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+from fineslab.scheduler.local import (
+    ENGINE_DROP_PREFIX,
+    BatchLimits,
+    QueueSnapshot,
+    WaitingRequest,
+    get_batch_policy,
+)
+from fineslab.scheduler.predictors import ChunkedPrefillPredictor
+from fineslab.sglang_plugin.config import EngineSchedule
+
+logger = logging.getLogger(__name__)
+
+#: A `priority` further than this from now is not a deadline (a client's own priority).
+PLAUSIBLE_DEADLINE_S = 86400.0
+#: The policy errors logged with a traceback before the rest are counted only.
+MAX_LOGGED_FAILURES = 3
+
+
+@dataclass(frozen=True)
+class AheadPredictor:
+    """The TTFT of a batch that starts after `ahead_tokens` of prefill already under way."""
+
+    base: ChunkedPrefillPredictor
+    ahead_tokens: int
+
+    def ttft_s(self, prompt_tokens: Iterable[int]) -> float:
+        return self.base.prefill_tokens_s(self.ahead_tokens + sum(prompt_tokens))
+
+
+def deadline_from_priority(priority: object, now_s: float) -> float | None:
+    """The deadline (s, wall clock) a router put in `priority` (ms), or None for anything
+    else: no priority, a bool, or a number nowhere near now (a client's own priority)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        return None
+    deadline_s = priority / 1000.0
+    return deadline_s if abs(deadline_s - now_s) <= PLAUSIBLE_DEADLINE_S else None
+
+
+def drop_reason(left_s: float, ttft_s: float, ahead_tokens: int) -> str:
+    """Why a request is dropped, in words a client can act on (no clock readings)."""
+    behind = f" behind {ahead_tokens} prompt tokens already being prefilled" if ahead_tokens \
+        else ""
+    if left_s <= 0:
+        return f"its time-to-first-token deadline passed {-left_s:.2f} s ago"
+    return (f"its first token would take about {ttft_s:.2f} s{behind}, and its "
+            f"time-to-first-token deadline is {left_s:.2f} s away")
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    dropped: int = 0
+    deferred: int = 0
+    failures: int = 0
+
+
+class EngineBatchPolicy:
+    """The AROUND hook body: decide, then run SGLang's admission on what was admitted."""
+
+    def __init__(self, schedule: EngineSchedule,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.schedule = schedule
+        self.policy = get_batch_policy(schedule.policy)
+        self.predictor = schedule.predictor()
+        self.clock = clock
+        self.stats = EngineStats()
+        #: When this runtime first saw each waiting request without a deadline (by id()).
+        self._first_seen: dict[int, float] = {}
+        self._tp_refused = False
+
+    def around(self, original: Callable[..., Any], scheduler: Any, *args: Any,
+               **kwargs: Any) -> Any:
+        running_batch = kwargs.get("running_batch", args[1] if len(args) > 1 else None)
+        held = self._before(scheduler, running_batch)
+        try:
+            return original(scheduler, *args, **kwargs)
+        finally:
+            if held:
+                scheduler.waiting_queue.extend(held)
+
+    def _before(self, scheduler: Any, running_batch: Any) -> list[Any]:
+        """Apply one decision to the waiting queue; the deferred requests to put back."""
+        if not scheduler.waiting_queue:
+            self._first_seen.clear()
+            return []
+        if scheduler.tp_size > 1:
+            # Each rank would read its own clock and could drop different requests; SGLang needs
+            # every rank to make the same step. The launcher refuses this; a hand-made one logs.
+            if not self._tp_refused:
+                self._tp_refused = True
+                logger.error("fineslab engine scheduler: off in a runtime with tp_size %d > 1; "
+                             "SGLang's own admission runs", scheduler.tp_size)
+            return []
+        try:
+            return self._decide(scheduler, running_batch)
+        except Exception:  # never stop SGLang's scheduler: fall back to its own admission
+            self.stats.failures += 1
+            if self.stats.failures <= MAX_LOGGED_FAILURES:
+                logger.exception("fineslab engine scheduler: a decision failed; this step "
+                                 "runs on SGLang's own admission")
+            return []
+
+    def _deadline(self, req: Any, now_s: float) -> float:
+        deadline = deadline_from_priority(req.priority, now_s)
+        if deadline is None:
+            deadline = self._first_seen.setdefault(id(req), now_s) + self.schedule.ttft_slo_s
+        return deadline
+
+    def _decide(self, scheduler: Any, running_batch: Any) -> list[Any]:
+        self.stats.steps += 1
+        now_s = self.clock()
+        queue = list(scheduler.waiting_queue)
+        started = [req for req in queue if len(req.output_ids) > 0]
+        fresh = [req for req in queue if len(req.output_ids) == 0]
+        if not fresh:
+            return []
+        slo_s = self.schedule.ttft_slo_s
+        by_id = {str(i): req for i, req in enumerate(fresh)}
+        waiting = tuple(WaitingRequest(key, self._deadline(req, now_s) - slo_s,
+                                       len(req.origin_input_ids))
+                        for key, req in by_id.items())
+        running = len(running_batch.reqs) if running_batch is not None else 0
+        limits = BatchLimits(max(1, scheduler.max_running_requests - running),
+                             max(1, scheduler.max_prefill_tokens))
+        chunked = scheduler.chunked_req
+        ahead = 0 if chunked is None else max(0, len(chunked.origin_input_ids)
+                                              - chunked.prefix_len)
+        predictor = AheadPredictor(self.predictor, ahead)
+        decision = self.policy.decide(QueueSnapshot(waiting, now_s, slo_s, limits), predictor)
+        dropped = [(by_id[d.request.request_id], d.request) for d in decision.dropped]
+        admitted = [by_id[r.request_id] for r in decision.admitted]
+        deferred = [by_id[r.request_id] for r in decision.deferred]
+        for req, request in dropped:
+            self._drop(scheduler, req, drop_reason(
+                request.deadline_s(slo_s) - now_s, predictor.ttft_s([request.prompt_tokens]),
+                ahead))
+        live = {id(req) for req in scheduler.waiting_queue}
+        scheduler.waiting_queue = started + [req for req in admitted if id(req) in live]
+        held = [req for req in deferred if id(req) in live]
+        self.stats.deferred += len(held)
+        current = {id(req) for req in queue} - {id(req) for req, _ in dropped}
+        self._first_seen = {k: v for k, v in self._first_seen.items() if k in current}
+        return held
+
+    def _drop(self, scheduler: Any, req: Any, reason: str) -> None:
+        """Abort one waiting request through SGLang's own path (its output goes back as a 429),
+        unless its id is a prefix of another's (SGLang aborts by prefix): then leave it."""
+        from sglang.srt.managers.io_struct import AbortReq
+
+        rid = req.rid
+        others = [*scheduler.waiting_queue, *([scheduler.chunked_req]
+                                              if scheduler.chunked_req is not None else [])]
+        if any(other is not req and str(other.rid).startswith(rid) for other in others):
+            return
+        message = f"{ENGINE_DROP_PREFIX}: {reason}"
+        scheduler.abort_request(AbortReq(rid=rid, finished_reason={
+            "type": "abort", "message": message,
+            "status_code": HTTPStatus.TOO_MANY_REQUESTS, "err_type": None}))
+        self.stats.dropped += 1
+        logger.info("fineslab engine scheduler: dropped request %s (%d prompt tokens): %s",
+                    rid, len(req.origin_input_ids), reason)
+
+
+class SchedulingSession:
+    """The engine policy alone, for a runtime that keeps SGLang's own KV pool (no arena)."""
+
+    def __init__(self, engine: EngineBatchPolicy) -> None:
+        self.engine = engine
+
+    def new_batch_prefill(self, original: Callable[..., Any], scheduler: Any, *args: Any,
+                          **kwargs: Any) -> Any:
+        return self.engine.around(original, scheduler, *args, **kwargs)

@@ -1,0 +1,117 @@
+"""Algorithm 2 inside a real CPU SGLang server (issue #18, item 1): `FINESLAB_ENGINE_POLICY`.
+
+Two llama-tiny servers, started together: "arena" keeps its KV in a slab arena (the policy rides
+on the arena's plugin session) and "plain" keeps SGLang's own pool (the policy's own session).
+Both prefill in chunks of 64 tokens. Their predictor pretends a 64-token chunk takes 1 s, so
+that the work ahead of a request (a long prompt being prefilled) outweighs a short request's
+own prefill by far; the SLO is 3 s. Deadlines go in SGLang's `priority` field, in wall-clock
+milliseconds, as the router sends them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fineslab.scheduler.local import ENGINE_DROP_PREFIX
+from plugin_test_support import arena_for, kv_shape, prompts
+
+from fineslab.runtime import ServerProcess, ServerSpec, free_port
+from fineslab.sglang_plugin.config import EngineSchedule
+
+pytestmark = pytest.mark.slow
+
+CHUNK = 64
+SCHEDULE = EngineSchedule("adaptive", 3.0, CHUNK, ((0.0, 0.0), (float(CHUNK), 1.0)))
+LONG_TOKENS = 3000
+
+
+@pytest.fixture(scope="module")
+def servers(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[dict[str, str]]:
+    logs = tmp_path_factory.mktemp("engine")
+    arena = arena_for([kv_shape("llama-tiny", "bfloat16", "arena")], 16, 1 << 20, 16)
+    envs = {"arena": {**arena.join("arena").environ(), **SCHEDULE.environ()},
+            "plain": SCHEDULE.environ()}
+    procs = {}
+    try:
+        for name, env in envs.items():
+            args = ("--dtype", "bfloat16", "--chunked-prefill-size", str(CHUNK),
+                    *(("--page-size", "16") if name == "arena" else
+                      ("--max-total-tokens", "8192")))
+            spec = ServerSpec(str(model_cache / "llama-tiny"), free_port(), extra_args=args,
+                              env=env)
+            procs[name] = ServerProcess(spec, logs / f"{name}.log")
+        for proc in procs.values():
+            proc.wait_healthy(300)
+        yield {name: proc.spec.base_url for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.stop()
+        arena.close()
+
+
+def _completion(base_url: str, prompt: list[int], priority: object = None, stream: bool = False,
+                max_tokens: int = 4) -> httpx.Response:
+    body: dict[str, object] = {"model": "default", "prompt": prompt, "max_tokens": max_tokens,
+                               "stream": stream}
+    if priority is not None:
+        body["priority"] = priority
+    return httpx.post(base_url + "/v1/completions", json=body, timeout=120)
+
+
+def _deadline_ms(in_s: float) -> int:
+    return int((time.time() + in_s) * 1000)
+
+
+@pytest.mark.parametrize("runtime", ["arena", "plain"])
+def test_a_request_past_its_deadline_gets_429_and_the_runtime_keeps_serving(
+        servers: dict[str, str], runtime: str) -> None:
+    url = servers[runtime]
+    prompt = prompts(1, 8, seed=1)[0]
+    whole = _completion(url, prompt, priority=_deadline_ms(-5.0))
+    assert whole.status_code == 429, whole.text
+    assert whole.json()["message"].startswith(ENGINE_DROP_PREFIX)
+    assert "deadline passed" in whole.json()["message"]
+    streamed = _completion(url, prompt, priority=_deadline_ms(-5.0), stream=True)
+    assert ENGINE_DROP_PREFIX in streamed.text and '"code": 429' in streamed.text
+    served = _completion(url, prompt, priority=_deadline_ms(60.0))
+    assert served.status_code == 200, served.text
+    assert served.json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("priority", [None, 0, -7, 2**62, 1])
+def test_a_request_without_a_plausible_deadline_gets_the_model_slo(
+        servers: dict[str, str], priority: object) -> None:
+    """No priority, or one that is no deadline (a client's own number, far from now): the
+    request's deadline is its arrival + the SLO, so it is served, never dropped at once."""
+    response = _completion(servers["plain"], prompts(1, 8, seed=2)[0], priority=priority)
+    assert response.status_code == 200, response.text
+
+
+def test_a_short_request_behind_a_long_prefill_is_dropped_naming_the_work_ahead(
+        servers: dict[str, str]) -> None:
+    """Alone, 8 tokens would be prefilled in 0.125 s (the predictor's), well within 3 s; behind
+    the 3,000-token prompt being prefilled (47 chunks, 'about 47 s') they cannot be. SGLang's
+    own admission would take them at the next step; the engine policy drops them at once,
+    saying why. Once the long prompt is done, the same request is served."""
+    url = servers["arena"]
+    short = prompts(1, 8, seed=3)[0]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        long = pool.submit(_completion, url, prompts(1, LONG_TOKENS, seed=4)[0],
+                           _deadline_ms(600.0), False, 1)
+        answers = []
+        while not long.done() and len(answers) < 200:
+            answers.append(_completion(url, short, priority=_deadline_ms(3.0)))
+            time.sleep(0.02)
+        assert long.result().status_code == 200, long.result().text
+    dropped = [a for a in answers if a.status_code == 429]
+    assert dropped, f"no short request was dropped in {len(answers)} tries during the prefill"
+    assert all(ENGINE_DROP_PREFIX in a.json()["message"] for a in dropped)
+    assert any("prompt tokens already being prefilled" in a.json()["message"] for a in dropped)
+    assert {a.status_code for a in answers} <= {200, 429}
+    assert _completion(url, short, priority=_deadline_ms(3.0)).status_code == 200
