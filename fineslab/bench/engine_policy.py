@@ -1,0 +1,223 @@
+"""Where Algorithm 2 decides, live: SGLang's default vs the router's gate vs the engine policy.
+
+    python -m fineslab.bench.engine_policy [--json] [--quick] [--seed N] [--load X]
+
+One model (`m`, llama-small; --quick: llama-tiny) is launched three times on this machine and
+the same requests (Poisson arrivals, ShareGPT prompt lengths divided by `LENGTH_SCALE`, outputs
+of at most 8 tokens so that prefill is most of the work, streamed, `fineslab.bench.serve`'s
+client) are sent to each fleet's router:
+
+    sglang   batch_policy fcfs: the router passes requests up to the runtime's slots and drops
+             none; SGLang's own scheduler forms every batch (its default)
+    router   batch_policy adaptive-early-shed at the router (the default gate); SGLang forms
+             the batches of what the gate let through
+    engine   the same gate, and `local_scheduler: engine`: inside the runtime the same policy,
+             with the router's deadlines, picks SGLang's prefill batches (EDF, TTFT admission
+             behind the prefill under way, drop)
+
+The offered load is set from a profile measured over HTTP on the first fleet right before the
+runs (`fineslab.sim.experiments.calibrate`): arrivals at `load` x the rate whose prompts alone
+would keep prefill busy all the time (prefill tokens/s at 256-token chunks / mean prompt).
+The router and engine fleets run with that profile, so their predictor is this machine's now.
+
+Figures (last line, with --json): per mode `attainment` (requests whose first token came within
+the SLO / all requests), `goodput_per_s` (such requests a second), `completed`, `dropped`
+(answered 429/503), `failed` (anything else), TTFT p50/p99 of completed requests, and for the
+engine fleet `engine_drops` (the runtime's drops, from the router's metrics). Top level:
+`attainment_{sglang,router,engine}`, `engine_over_router` and `engine_over_sglang` (attainment
+ratios), the offered `rate_per_s`, the order the modes ran in, and the load averages (each
+mode's before and after: the machine is shared, and a mode run while another job loads it
+is slower for that reason alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from fineslab.bench.chaos_fleet import ChaosFleet
+from fineslab.bench.loadgen_client import ClientConfig
+from fineslab.bench.report import add_json_flag, emit
+from fineslab.bench.serve import BenchConfig, run_benchmark
+from fineslab.launch.config import fleet_from_dict
+from fineslab.launch.plan import model_dir_of
+from fineslab.launch.profiles import find_profile
+from fineslab.scheduler.profile_schema import save_profile
+from fineslab.sim.experiments.calibrate import calibrate, load_average
+from fineslab.workload import ModelLoad, Request, WorkloadSpec, build_workload
+from fineslab.workload.traces import SHAREGPT_STATS
+
+logger = logging.getLogger(__name__)
+
+MODEL = "m"
+MODES = ("sglang", "router", "engine")
+REPO = Path(__file__).resolve().parents[2]
+LENGTH_SCALE = 8
+CHUNK_PROBE_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class EngineBenchConfig:
+    preset: str = "llama-small"
+    ttft_slo_s: float = 2.0
+    duration_s: float = 40.0
+    load: float = 1.25
+    max_prompt_tokens: int = 512
+    max_output_tokens: int = 8
+    max_running: int = 16
+    seed: int = 0
+
+
+QUICK = EngineBenchConfig(preset="llama-tiny", ttft_slo_s=1.0, duration_s=12.0)
+
+
+def fleet_config(cfg: EngineBenchConfig, mode: str, fleet_id: str,
+                 profile: Path | None) -> dict[str, Any]:
+    model: dict[str, Any] = {"name": MODEL, "preset": cfg.preset, "precision": "bf16",
+                             "kv_dtype": "bf16", "ttft_slo_s": cfg.ttft_slo_s,
+                             "request_rate_per_s": 1.0, "replicas": 1}
+    if profile is not None:
+        model["profile"] = str(profile)
+    return {"fleet_id": fleet_id, "kv_pool": "arena", "placement": "mme",
+            "batch_policy": "fcfs" if mode == "sglang" else "adaptive-early-shed",
+            "local_scheduler": "engine" if mode == "engine" else "router",
+            "devices": [{"name": "cpu", "kind": "cpu", "memory_gib": 8, "kv_arena_mib": 128}],
+            "router": {"host": "127.0.0.1", "max_running_requests": cfg.max_running},
+            "models": [model]}
+
+
+def workload(cfg: EngineBenchConfig, rate_per_s: float) -> list[Request]:
+    spec = WorkloadSpec((ModelLoad(MODEL, rate_per_s),), cfg.duration_s, SHAREGPT_STATS,
+                        max_prompt_tokens=cfg.max_prompt_tokens * LENGTH_SCALE,
+                        max_output_tokens=cfg.max_output_tokens, seed=cfg.seed)
+    return [replace(r, prompt_tokens=max(8, r.prompt_tokens // LENGTH_SCALE),
+                    output_tokens=max(1, r.output_tokens))
+            for r in build_workload(spec)]
+
+
+def _bench(base_url: str, cfg: EngineBenchConfig, progress: bool) -> BenchConfig:
+    return BenchConfig(ClientConfig(base_url), slo_s={MODEL: cfg.ttft_slo_s},
+                       progress=progress, seed=cfg.seed)
+
+
+def _engine_drops(base_url: str) -> int:
+    try:
+        text = httpx.get(base_url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return -1
+    found = re.search(r'fineslab_requests_dropped_total\{[^}]*outcome="engine"[^}]*\} ([0-9.e+]+)',
+                      text)
+    return int(float(found.group(1))) if found else 0
+
+
+def _mode_figures(outcomes: Any, wall_s: float, slo_s: float) -> dict[str, Any]:
+    done = [o for o in outcomes if o.completed]
+    ttfts = sorted(o.ttft_s for o in done if o.ttft_s is not None)
+    met = sum(1 for o in outcomes if o.met_slo)
+    dropped = sum(1 for o in outcomes if (o.dropped or "").startswith(("HTTP 429", "HTTP 503")))
+
+    def pct(q: float) -> float | None:
+        return round(ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))], 3) if ttfts else None
+
+    return {"requests": len(outcomes), "completed": len(done), "dropped": dropped,
+            "failed": len(outcomes) - len(done) - dropped,
+            "attainment": round(met / len(outcomes), 4) if outcomes else 0.0,
+            "goodput_per_s": round(met / wall_s, 3) if wall_s > 0 else 0.0,
+            "ttft_p50_s": pct(0.5), "ttft_p99_s": pct(0.99), "slo_s": slo_s}
+
+
+def run(cfg: EngineBenchConfig, progress: bool = False) -> dict[str, Any]:
+    folder = Path(tempfile.mkdtemp(prefix="fineslab-enginebench-"))
+    results: dict[str, dict[str, Any]] = {}
+    profile_path: Path | None = None
+    rate_per_s = 0.0
+    requests: list[Request] = []
+    try:
+        # Other jobs on the machine change its speed over minutes: odd seeds run the modes in
+        # the reverse order, so that no mode always runs first (calibration stays first).
+        order = MODES if cfg.seed % 2 == 0 else (MODES[0], *reversed(MODES[1:]))
+        for mode in order:
+            fleet_id = f"eb{mode[:3]}{cfg.seed}"
+            fleet = ChaosFleet.launch(fleet_config(cfg, mode, fleet_id, profile_path), folder,
+                                      mode)
+            try:
+                bench = _bench(fleet.base_url, cfg, progress)
+                if profile_path is None:
+                    profile_path, rate_per_s = _calibrate(cfg, bench, folder)
+                    requests = workload(cfg, rate_per_s)
+                    logger.info("offered %.2f requests/s (%d requests)", rate_per_s,
+                                len(requests))
+                load_before = load_average()
+                result = run_benchmark(bench, requests)
+                results[mode] = _mode_figures(result.outcomes, result.wall_s, cfg.ttft_slo_s)
+                results[mode].update(engine_drops=_engine_drops(fleet.base_url),
+                                     load_before=load_before, load_after=load_average(),
+                                     wall_s=round(result.wall_s, 1))
+                logger.info("%s: %s", mode, results[mode])
+            finally:
+                fleet.interrupt()
+                fleet.cleanup()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    att = {mode: results[mode]["attainment"] for mode in MODES}
+    return {"config": cfg.__dict__, "order": list(order), "rate_per_s": round(rate_per_s, 3),
+            "mean_prompt_tokens": round(statistics.fmean(r.prompt_tokens for r in requests), 1),
+            "modes": results, **{f"attainment_{m}": a for m, a in att.items()},
+            "engine_over_router": round(att["engine"] / att["router"], 3)
+            if att["router"] else None,
+            "engine_over_sglang": round(att["engine"] / att["sglang"], 3)
+            if att["sglang"] else None,
+            "load_average": load_average()}
+
+
+def _calibrate(cfg: EngineBenchConfig, bench: BenchConfig, folder: Path) -> tuple[Path, float]:
+    """A profile measured on the fleet now, and the rate `cfg.load` x prefill capacity."""
+    config = fleet_from_dict(fleet_config(cfg, "sglang", "x", None), "bench")
+    model = config.models[0]
+    base = find_profile(model, "cpu", [REPO / "profiles"], model_dir_of(model))
+    measured = calibrate(base, replace(bench, progress=False), MODEL)
+    path = save_profile(measured, folder / "profiles")
+    probe = workload(cfg, 1.0)
+    mean_prompt = statistics.fmean(r.prompt_tokens for r in probe)
+    tokens_per_s = CHUNK_PROBE_TOKENS / measured.prefill_s(CHUNK_PROBE_TOKENS)
+    return path, cfg.load * tokens_per_s / mean_prompt
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="llama-tiny, 12 s of arrivals")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--load", type=float, default=None,
+                        help="offered prefill load (1.0: prefill busy all the time; default 1.25)")
+    parser.add_argument("--duration", type=float, default=None, help="seconds of arrivals")
+    add_json_flag(parser)
+    args = parser.parse_args(argv)
+    cfg = replace(QUICK if args.quick else EngineBenchConfig(), seed=args.seed)
+    if args.load is not None:
+        cfg = replace(cfg, load=args.load)
+    if args.duration is not None:
+        cfg = replace(cfg, duration_s=args.duration)
+    out = run(cfg, progress=not args.json)
+    rows = [[mode, f["requests"], f["completed"], f["dropped"], f["failed"], f["attainment"],
+             f["goodput_per_s"], f["ttft_p50_s"], f["ttft_p99_s"], f["engine_drops"]]
+            for mode, f in out["modes"].items()]
+    emit(f"engine policy: {out['rate_per_s']} requests/s offered, SLO {cfg.ttft_slo_s} s",
+         ["mode", "requests", "completed", "dropped", "failed", "attainment", "goodput/s",
+          "TTFT p50", "TTFT p99", "engine drops"], rows, out, args.json)
+    return 0 if all(f["failed"] == 0 for f in out["modes"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
