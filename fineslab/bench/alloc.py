@@ -13,7 +13,8 @@ whole pages: no torch.unique).
 Slab: each process a `RuntimeSlabs` on one table shared by both, behind `SlabTokenAdapter`, the
 same token-index interface (`slab_raw_ns_per_page`: block ids only); and each process a
 `PooledSlabs` in one key pool shared by both (`slab_pooled_ns_per_page`: the price of key
-pools, every operation under the table lock).
+pools; with its block cache, as the plugin has it, most calls take no lock:
+`pooled_locked_share` is the share of its calls that took the table lock).
 Two processes run at once, each replaying its own op list through its private SGLang allocator,
 then through its RuntimeSlabs, alternately (best of --repeats), so both allocators see the same
 CPU contention (this 2-core machine is shared) and only the slab one shares a table.
@@ -267,6 +268,7 @@ def _worker(shm_dir: str, index: int, spec: ReplaySpec,
             best[f"{kind}_wall"] = min(best[f"{kind}_wall"], wall / ops.total_pages)
     runtime.check_integrity()
     pooled.check_integrity()
+    best["pooled_locked_share"] = pooled.num_locked_calls / (len(ops.kinds) * (spec.repeats + 1))
     runtime.close()
     pooled.close()
     queue.put((best, ops.total_pages, len(ops.kinds)))
@@ -336,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         "slab_pooled_wall_ns_per_page": round(pooled_wall_ns, 1),
         "ratio_wall": round(slab_wall_ns / sglang_wall_ns, 3),
         "pooled_ratio": round(pooled_wall_ns / sglang_wall_ns, 3),
+        "pooled_locked_share": round(seconds["pooled_locked_share"], 4),
         "pages_per_replay": num_pages, "ops_per_replay": num_ops,
         "page_size": args.page_size, "processes": NUM_PROCESSES, "device": args.device,
     }

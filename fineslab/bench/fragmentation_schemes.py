@@ -83,7 +83,12 @@ class SlabScheme:
                                       backing=0)
         strides = [f.block_stride_bytes for f in formats]
         self.clients: list[RuntimeSlabs | PooledSlabs] = [
-            PooledSlabs(self.table, f.name, f) if key_pools and strides.count(stride) > 1
+            # No block cache: the replay counts a model's first refused allocation, and a
+            # neighbour's cache goes back only at that neighbour's next call (the squeeze),
+            # where a fleet's runtime retries a scheduler step later. This measures placement;
+            # a cache hides at most a slab's worth a runtime (pool_cache.py).
+            PooledSlabs(self.table, f.name, f, cache_blocks=0)
+            if key_pools and strides.count(stride) > 1
             else RuntimeSlabs(self.table, f.name, f)
             for f, stride in zip(formats, strides, strict=True)]
 

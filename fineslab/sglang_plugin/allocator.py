@@ -88,6 +88,8 @@ class BlockSource(Protocol):
 
     def limit_blocks(self) -> int | None: ...
 
+    def release_cache(self) -> int: ...
+
 
 def needs_zeroed_pages(device: str) -> bool:
     """Whether pages must be zeroed before SGLang gets them on `device` (see the module doc)."""
@@ -415,10 +417,14 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         running, nothing waiting): report broken invariants as a leak, and give back a reserve
         that no allocation took, which an idle runtime can never need. Kept, it is memory no
         neighbour can get: CI once saw an idle runtime hold a reserved page after a burst, and
-        its neighbour could then not admit a pair of requests that fit the rest of the arena."""
+        its neighbour could then not admit a pair of requests that fit the rest of the arena.
+        A key-pool source's block cache goes back too, for the same reason."""
         problems = [f"SlabAllocator: {p}" for p in self.check_integrity()]
         if self._reserved and not problems:
             logger.info("idle with %d reserved pages that no allocation took; giving them "
                         "back to the arena", len(self._reserved))
             self.release_reserve()
+        released = self._source.release_cache()  # a key pool's block cache (slabs/pooled.py)
+        if released:
+            logger.info("idle: gave back the %d block(s) its key-pool cache held", released)
         return problems

@@ -29,7 +29,9 @@ API for a runtime (the SGLang plugin, in the scheduler process)
         # slabs empty and return (a small gain, docs/slabs.md; the SGLang plugin does not pass
         # it: its reservation draws a step's pages before SGLang says which request gets which)
     slabs.free(block_ids)                   # InvalidBlockError on double/foreign free, no change
-    slabs.num_free_blocks() -> int          # free blocks in its own slabs (pooled: the pool's)
+    slabs.num_free_blocks() -> int          # free blocks in its own slabs (pooled: the pool's
+        # and its block cache's: up to a slab of blocks it keeps, used for every neighbour)
+    slabs.release_cache() -> int            # give that cache back (the plugin, at idle)
     slabs.available_blocks() -> int         # + what the free slabs would give it now
     slabs.num_blocks_total                  # size of the page index space (num_slots // tpb)
     slabs.stats() -> RuntimeStats; slabs.check_integrity(); slabs.close()

@@ -106,6 +106,11 @@ class SlabClient:
         if ids.size > 1 and not np.all(np.diff(ids)):
             raise InvalidBlockError(f"{self.runtime_id}: a block id repeats in one free")
 
+    def release_cache(self) -> int:
+        """Give back the free blocks kept for this runtime's next calls that neighbours could
+        use; returns how many. None here: a key pool's block cache (pooled.py) keeps some."""
+        return 0
+
     def padding_slab_free(self) -> bool:
         """Whether the padding slab (slab 0) is in the free space (lock-free read)."""
         return bool(self.table.state[PADDING_SLAB] == SlabState.FREE)

@@ -31,6 +31,10 @@ Glossary
                 carve that must take such a slab waits for the copy (one slab's bytes).
                 rt_lend_cap: the slabs a runtime may hold lent (0: none; the launcher's lending
                 round sets it)
+    pool squeeze a header counter a key-pool runtime moves (under the lock) when its pool and
+                the free space came up short: every pooled runtime gives the blocks it caches
+                back at its next call (pool_cache.py; advisory, so it is the one word a refused
+                pooled allocation changes)
 
 Invariants (check_integrity verifies each; T3 and T4 only for owners that are quiescent)
     T1  state[s] == FREE  <=>  owner[s] == NO_OWNER
@@ -123,6 +127,7 @@ class _Hdr(enum.IntEnum):
     HANDLE_LEN = 10
     READY = 11
     SLAB_EPOCH = 12  # +1 whenever a slab changes owner or key (carve, free): see slab_epoch
+    POOL_SQUEEZE = 13  # +1 when a key-pool runtime came up short: see pool_squeeze
 
 
 _HEADER_WORDS = 16
@@ -299,6 +304,18 @@ class SlabTable(KVLimitRows):
         the same epoch under the lock before knows which slabs each owner and key has without
         scanning the table again (`PooledSlabs` caches its key pool's slabs by it)."""
         return int(self.header[_Hdr.SLAB_EPOCH])
+
+    @property
+    def pool_squeeze(self) -> int:
+        """A counter that moves whenever a key-pool runtime came up short; a pooled runtime
+        that sees it move gives the blocks it caches back to the pool (pool_cache.py)."""
+        return int(self.header[_Hdr.POOL_SQUEEZE])
+
+    def squeeze_pools_locked(self) -> int:
+        """Ask every pooled runtime to give its cached blocks back (the caller holds the
+        lock); returns the counter's new value."""
+        self.header[_Hdr.POOL_SQUEEZE] += 1
+        return int(self.header[_Hdr.POOL_SQUEEZE])
 
     # -- the lock -------------------------------------------------------------------------------
     def lock(self) -> _TableLock:

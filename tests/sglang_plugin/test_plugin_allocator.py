@@ -349,3 +349,29 @@ def test_an_idle_runtime_gives_back_a_reserve_no_allocation_took(setup: tuple) -
     assert neighbour.available_blocks() >= others + 2 * BPS, "the neighbour can take them"
     assert allocator.used_tokens() == 0
     _check(allocator, source)
+
+
+def test_an_idle_key_pool_runtime_gives_back_its_block_cache(setup: tuple) -> None:
+    """A key-pool source (PooledSlabs) keeps up to a slab of blocks in its cache, counted as
+    its own for the neighbours; the idle check gives them back with the reserve."""
+    _, _, _, arena = setup
+    fmt = fit_format(SHAPE, SLAB_BYTES, [PAGE])
+    assert fmt is not None
+    pooled = arena.arena.client("k", fmt, pooled=True)
+    mate = arena.arena.client("k2", fmt, pooled=True)
+    try:
+        allocator = slab_allocator(arena, pooled, fmt, PAGE, (NUM_SLABS - 1) * BPS * PAGE)
+        out = allocator.alloc(2 * PAGE)
+        assert out is not None
+        allocator.free(out)
+        assert pooled.num_cached_blocks() > 0, "the freed pages wait in the source's cache"
+        others = mate.available_blocks()
+        assert allocator.verify_byte_accounting() == []
+        assert pooled.num_cached_blocks() == 0, "idle: the cache went back to the pool"
+        assert mate.available_blocks() > others, "the neighbour can take them"
+        assert pooled.num_used_blocks() <= BPS, "only the parked padding slab stays held"
+        assert allocator.check_integrity() == []
+        pooled.check_integrity()
+    finally:
+        mate.close()
+        pooled.close()

@@ -72,6 +72,7 @@ def test_greedy_output_equals_stock_pool_in_a_key_pool(model_cache: Path,
         padding, held = neighbour.alloc(bps), neighbour.alloc(bps)  # slabs 0 and 1
         assert max(padding) < bps <= min(held), "slab 0 first, then slab 1"
         neighbour.free(held[1::2])  # holes at every odd block of slab 1
+        neighbour.release_cache()  # idle from here on, as its plugin's idle check would leave it
         kept = held[0::2]
         data = arena.arena.tensor().view(-1, fmt.block_stride_bytes)  # type: ignore[attr-defined]
         for block in kept:

@@ -12,6 +12,7 @@ from slab_constants import FMT_A, FMT_B, NUM_SLABS, SLAB_BYTES
 
 from fineslab.slabs.arena import SlabArena
 from fineslab.slabs.inspector import human_bytes, main
+from fineslab.slabs.pooled import PooledSlabs
 
 
 def test_json_report_counts_slabs_and_owners(arena: SlabArena, tmp_path: Path) -> None:
@@ -30,8 +31,9 @@ def test_json_report_counts_slabs_and_owners(arena: SlabArena, tmp_path: Path) -
 
 
 def test_report_shows_key_pool_members_and_the_pools_free_blocks(arena: SlabArena) -> None:
-    arena.client("r0", FMT_A, pooled=True).alloc(3)
-    arena.client("r1", FMT_A, pooled=True).alloc(2)
+    # without block caches, so the pool's free blocks are exactly the slab's rest
+    PooledSlabs(arena.table, "r0", FMT_A, cache_blocks=0).alloc(3)
+    PooledSlabs(arena.table, "r1", FMT_A, cache_blocks=0).alloc(2)
     out = io.StringIO()
     assert main(["--table", str(arena.paths.table), "--json"], out) == 0
     owners = {o["runtime_id"]: o for o in json.loads(out.getvalue())["owners"]}

@@ -130,6 +130,7 @@ def test_sigkilled_runtime_leaks_nothing(tmp_path: Path, delay_s: float, pooled:
         if neighbour is not None:
             assert neighbour.num_used_blocks() == 3, "the neighbour's blocks are untouched"
             neighbour.free(kept)
+            assert neighbour.release_cache() > 0, "what its block cache held goes back too"
             check_integrity(arena.table)
         assert snapshot(arena.table).free_slabs == 7, "only the survivor's slab is held"
         assert len(arena.client("next", FMT_A).alloc(7 * 8)) == 56, "all of it reusable"

@@ -5,7 +5,8 @@ Slab layout in these tests (FMT_A: 8 blocks a slab, NUM_SLABS = 6):
     slab 0: [a a a b b . . .]   a and b are two pooled runtimes of FMT_A
     slab 1: ...
 
-Every test checks the table's invariants (T1-T6) after each mutation.
+Every test checks the table's invariants (T1-T6) after each mutation. The runtimes here
+have no block cache, so that placement is exact; test_slab_pool_cache.py covers the cache.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from fineslab.slabs.table import POOLED, SlabState
 
 
 def _pair(arena: SlabArena) -> tuple[PooledSlabs, PooledSlabs]:
-    a = arena.client("a", FMT_A, pooled=True)
-    b = arena.client("b", FMT_A, pooled=True)
-    assert isinstance(a, PooledSlabs) and isinstance(b, PooledSlabs)
-    return a, b
+    """Two pooled runtimes without block caches: every block placed by the pool's rules (the
+    cache, on by default, is test_slab_pool_cache.py's)."""
+    return (PooledSlabs(arena.table, "a", FMT_A, cache_blocks=0),
+            PooledSlabs(arena.table, "b", FMT_A, cache_blocks=0))
 
 
 def test_two_runtimes_share_one_slab(arena: SlabArena) -> None:
@@ -109,10 +110,12 @@ def test_near_hint_fills_the_requests_slab_first(arena: SlabArena) -> None:
 def test_exhaustion_raises_and_changes_nothing(arena: SlabArena) -> None:
     a, b = _pair(arena)
     a.alloc(5)
-    before = arena.table.raw()
+    before, squeeze = arena.table.raw(), arena.table.pool_squeeze
     with pytest.raises(ArenaExhausted):
         b.alloc(NUM_SLABS * 8 - 5 + 1)
-    assert arena.table.raw() == before
+    assert arena.table.pool_squeeze == squeeze + 1, "a short pool asks for the caches back"
+    arena.table.header[13] = squeeze  # the squeeze counter (table._Hdr.POOL_SQUEEZE)
+    assert arena.table.raw() == before, "nothing else changed"
     assert len(b.alloc(NUM_SLABS * 8 - 5)) == NUM_SLABS * 8 - 5, "exactly the rest fits"
     check_integrity(arena.table)
 

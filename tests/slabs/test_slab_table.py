@@ -256,8 +256,8 @@ def test_a_key_pool_sees_a_slab_another_table_handle_carved(arena: SlabArena,
     from fineslab.slabs.table import SlabTable
 
     other_table = SlabTable.open(arena.table.path)
-    mine = arena.client("mine", FMT_A, pooled=True)
-    other = PooledSlabs(other_table, "other", FMT_A)
+    mine = PooledSlabs(arena.table, "mine", FMT_A, cache_blocks=0)  # placement exact
+    other = PooledSlabs(other_table, "other", FMT_A, cache_blocks=0)
     held = mine.alloc_array(3)  # slab 0, cached by epoch
     filler = other.alloc_array(8 - 3)  # fills slab 0
     assert np.all(filler < 8), "the other runtime fills the pool's lowest partial slab first"
