@@ -448,6 +448,12 @@ ENGINE_POLICY_CONTACTS: tuple[Contact, ...] = (
               "already produced tokens, and a chunked request's prefilled length",
               in_source_of=("__init__",)),
     Contact(f"{_BATCH}.reqs", _ATTRIBUTE, "the running requests, for N_max"),
+    Contact(f"{_SCHEDULER}.tree_cache", _ATTRIBUTE, "its evictable tokens count for T_max",
+            in_source_of=("__init__",)),
+    Contact("sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.evictable_size", _METHOD,
+            "T_max: KV tokens the prefix cache would give back"),
+    Contact("sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator.available_size",
+            _METHOD, "T_max: free KV tokens now"),
 )
 
 #: What a runtime joining an arena relies on: `install` checks these (not QOQ_CONTACTS or

@@ -11,8 +11,9 @@ with) decides over the waiting queue:
                    runtime first saw it + the model's TTFT SLO
     work ahead     the prompt tokens the chunked request still has to prefill: SGLang
                    continues it first, so every TTFT the policy predicts starts after it
-    N_max, T_max   request slots left (max_running_requests - running) and
-                   `max_prefill_tokens`; SGLang's memory checks stay in charge of what fits
+    N_max, T_max   request slots left (max_running_requests - running); the KV tokens the
+                   pool can give now (free + evictable), at most `max_prefill_tokens`;
+                   SGLang's memory checks stay in charge of what fits
     admitted       stay in the queue, earliest deadline first, for SGLang's own adder
     deferred       taken out of the queue for this step and put back after it
     dropped        aborted through SGLang's `abort_request` with HTTP 429 and the policy's
@@ -155,8 +156,10 @@ class EngineBatchPolicy:
                                        len(req.origin_input_ids))
                         for key, req in by_id.items())
         running = len(running_batch.reqs) if running_batch is not None else 0
+        room = (scheduler.token_to_kv_pool_allocator.available_size()
+                + scheduler.tree_cache.evictable_size())
         limits = BatchLimits(max(1, scheduler.max_running_requests - running),
-                             max(1, scheduler.max_prefill_tokens))
+                             max(1, min(scheduler.max_prefill_tokens, room)))
         chunked = scheduler.chunked_req
         ahead = 0 if chunked is None else max(0, len(chunked.origin_input_ids)
                                               - chunked.prefix_len)

@@ -134,7 +134,7 @@ def _req(rid: str, tokens: int, priority: int | None, output: int = 0) -> Simple
                            priority=priority, prefix_len=0)
 
 
-def _scheduler(queue: list[SimpleNamespace]) -> SimpleNamespace:
+def _scheduler(queue: list[SimpleNamespace], free: int = 3000) -> SimpleNamespace:
     aborted: list[str] = []
 
     def abort_request(recv_req: object) -> None:
@@ -144,7 +144,10 @@ def _scheduler(queue: list[SimpleNamespace]) -> SimpleNamespace:
 
     scheduler = SimpleNamespace(waiting_queue=queue, chunked_req=None, max_running_requests=8,
                                 max_prefill_tokens=4096, tp_size=1, abort_request=abort_request,
-                                aborted=aborted)
+                                aborted=aborted,
+                                token_to_kv_pool_allocator=SimpleNamespace(
+                                    available_size=lambda: free),
+                                tree_cache=SimpleNamespace(evictable_size=lambda: 500))
     return scheduler
 
 
@@ -169,6 +172,20 @@ def test_one_step_drops_defers_and_admits_earliest_deadline_first_then_puts_back
     assert scheduler.aborted == ["late"]
     assert [r.rid for r in scheduler.waiting_queue] == ["far"]
     assert (policy.stats.dropped, policy.stats.deferred) == (1, 1)
+
+
+def test_t_max_is_the_kv_the_pool_can_give_now() -> None:
+    """Free 300 + evictable 500 tokens: of two requests of 500 tokens with far deadlines, the
+    earlier is admitted and the other waits; with room for both, both are admitted."""
+    seen: list[list[str]] = []
+
+    def sglang_admission(sched: SimpleNamespace, *args: object, **kwargs: object) -> None:
+        seen.append([r.rid for r in sched.waiting_queue])
+
+    for free, shown in ((300, ["a"]), (3000, ["a", "b"])):
+        scheduler = _scheduler([_req("b", 500, 1_100_000), _req("a", 500, 1_050_000)], free)
+        EngineBatchPolicy(SCHEDULE, clock=lambda: 1000.0).around(sglang_admission, scheduler)
+        assert seen.pop() == shown
 
 
 def test_a_failing_decision_leaves_the_queue_to_sglang_and_never_raises() -> None:

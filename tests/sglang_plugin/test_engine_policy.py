@@ -104,9 +104,12 @@ def test_a_short_request_behind_a_long_prefill_is_dropped_naming_the_work_ahead(
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
         long = pool.submit(_completion, url, prompts(1, LONG_TOKENS, seed=4)[0],
                            _deadline_ms(600.0), False, 1)
+        # The short ones ask for one token: a short request let in before the long one would
+        # otherwise wait for its decode steps, which SGLang runs only after every chunk.
+        time.sleep(0.3)
         answers = []
         while not long.done() and len(answers) < 200:
-            answers.append(_completion(url, short, priority=_deadline_ms(3.0)))
+            answers.append(_completion(url, short, priority=_deadline_ms(3.0), max_tokens=1))
             time.sleep(0.02)
         assert long.result().status_code == 200, long.result().text
     dropped = [a for a in answers if a.status_code == 429]
@@ -114,4 +117,4 @@ def test_a_short_request_behind_a_long_prefill_is_dropped_naming_the_work_ahead(
     assert all(ENGINE_DROP_PREFIX in a.json()["message"] for a in dropped)
     assert any("prompt tokens already being prefilled" in a.json()["message"] for a in dropped)
     assert {a.status_code for a in answers} <= {200, 429}
-    assert _completion(url, short, priority=_deadline_ms(3.0)).status_code == 200
+    assert _completion(url, short, priority=_deadline_ms(3.0), max_tokens=1).status_code == 200
