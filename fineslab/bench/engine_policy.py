@@ -15,10 +15,13 @@ client) are sent to each fleet's router:
              with the router's deadlines, picks SGLang's prefill batches (EDF, TTFT admission
              behind the prefill under way, drop)
 
-The offered load is set from a profile measured over HTTP on the first fleet right before the
-runs (`fineslab.sim.experiments.calibrate`): arrivals at `load` x the rate whose prompts alone
-would keep prefill busy all the time (prefill tokens/s at 256-token chunks / mean prompt).
-The router and engine fleets run with that profile, so their predictor is this machine's now.
+Before the runs, on the first fleet: a profile is measured over HTTP
+(`fineslab.sim.experiments.calibrate`), and the router and engine fleets run with it, so their
+predictor is this machine's now. Every fleet is then warmed up by a burst of 3 x max_running
+requests of the workload's lengths, all at once; on the first fleet (SGLang's batching, which
+drops nothing) that burst measures the saturation throughput (completed / seconds,
+`saturation_per_s`), and arrivals are offered at `load` x it (load 1.25: a quarter more than
+the server completes).
 
 Figures (last line, with --json): per mode `attainment` (requests whose first token came within
 the SLO / all requests), `goodput_per_s` (such requests a second), `completed`, `dropped`
@@ -63,7 +66,6 @@ MODEL = "m"
 MODES = ("sglang", "router", "engine")
 REPO = Path(__file__).resolve().parents[2]
 LENGTH_SCALE = 8
-CHUNK_PROBE_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ def run(cfg: EngineBenchConfig, progress: bool = False) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix="fineslab-enginebench-"))
     results: dict[str, dict[str, Any]] = {}
     profile_path: Path | None = None
-    rate_per_s = 0.0
+    rate_per_s = saturation = 0.0
     requests: list[Request] = []
     try:
         # Other jobs on the machine change its speed over minutes: odd seeds run the modes in
@@ -153,14 +155,20 @@ def run(cfg: EngineBenchConfig, progress: bool = False) -> dict[str, Any]:
             try:
                 bench = _bench(fleet.base_url, cfg, progress)
                 if profile_path is None:
-                    profile_path, rate_per_s = _calibrate(cfg, bench, folder)
+                    profile_path = _calibrate(cfg, bench, folder)
+                # Every fleet gets the same warm-up (the first requests of a fresh CPU server
+                # are several times slower); on the first, it measures the saturation throughput.
+                warm = saturation_rate(cfg, bench)
+                if not requests:
+                    saturation = warm
+                    rate_per_s = cfg.load * saturation
                     requests = workload(cfg, rate_per_s)
                     logger.info("offered %.2f requests/s (%d requests)", rate_per_s,
                                 len(requests))
-                load_before = load_average()
+                load_before, drops_before = load_average(), _engine_drops(fleet.base_url)
                 result = run_benchmark(bench, requests)
                 results[mode] = _mode_figures(result.outcomes, result.wall_s, cfg.ttft_slo_s)
-                results[mode].update(engine_drops=_engine_drops(fleet.base_url),
+                results[mode].update(engine_drops=_engine_drops(fleet.base_url) - drops_before,
                                      load_before=load_before, load_after=load_average(),
                                      wall_s=round(result.wall_s, 1))
                 logger.info("%s: %s", mode, results[mode])
@@ -171,6 +179,7 @@ def run(cfg: EngineBenchConfig, progress: bool = False) -> dict[str, Any]:
         shutil.rmtree(folder, ignore_errors=True)
     att = {mode: results[mode]["attainment"] for mode in MODES}
     return {"config": cfg.__dict__, "order": list(order), "rate_per_s": round(rate_per_s, 3),
+            "saturation_per_s": round(saturation, 3),
             "mean_prompt_tokens": round(statistics.fmean(r.prompt_tokens for r in requests), 1),
             "modes": results, **{f"attainment_{m}": a for m, a in att.items()},
             "engine_over_router": round(att["engine"] / att["router"], 3)
@@ -180,17 +189,24 @@ def run(cfg: EngineBenchConfig, progress: bool = False) -> dict[str, Any]:
             "load_average": load_average()}
 
 
-def _calibrate(cfg: EngineBenchConfig, bench: BenchConfig, folder: Path) -> tuple[Path, float]:
-    """A profile measured on the fleet now, and the rate `cfg.load` x prefill capacity."""
+def _calibrate(cfg: EngineBenchConfig, bench: BenchConfig, folder: Path) -> Path:
+    """A profile measured on the fleet now."""
     config = fleet_from_dict(fleet_config(cfg, "sglang", "x", None), "bench")
     model = config.models[0]
     base = find_profile(model, "cpu", [REPO / "profiles"], model_dir_of(model))
     measured = calibrate(base, replace(bench, progress=False), MODEL)
-    path = save_profile(measured, folder / "profiles")
-    probe = workload(cfg, 1.0)
-    mean_prompt = statistics.fmean(r.prompt_tokens for r in probe)
-    tokens_per_s = CHUNK_PROBE_TOKENS / measured.prefill_s(CHUNK_PROBE_TOKENS)
-    return path, cfg.load * tokens_per_s / mean_prompt
+    return save_profile(measured, folder / "profiles")
+
+
+def saturation_rate(cfg: EngineBenchConfig, bench: BenchConfig) -> float:
+    """Requests/s the fleet completes when it always has work: a burst of 3 x max_running
+    requests of the workload's lengths (not the workload's own), all sent at once."""
+    sample = workload(replace(cfg, seed=cfg.seed + 1000), 10.0)[: 3 * cfg.max_running]
+    burst = [replace(r, request_id=f"saturate-{i}", arrival_s=0.0) for i, r in enumerate(sample)]
+    result = run_benchmark(replace(bench, progress=False), burst)
+    done = sum(1 for o in result.outcomes if o.completed)
+    logger.info("saturation: %d of %d requests in %.1f s", done, len(burst), result.wall_s)
+    return done / result.wall_s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="llama-tiny, 12 s of arrivals")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--load", type=float, default=None,
-                        help="offered prefill load (1.0: prefill busy all the time; default 1.25)")
+                        help="offered load, x the measured saturation throughput (default 1.25)")
     parser.add_argument("--duration", type=float, default=None, help="seconds of arrivals")
     add_json_flag(parser)
     args = parser.parse_args(argv)
