@@ -25,10 +25,20 @@ def _measure(args: argparse.Namespace) -> int:
     # Imported here: it imports sglang, which the analytical path must not need.
     from fineslab.profile.measure import MeasureConfig, run_measure
 
+    http = args.via == "http"
+    repeats = 2 if args.quick else (9 if http else 3)
     config = MeasureConfig(model=args.model, cache_dir=Path(args.cache_dir),
-                           out_dir=Path(args.out), quick=args.quick,
-                           repeats=2 if args.quick else 3)
-    path = run_measure(config)
+                           out_dir=Path(args.out), quick=args.quick, repeats=repeats)
+    if http:
+        from fineslab.profile.fleet import exit_on_sigterm
+        from fineslab.profile.measure_http import run_measure_http
+
+        exit_on_sigterm()  # a `timeout` stops the fleet through the `finally` blocks
+        path = run_measure_http(config, args.url, args.served_model)
+    elif args.url is not None:
+        raise SystemExit("--url needs --via http")
+    else:
+        path = run_measure(config)
     logger.info("wrote %s", path)
     return 0
 
@@ -45,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     mea.add_argument("--cache-dir", default=str(Path.home() / ".cache/fineslab/models"))
     mea.add_argument("--out", default="profiles")
     mea.add_argument("--quick", action="store_true", help="fewer points (for tests)")
+    mea.add_argument("--via", choices=("engine", "http"), default="engine",
+                     help="engine: time sglang.Engine in-process (<name>.json); http: probe "
+                          "a launched one-model fleet through its router (<name>-http.json)")
+    mea.add_argument("--url", default=None, help="with --via http: probe this endpoint instead")
+    mea.add_argument("--served-model", default=None, help="with --url: the `model` field")
     mea.set_defaults(func=_measure)
     return parser
 

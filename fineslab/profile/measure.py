@@ -161,17 +161,31 @@ def run_measure(config: MeasureConfig) -> Path:
                                  config)
     finally:
         shutdown_engine(engine)
-    profile = _build_profile(config, shape, kv_dtype, weights_bytes, tables,
-                             sglang_version=str(getattr(sglang, "__version__", "?")))
+    provenance = base_provenance(
+        f"python -m fineslab.profile measure --model {config.model}"
+        + (" --quick" if config.quick else ""), str(getattr(sglang, "__version__", "?")))
+    profile = build_profile(config, shape, kv_dtype, weights_bytes, tables,
+                            config.batch_sizes, {**provenance, "raw_timings": tables["raw"]})
     return save_profile(profile, config.out_dir)
 
 
-def _build_profile(config: MeasureConfig, shape: ModelShape, kv_dtype: str, weights_bytes: int,
-                   tables: dict[str, Any], sglang_version: str) -> ModelProfile:
-    decode = DecodeTable(config.batch_sizes, config.context_tokens, tables["decode"])
+def base_provenance(command: str, sglang_version: str) -> dict[str, str]:
+    """The provenance every measured profile carries (the caller adds its raw timings)."""
+    return {"command": command, "sglang": sglang_version, "host": platform.node() or "?",
+            "processor": platform.processor() or platform.machine(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "activation_bytes": "estimated (roofline formula), not measured"}
+
+
+def build_profile(config: MeasureConfig, shape: ModelShape, kv_dtype: str, weights_bytes: int,
+                  tables: dict[str, Any], batch_sizes: tuple[int, ...],
+                  provenance: dict[str, str]) -> ModelProfile:
+    """A measured profile from `tables` ("prefill": (tokens, s) points, "decode": seconds per
+    batch size of `batch_sizes` per context of `config.context_tokens`)."""
+    decode = DecodeTable(batch_sizes, config.context_tokens, tables["decode"])
     workload = config.workload
     throughput = [(b, b / decode.step_s(b, workload.mean_context_tokens))
-                  for b in config.batch_sizes]
+                  for b in batch_sizes]
     token_bytes = kv_token_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim, kv_dtype)
     kv_per_request = workload.mean_context_tokens * token_bytes
     per_token_act = (4 * shape.hidden_size + 2 * shape.intermediate_size) * 4
@@ -182,18 +196,12 @@ def _build_profile(config: MeasureConfig, shape: ModelShape, kv_dtype: str, weig
         workload=workload,
         activation_bytes=PiecewiseLinear.from_points([
             (b, (config.chunk_tokens + b) * per_token_act + b * shape.vocab_size * 4)
-            for b in config.batch_sizes]),
+            for b in batch_sizes]),
         prefill_s=PiecewiseLinear.from_points(tables["prefill"]), decode=decode,
         throughput_tokens_per_s=PiecewiseLinear.from_points(throughput),
         mme=PiecewiseLinear.from_points([(0.0, 0.0)] + [
             (b * kv_per_request, tps) for b, tps in throughput]),
-        provenance={"command": f"python -m fineslab.profile measure --model {config.model}"
-                               + (" --quick" if config.quick else ""),
-                    "sglang": sglang_version, "host": platform.node() or "?",
-                    "processor": platform.processor() or platform.machine(),
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "activation_bytes": "estimated (roofline formula), not measured",
-                    "raw_timings": tables["raw"]},
+        provenance=provenance,
     )
 
 

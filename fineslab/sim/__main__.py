@@ -86,14 +86,17 @@ def _capacity(args: argparse.Namespace) -> int:
 
 def _fidelity(args: argparse.Namespace) -> int:
     from fineslab.env import FineslabEnv
-    from fineslab.sim.experiments.fidelity import FidelityConfig, run_fidelity
+    from fineslab.profile.fleet import exit_on_sigterm
+    from fineslab.sim.experiments.fidelity import DEFAULT_PROFILE, FidelityConfig, run_fidelity
+
+    exit_on_sigterm()  # a `timeout` stops the fleet through the `finally` blocks
 
     out, traces, config = _common(args, "fidelity")
-    cfg = FidelityConfig(out, Path(args.profile), traces.sharegpt,
+    cfg = FidelityConfig(out, Path(args.profile or DEFAULT_PROFILE), traces.sharegpt,
                          Path(FineslabEnv.from_environ().model_cache_dir), url=args.url,
                          served_model=args.served_model,
                          duration_s=args.duration or (40.0 if args.quick else 120.0),
-                         seed=args.seed, calibrate=not args.no_calibrate)
+                         seed=args.seed, calibrate=args.calibrate)
     acceptance, text = run_fidelity(cfg, replace(config, interference_per_neighbor=0.0))
     return _finish(args, "fidelity: live versus simulated", text, acceptance)
 
@@ -181,12 +184,16 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--rate", type=float, default=2.0,
                              help="requests/s of each active model")
         if name == "fidelity":
-            cmd.add_argument("--url", default=None, help="live endpoint (default: start one)")
-            cmd.add_argument("--profile", default="profiles/llama-tiny--bf16--cpu.json",
-                             help="measured profile of the served model")
+            cmd.add_argument("--url", default=None,
+                             help="live endpoint (default: start a one-model fleet)")
+            cmd.add_argument("--profile", default=None,
+                             help="stored profile of the served model (default: "
+                                  "profiles/llama-tiny--bf16--cpu-http.json, measured through "
+                                  "the fleet by `fineslab.profile measure --via http`)")
             cmd.add_argument("--served-model", default=None, help="`model` field to send")
-            cmd.add_argument("--no-calibrate", action="store_true",
-                             help="skip measuring the endpoint just before the run")
+            cmd.add_argument("--calibrate", action="store_true",
+                             help="also re-measure the endpoint just before the run and "
+                                  "simulate with that profile too")
     return parser
 
 

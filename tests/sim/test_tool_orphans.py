@@ -1,20 +1,27 @@
 """Issue #15, defect 14: `python -m fineslab.sim fidelity` killed by a timeout left its SGLang
 server running (reparented to init) with its shared-memory files. Every tool starts SGLang
-through `fineslab.runtime`, whose lifeline takes the server down with the tool; this runs the
-real tool, ends it as `timeout` does (SIGTERM, which skips its `finally`), and looks."""
+through `fineslab.runtime`, whose lifeline takes the server down with the tool; since issue
+#18 item 5 the fidelity check serves through the full stack, whose launcher holds the tool's
+lifeline (`--stop-with-fd`) and stops its runtimes, router and arena when the tool is gone.
+This runs the real tool, ends it as `timeout` does (SIGTERM) once the launcher's runtime has
+a scheduler, and looks: no process of the tree, no arena file, no fleet folder in /tmp (the
+tool turns SIGTERM into SystemExit so that its `finally` blocks stop the fleet)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from fineslab.proctree import stat_fields
+from fineslab.slabs.shm import default_shm_dir
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +66,9 @@ def test_fidelity_killed_by_sigterm_leaves_no_sglang_process(tmp_path: Path) -> 
             tree = _descendants(tool.pid)
             time.sleep(0.5)
         assert any("sglang.launch_server" in c for c in tree.values()), tree
+        assert any("fineslab.launch" in c for c in tree.values()), "the full stack, launched"
+        arena = f"fineslab-measure-{tool.pid}-*"  # fineslab.profile.fleet's fleet id
+        assert list(default_shm_dir().glob(arena)), f"no arena file {arena} while serving"
         tool.send_signal(signal.SIGTERM)
         tool.wait(30)
         deadline = time.monotonic() + 30
@@ -66,9 +76,28 @@ def test_fidelity_killed_by_sigterm_leaves_no_sglang_process(tmp_path: Path) -> 
             assert time.monotonic() < deadline, (
                 "left behind: " + str({p: c[:80] for p, c in tree.items() if _alive(p)}))
             time.sleep(0.5)
+        while list(default_shm_dir().glob(arena)):
+            assert time.monotonic() < deadline, f"arena files left: {arena}"
+            time.sleep(0.5)
+        assert not _fleet_folders(tool.pid), "the fleet's folder is removed on SIGTERM"
     finally:
         if tool.poll() is None:
             os.killpg(tool.pid, signal.SIGKILL)
+        for folder in _fleet_folders(tool.pid):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _fleet_folders(tool_pid: int) -> list[Path]:
+    """The /tmp folders of the fleet the tool started (fineslab.profile.fleet)."""
+    return [f for f in Path(tempfile.gettempdir()).glob("fineslab-fleet-*")
+            if f"measure-{tool_pid}" in _read(f / "fleet.yaml")]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def _alive(pid: int) -> bool:
