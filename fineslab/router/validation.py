@@ -12,7 +12,9 @@ the one OpenAI error shape, naming the field, before the request is queued.
               narrowed where SGLang's are narrower)
     tokens    every prompt token id and `logit_bias` key in [0, vocab_size)
 
-Fields the router does not know are passed through untouched (clients send many).
+Fields the router does not know are passed through untouched (clients send many), except
+SGLang's `priority`, which the router owns (`proxy.runtime_body`: removed, or set to the
+request's deadline when the runtimes schedule by deadline).
 """
 
 from __future__ import annotations
