@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from slab_constants import FMT_A, FMT_B, SLAB_BYTES
+from stamps import check_stamps, stamp
 
 from fineslab.errors import ArenaExhausted
 from fineslab.slabs.arena import ArenaSpec, SlabArena
@@ -41,9 +42,7 @@ def _stress_worker(shm_dir: str, index: int, pooled: bool, queue: mp.Queue) -> N
     for op in range(OPS_PER_WORKER):
         if live and rng.random() < len(live) / (len(live) + 8):
             blocks = live.pop(int(rng.integers(len(live))))
-            firsts = data[blocks * stride]
-            lasts = data[blocks * stride + stride - 1]
-            assert (firsts == mark).all() and (lasts == mark).all(), "another runtime wrote here"
+            check_stamps(data, blocks, stride, mark)
             rt.free(blocks)
         else:
             num_blocks = 1 if rng.random() < 0.7 else int(rng.integers(2, 17))
@@ -52,8 +51,7 @@ def _stress_worker(shm_dir: str, index: int, pooled: bool, queue: mp.Queue) -> N
             except ArenaExhausted:
                 exhausted += 1
                 continue
-            data[blocks * stride] = mark
-            data[blocks * stride + stride - 1] = mark
+            stamp(data, blocks, stride, mark)
             live.append(blocks)
         if op % 50 == 0:
             rt.check_integrity()

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from slab_constants import FMT_A, FMT_B, NUM_SLABS, SLAB_BYTES
+from stamps import check_stamps, stamp
 
 from fineslab.errors import ArenaExhausted, ConfigError, InvalidBlockError
 from fineslab.slabs.arena import ArenaSpec, SlabArena
@@ -229,8 +230,7 @@ def _cache_worker(shm_dir: str, index: int, start: mp.synchronize.Barrier,
     for op in range(OPS_PER_WORKER):
         if live and rng.random() < len(live) / (len(live) + 12):
             blocks = live.pop(int(rng.integers(len(live))))
-            assert (data[blocks * stride] == mark).all() and \
-                (data[blocks * stride + stride - 1] == mark).all(), "another runtime wrote here"
+            check_stamps(data, blocks, stride, mark)
             rt.free(blocks)
         else:
             try:
@@ -238,8 +238,7 @@ def _cache_worker(shm_dir: str, index: int, start: mp.synchronize.Barrier,
             except ArenaExhausted:
                 exhausted += 1
                 continue
-            data[blocks * stride] = mark
-            data[blocks * stride + stride - 1] = mark
+            stamp(data, blocks, stride, mark)
             live.append(blocks)
         if op % 500 == 0:
             rt.check_integrity()
