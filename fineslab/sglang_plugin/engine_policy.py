@@ -172,10 +172,15 @@ class EngineBatchPolicy:
             self._drop(scheduler, req, drop_reason(
                 request.deadline_s(slo_s) - now_s, predictor.ttft_s([request.prompt_tokens]),
                 ahead))
+        # Whatever is still queued and not admitted is held for this step (the deferred, and a
+        # drop `_drop` left alone): no request leaves the queue but by SGLang's own abort.
         live = {id(req) for req in scheduler.waiting_queue}
-        scheduler.waiting_queue = started + [req for req in admitted if id(req) in live]
-        held = [req for req in deferred if id(req) in live]
-        self.stats.deferred += len(held)
+        kept = started + [req for req in admitted if id(req) in live]
+        kept_ids = {id(req) for req in kept}
+        held = [req for req in [*deferred, *(req for req, _ in dropped)]
+                if id(req) in live and id(req) not in kept_ids]
+        scheduler.waiting_queue = kept
+        self.stats.deferred += len(deferred)
         current = {id(req) for req in queue} - {id(req) for req, _ in dropped}
         self._first_seen = {k: v for k, v in self._first_seen.items() if k in current}
         return held

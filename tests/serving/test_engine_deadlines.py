@@ -188,6 +188,17 @@ def test_t_max_is_the_kv_the_pool_can_give_now() -> None:
         assert seen.pop() == shown
 
 
+def test_a_drop_sglang_would_apply_by_prefix_to_another_request_is_held_not_lost() -> None:
+    """SGLang aborts by id prefix: a late request whose id prefixes another's is not aborted
+    (it would take the other with it); it stays queued, and the next step decides again."""
+    scheduler = _scheduler([_req("a", 300, 1_001_000), _req("ab", 10, 1_010_000)])
+    seen: list[list[str]] = []
+    EngineBatchPolicy(SCHEDULE, clock=lambda: 1000.0).around(
+        lambda s, *a, **k: seen.append([r.rid for r in s.waiting_queue]), scheduler)
+    assert scheduler.aborted == [] and seen == [["ab"]]
+    assert sorted(r.rid for r in scheduler.waiting_queue) == ["a", "ab"]
+
+
 def test_a_failing_decision_leaves_the_queue_to_sglang_and_never_raises() -> None:
     queue = [_req("a", 10, None)]
     scheduler = _scheduler(queue)
