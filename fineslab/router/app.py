@@ -51,7 +51,7 @@ from fineslab.router.attribution import CrashAttribution, fingerprint
 from fineslab.router.config import ModelRoute, RouterSettings
 from fineslab.router.elastic import CannotWake, Elastic
 from fineslab.router.metrics import LiveCollector, RouterMetrics
-from fineslab.router.proxy import error_body, forward, runtime_body
+from fineslab.router.proxy import drop_response, error_body, forward, runtime_body
 from fineslab.router.queues import ModelQueue, NoLiveRuntime, RequestDropped
 from fineslab.router.replicas import Replica
 from fineslab.router.requests import (
@@ -293,9 +293,7 @@ class Router:
             return JSONResponse(error_body(str(exc), "runtime_unavailable", "runtime_down"), 503,
                                 headers={"Retry-After": str(retry_s)}), False
         except RequestDropped as exc:
-            status = self.settings.drop_status
-            return JSONResponse(error_body(str(exc), "slo_drop", status), status,
-                                headers={"Retry-After": str(self.settings.retry_after_s)}), False
+            return drop_response(self.settings, str(exc)), False
         body = runtime_body(parsed.body, queue.route, lease)
         return await forward(queue, lease, path, body, parsed.stream), True
 

@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from fineslab.router.config import ModelRoute
+from fineslab.router.config import ModelRoute, RouterSettings
 from fineslab.router.queues import Lease, ModelQueue
 from fineslab.router.replicas import Replica, RuntimeDown
 from fineslab.scheduler.local import ENGINE_DROP_PREFIX
@@ -110,14 +110,29 @@ async def _failed_before_answer(queue: ModelQueue, lease: Lease,
     return response
 
 
+def _error_message(content: bytes) -> str:
+    """The message of a runtime's JSON error (SGLang's `{"message"}` / `{"detail"}`, or the
+    OpenAI `{"error": {...}}`), also as an SSE event (`data: {...}`); "" when it has none.
+    Raises ValueError when `content` is not UTF-8 JSON."""
+    text = content.decode().strip()
+    if text.startswith("data:"):  # the first event of a stream
+        text = text.removeprefix("data:").split("\n", 1)[0].strip()
+    parsed = json.loads(text)
+    inner = parsed.get("error", parsed) if isinstance(parsed, dict) else {}
+    return str(inner.get("message") or inner.get("detail") or "") \
+        if isinstance(inner, dict) else ""
+
+
+def drop_response(settings: RouterSettings, message: str) -> JSONResponse:
+    """The answer to a request the local scheduler dropped (at the router or in the engine)."""
+    return JSONResponse(error_body(message, "slo_drop", settings.drop_status),
+                        settings.drop_status, headers={"Retry-After": str(settings.retry_after_s)})
+
+
 def upstream_error(status: int, content: bytes) -> JSONResponse:
     """A runtime's non-200 answer in the router's shape (its 4xx kept, its 5xx -> 502)."""
-    message = ""
     try:
-        parsed = json.loads(content)
-        inner = parsed.get("error", parsed) if isinstance(parsed, dict) else {}
-        message = str(inner.get("message") or inner.get("detail") or "") \
-            if isinstance(inner, dict) else ""
+        message = _error_message(content)
     except ValueError:
         message = content[:MAX_UPSTREAM_MESSAGE].decode(errors="replace")
     message = scrub(message) or f"the runtime answered {status}"
@@ -147,18 +162,13 @@ def engine_dropped(queue: ModelQueue, content: bytes) -> Response | None:
     if ENGINE_DROP_PREFIX.encode() not in content:
         return None
     message = ""
-    with contextlib.suppress(ValueError, AttributeError, TypeError):
-        text = content.decode(errors="replace").strip()
-        parsed = json.loads(text.removeprefix("data:").strip().split("\n", 1)[0])
-        inner = parsed.get("error", parsed)
-        message = str(inner.get("message") or inner.get("detail") or "")
+    with contextlib.suppress(ValueError):
+        message = _error_message(content)
     if not message.startswith(ENGINE_DROP_PREFIX):
         message = f"{ENGINE_DROP_PREFIX}: it cannot get its first token by its deadline"
-    settings = queue.settings
     queue.metrics.dropped(queue.route.name, "engine")
-    return JSONResponse(error_body(f"model {queue.route.name} is overloaded: {scrub(message)}; "
-                                   "retry later", "slo_drop", settings.drop_status),
-                        settings.drop_status, headers={"Retry-After": str(settings.retry_after_s)})
+    return drop_response(queue.settings, f"model {queue.route.name} is overloaded: "
+                                         f"{scrub(message)}; retry later")
 
 
 async def _post_whole(replica: Replica, path: str, body: dict[str, Any],
