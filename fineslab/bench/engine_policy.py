@@ -51,7 +51,7 @@ import httpx
 from fineslab.bench.chaos_fleet import ChaosFleet
 from fineslab.bench.loadgen_client import ClientConfig
 from fineslab.bench.report import add_json_flag, emit
-from fineslab.bench.serve import BenchConfig, run_benchmark
+from fineslab.bench.serve import BenchConfig, BenchResult, run_benchmark
 from fineslab.launch.config import fleet_from_dict
 from fineslab.launch.plan import model_dir_of
 from fineslab.launch.profiles import find_profile
@@ -122,20 +122,20 @@ def _engine_drops(base_url: str) -> int:
     return int(float(found.group(1))) if found else 0
 
 
-def _mode_figures(outcomes: Any, wall_s: float, slo_s: float) -> dict[str, Any]:
-    done = [o for o in outcomes if o.completed]
-    ttfts = sorted(o.ttft_s for o in done if o.ttft_s is not None)
+def _mode_figures(result: BenchResult, slo_s: float) -> dict[str, Any]:
+    summary, outcomes = result.summary(), result.outcomes
     met = sum(1 for o in outcomes if o.met_slo)
     dropped = sum(1 for o in outcomes if (o.dropped or "").startswith(("HTTP 429", "HTTP 503")))
 
-    def pct(q: float) -> float | None:
-        return round(ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))], 3) if ttfts else None
+    def seconds(value: float | None) -> float | None:
+        return None if value is None else round(value, 3)
 
-    return {"requests": len(outcomes), "completed": len(done), "dropped": dropped,
-            "failed": len(outcomes) - len(done) - dropped,
-            "attainment": round(met / len(outcomes), 4) if outcomes else 0.0,
-            "goodput_per_s": round(met / wall_s, 3) if wall_s > 0 else 0.0,
-            "ttft_p50_s": pct(0.5), "ttft_p99_s": pct(0.99), "slo_s": slo_s}
+    return {"requests": summary.num_requests, "completed": summary.num_completed,
+            "dropped": dropped, "failed": summary.num_requests - summary.num_completed - dropped,
+            "attainment": round(summary.slo_attainment or 0.0, 4),
+            "goodput_per_s": round(met / result.wall_s, 3) if result.wall_s > 0 else 0.0,
+            "ttft_p50_s": seconds(summary.ttft_s.p50), "ttft_p99_s": seconds(summary.ttft_s.p99),
+            "slo_s": slo_s}
 
 
 def run(cfg: EngineBenchConfig, progress: bool = False) -> dict[str, Any]:
@@ -167,7 +167,7 @@ def run(cfg: EngineBenchConfig, progress: bool = False) -> dict[str, Any]:
                                 len(requests))
                 load_before, drops_before = load_average(), _engine_drops(fleet.base_url)
                 result = run_benchmark(bench, requests)
-                results[mode] = _mode_figures(result.outcomes, result.wall_s, cfg.ttft_slo_s)
+                results[mode] = _mode_figures(result, cfg.ttft_slo_s)
                 results[mode].update(engine_drops=_engine_drops(fleet.base_url) - drops_before,
                                      load_before=load_before, load_after=load_average(),
                                      wall_s=round(result.wall_s, 1))
