@@ -1,8 +1,9 @@
 """Where Algorithm 2 decides, live: SGLang's default vs the router's gate vs the engine policy.
 
     python -m fineslab.bench.engine_policy [--json] [--quick] [--seed N] [--load X]
+                                           [--modes sglang,router,engine,engine-static]
 
-One model (`m`, llama-small; --quick: llama-tiny) is launched three times on this machine and
+One model (`m`, llama-small; --quick: llama-tiny) is launched once per mode on this machine and
 the same requests (Poisson arrivals, ShareGPT prompt lengths divided by `LENGTH_SCALE`, outputs
 of at most 8 tokens so that prefill is most of the work, streamed, `fineslab.bench.serve`'s
 client) are sent to each fleet's router:
@@ -13,7 +14,9 @@ client) are sent to each fleet's router:
              the batches of what the gate let through
     engine   the same gate, and `local_scheduler: engine`: inside the runtime the same policy,
              with the router's deadlines, picks SGLang's prefill batches (EDF, TTFT admission
-             behind the prefill under way, drop)
+             behind the prefill under way, drop); its predictor is refreshed from the prefill
+             steps the runtime times (`engine_refresh: true`, the default)
+    engine-static  the same with `engine_refresh: false`: the profile decides as measured
 
 Before the runs, on the first fleet: a profile is measured over HTTP
 (`fineslab.sim.experiments.calibrate`), and the router and engine fleets run with it, so their
@@ -26,11 +29,11 @@ the server completes).
 Figures (last line, with --json): per mode `attainment` (requests whose first token came within
 the SLO / all requests), `goodput_per_s` (such requests a second), `completed`, `dropped`
 (answered 429/503), `failed` (anything else), TTFT p50/p99 of completed requests, and for the
-engine fleet `engine_drops` (the runtime's drops, from the router's metrics). Top level:
-`attainment_{sglang,router,engine}`, `engine_over_router` and `engine_over_sglang` (attainment
-ratios), the offered `rate_per_s`, the order the modes ran in, and the load averages (each
-mode's before and after: the machine is shared, and a mode run while another job loads it
-is slower for that reason alone).
+engine fleets `engine_drops` (the runtime's drops, from the router's metrics). Top level:
+`attainment_<mode>` for each mode run, `engine_over_router` and `engine_over_sglang`
+(attainment ratios, when those modes ran), the offered `rate_per_s`, the order the modes ran
+in, and the load averages (each mode's before and after: the machine is shared, and a mode run
+while another job loads it is slower for that reason alone).
 """
 
 from __future__ import annotations
@@ -63,7 +66,9 @@ from fineslab.workload.traces import SHAREGPT_STATS
 logger = logging.getLogger(__name__)
 
 MODEL = "m"
-MODES = ("sglang", "router", "engine")
+MODES = ("sglang", "router", "engine", "engine-static")
+#: Fleet ids (names of /dev/shm files) by mode.
+FLEET_IDS = {"sglang": "ebsgl", "router": "ebrou", "engine": "ebeng", "engine-static": "ebsta"}
 REPO = Path(__file__).resolve().parents[2]
 LENGTH_SCALE = 8
 
@@ -78,6 +83,7 @@ class EngineBenchConfig:
     max_output_tokens: int = 8
     max_running: int = 16
     seed: int = 0
+    modes: tuple[str, ...] = MODES
 
 
 QUICK = EngineBenchConfig(preset="llama-tiny", ttft_slo_s=1.0, duration_s=12.0)
@@ -92,7 +98,8 @@ def fleet_config(cfg: EngineBenchConfig, mode: str, fleet_id: str,
         model["profile"] = str(profile)
     return {"fleet_id": fleet_id, "kv_pool": "arena", "placement": "mme",
             "batch_policy": "fcfs" if mode == "sglang" else "adaptive-early-shed",
-            "local_scheduler": "engine" if mode == "engine" else "router",
+            "local_scheduler": "engine" if mode.startswith("engine") else "router",
+            "engine_refresh": mode != "engine-static",
             "devices": [{"name": "cpu", "kind": "cpu", "memory_gib": 8, "kv_arena_mib": 128}],
             "router": {"host": "127.0.0.1", "max_running_requests": cfg.max_running},
             "models": [model]}
@@ -147,9 +154,10 @@ def run(cfg: EngineBenchConfig, progress: bool = False) -> dict[str, Any]:
     try:
         # Other jobs on the machine change its speed over minutes: odd seeds run the modes in
         # the reverse order, so that no mode always runs first (calibration stays first).
-        order = MODES if cfg.seed % 2 == 0 else (MODES[0], *reversed(MODES[1:]))
+        modes = cfg.modes
+        order = modes if cfg.seed % 2 == 0 else (modes[0], *reversed(modes[1:]))
         for mode in order:
-            fleet_id = f"eb{mode[:3]}{cfg.seed}"
+            fleet_id = f"{FLEET_IDS[mode]}{cfg.seed}"
             fleet = ChaosFleet.launch(fleet_config(cfg, mode, fleet_id, profile_path), folder,
                                       mode)
             try:
@@ -177,15 +185,13 @@ def run(cfg: EngineBenchConfig, progress: bool = False) -> dict[str, Any]:
                 fleet.cleanup()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    att = {mode: results[mode]["attainment"] for mode in MODES}
+    att = {mode: results[mode]["attainment"] for mode in cfg.modes}
+    ratios = {f"engine_over_{base}": round(att["engine"] / att[base], 3) if att[base] else None
+              for base in ("router", "sglang") if "engine" in att and base in att}
     return {"config": cfg.__dict__, "order": list(order), "rate_per_s": round(rate_per_s, 3),
             "saturation_per_s": round(saturation, 3),
             "mean_prompt_tokens": round(statistics.fmean(r.prompt_tokens for r in requests), 1),
-            "modes": results, **{f"attainment_{m}": a for m, a in att.items()},
-            "engine_over_router": round(att["engine"] / att["router"], 3)
-            if att["router"] else None,
-            "engine_over_sglang": round(att["engine"] / att["sglang"], 3)
-            if att["sglang"] else None,
+            "modes": results, **{f"attainment_{m}": a for m, a in att.items()}, **ratios,
             "load_average": load_average()}
 
 
@@ -209,6 +215,17 @@ def saturation_rate(cfg: EngineBenchConfig, bench: BenchConfig) -> float:
     return done / result.wall_s
 
 
+def _modes(text: str) -> tuple[str, ...]:
+    """The modes asked for, "sglang" first: its fleet, which drops nothing, calibrates the
+    profile and measures the saturation rate for all."""
+    modes = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or "sglang" not in modes:
+        raise argparse.ArgumentTypeError(f"modes are sglang and any of {', '.join(MODES[1:])}; "
+                                         f"got {text!r}")
+    return ("sglang", *(m for m in modes if m != "sglang"))
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
@@ -218,9 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", type=float, default=None,
                         help="offered load, x the measured saturation throughput (default 1.25)")
     parser.add_argument("--duration", type=float, default=None, help="seconds of arrivals")
+    parser.add_argument("--modes", type=_modes, default=MODES,
+                        help=f"comma-separated, sglang among them (default {','.join(MODES)})")
     add_json_flag(parser)
     args = parser.parse_args(argv)
-    cfg = replace(QUICK if args.quick else EngineBenchConfig(), seed=args.seed)
+    cfg = replace(QUICK if args.quick else EngineBenchConfig(), seed=args.seed,
+                  modes=args.modes)
     if args.load is not None:
         cfg = replace(cfg, load=args.load)
     if args.duration is not None:

@@ -13,6 +13,8 @@ rules that span fields (unique names, KV dtype vs activation dtype, precision pe
     batch_policy: adaptive-early-shed  # or adaptive (Algorithm 2 as written), fcfs, ...
     local_scheduler: router         # "engine": the policy also picks each runtime's prefill
                                     #   batches inside SGLang, by the router's deadlines
+    engine_refresh: true            # engine: rescale the profile by the prefill steps each
+                                    #   runtime times while serving (false: as profiled)
     router: {host: 127.0.0.1, port: 8000, api_key_env: null, on_drop: reject,
              drop_status: 429, retry_after_s: 1, max_running_requests: 32,
              upstream_timeout_s: 600, max_body_mib: 4}
@@ -263,6 +265,8 @@ class FleetConfig:
     #: "router": the batch policy gates requests at the router, SGLang forms the batches;
     #: "engine": the same policy also picks SGLang's prefill batches (engine_policy.py)
     local_scheduler: str = "router"
+    #: with "engine": scale the profile by the runtime's timed prefill steps (step_refresh.py)
+    engine_refresh: bool = True
 
     def model(self, name: str) -> ModelConfig:
         for model in self.models:
@@ -418,6 +422,7 @@ class _Fleet(_Strict):
     placement: str = "mme"
     batch_policy: str = "adaptive-early-shed"
     local_scheduler: Literal["router", "engine"] = "router"
+    engine_refresh: bool = True
     router: _Router = Field(default_factory=_Router)
     models: list[_Model] = Field(min_length=1)
     profile_dirs: list[str] = Field(default_factory=list)
@@ -458,7 +463,8 @@ def _to_dataclasses(fleet: _Fleet, source: str, base_dir: Path) -> FleetConfig:
                        fleet.batch_policy, router, models, dirs, source,
                        SupervisionPolicy(**fleet.supervision.model_dump()),
                        None if fleet.cluster is None else
-                       ClusterConfig(**fleet.cluster.model_dump()), fleet.local_scheduler)
+                       ClusterConfig(**fleet.cluster.model_dump()), fleet.local_scheduler,
+                       fleet.engine_refresh)
 
 
 def _resolve_path(path: str | None, base_dir: Path) -> str | None:

@@ -182,7 +182,8 @@ class Fleet:
         if config.local_scheduler == "engine":
             schedule = EngineSchedule.for_model(
                 config.batch_policy, r.model.ttft_slo_s,
-                ChunkedPrefillPredictor.from_profile(self.plan.profiles[r.model.name]))
+                ChunkedPrefillPredictor.from_profile(self.plan.profiles[r.model.name]),
+                refresh=config.engine_refresh)
         spec = server_spec(r, self.prepared[r.model.name], config.fleet_id,
                            config.kv_pool == "arena",
                            max_running_requests=config.router.max_running_requests,

@@ -128,12 +128,15 @@ class EngineSchedule:
     """The local scheduler inside a runtime (`FINESLAB_ENGINE_POLICY`, `engine_policy.py`):
     the batch policy's name, the model's TTFT SLO (the deadline of a request that carries none)
     and its TTFT predictor (chunked prefill: `chunk_tokens` and the profiled prefill curve,
-    `prefill_s` as [tokens, seconds] points), the same the router decides with."""
+    `prefill_s` as [tokens, seconds] points), the same the router decides with; `refresh`:
+    scale that curve by the prefill steps the runtime times while serving
+    (`step_refresh.py`; off, the profile decides as given)."""
 
     policy: str
     ttft_slo_s: float
     chunk_tokens: int
     prefill_s: tuple[tuple[float, float], ...]
+    refresh: bool = True
 
     def __post_init__(self) -> None:
         from fineslab.scheduler.local import BATCH_POLICIES
@@ -147,10 +150,10 @@ class EngineSchedule:
 
     @classmethod
     def for_model(cls, policy: str, ttft_slo_s: float, predictor: ChunkedPrefillPredictor,
-                  ) -> EngineSchedule:
+                  refresh: bool = True) -> EngineSchedule:
         points = tuple((x, y) for x, y in zip(predictor.prefill_s.xs, predictor.prefill_s.ys,
                                                strict=True))
-        return cls(policy, ttft_slo_s, predictor.chunk_tokens, points)
+        return cls(policy, ttft_slo_s, predictor.chunk_tokens, points, refresh)
 
     def predictor(self) -> ChunkedPrefillPredictor:
         return ChunkedPrefillPredictor(PiecewiseLinear.from_points(self.prefill_s),
@@ -159,7 +162,8 @@ class EngineSchedule:
     def environ(self) -> dict[str, str]:
         return {ENGINE_POLICY_VAR: json.dumps(
             {"policy": self.policy, "ttft_slo_s": self.ttft_slo_s,
-             "chunk_tokens": self.chunk_tokens, "prefill_s": [list(p) for p in self.prefill_s]})}
+             "chunk_tokens": self.chunk_tokens, "prefill_s": [list(p) for p in self.prefill_s],
+            "refresh": self.refresh})}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> EngineSchedule | None:
@@ -171,8 +175,11 @@ class EngineSchedule:
         try:
             data = json.loads(raw)
             points = tuple((float(x), float(y)) for x, y in data["prefill_s"])
+            refresh = data.get("refresh", True)
+            if not isinstance(refresh, bool):
+                raise TypeError(f"refresh must be true or false, got {refresh!r}")
             return cls(str(data["policy"]), float(data["ttft_slo_s"]), int(data["chunk_tokens"]),
-                       points)
+                       points, refresh)
         except (ValueError, TypeError, KeyError) as exc:
             raise ConfigError(f"{ENGINE_POLICY_VAR} is not a valid engine schedule "
                               f"({type(exc).__name__}: {exc})") from exc

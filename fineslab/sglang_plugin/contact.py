@@ -454,6 +454,11 @@ ENGINE_POLICY_CONTACTS: tuple[Contact, ...] = (
             "T_max: KV tokens the prefix cache would give back"),
     Contact("sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator.available_size",
             _METHOD, "T_max: free KV tokens now"),
+    Contact(f"{_SCHEDULER}.forward_ct", _ATTRIBUTE,
+            "batches run so far: a prefill step is timed only when it ran alone "
+            "(step_refresh.StepClock)", in_source_of=("run_batch",)),
+    Contact(f"{_BATCH}.extend_num_tokens", _ATTRIBUTE,
+            "the new tokens of the prefill batch the engine policy's predictor times"),
 )
 
 #: What a runtime joining an arena relies on: `install` checks these (not QOQ_CONTACTS or

@@ -19,6 +19,10 @@ with) decides over the waiting queue:
     dropped        aborted through SGLang's `abort_request` with HTTP 429 and the policy's
                    reason (prefixed `ENGINE_DROP_PREFIX`, which the router recognises)
 
+Every predicted TTFT uses the schedule's profile scaled by the prefill steps this runtime has
+run (`step_refresh.RefreshedPredictor`, timed around this same hook), so a profile measured
+elsewhere, or a machine whose speed has changed, corrects itself while serving.
+
 A request that already produced tokens (retracted back to the queue) is never dropped or
 deferred: its first token is out. A failure inside the policy is logged and the step runs on
 SGLang's own admission with the queue untouched; it never stops the scheduler. The clock is
@@ -43,6 +47,7 @@ from fineslab.scheduler.local import (
 )
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
 from fineslab.sglang_plugin.config import EngineSchedule
+from fineslab.sglang_plugin.step_refresh import RefreshedPredictor, StepClock
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +61,7 @@ MAX_LOGGED_FAILURES = 3
 class AheadPredictor:
     """The TTFT of a batch that starts after `ahead_tokens` of prefill already under way."""
 
-    base: ChunkedPrefillPredictor
+    base: ChunkedPrefillPredictor | RefreshedPredictor
     ahead_tokens: int
 
     def ttft_s(self, prompt_tokens: Iterable[int]) -> float:
@@ -93,12 +98,15 @@ class EngineStats:
 class EngineBatchPolicy:
     """The AROUND hook body: decide, then run SGLang's admission on what was admitted."""
 
-    def __init__(self, schedule: EngineSchedule,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, schedule: EngineSchedule, clock: Callable[[], float] = time.time,
+                 step_clock: Callable[[], float] = time.monotonic) -> None:
         self.schedule = schedule
         self.policy = get_batch_policy(schedule.policy)
-        self.predictor = schedule.predictor()
+        #: Scaled by the timed steps when the schedule asks for refresh; else never observes.
+        self.predictor = RefreshedPredictor(schedule.predictor())
+        self.steps: StepClock | None = StepClock(self.predictor) if schedule.refresh else None
         self.clock = clock
+        self.step_clock = step_clock
         self.stats = EngineStats()
         #: When this runtime first saw each waiting request without a deadline (by id()).
         self._first_seen: dict[int, float] = {}
@@ -107,12 +115,33 @@ class EngineBatchPolicy:
     def around(self, original: Callable[..., Any], scheduler: Any, *args: Any,
                **kwargs: Any) -> Any:
         running_batch = kwargs.get("running_batch", args[1] if len(args) > 1 else None)
+        self._time_step(scheduler, formed=False)
         held = self._before(scheduler, running_batch)
         try:
-            return original(scheduler, *args, **kwargs)
+            result = original(scheduler, *args, **kwargs)
         finally:
             if held:
                 scheduler.waiting_queue.extend(held)
+        # (new batch or None, running batch): time the prefill it formed, if any
+        self._time_step(scheduler, formed=True, result=result)
+        return result
+
+    def _time_step(self, scheduler: Any, formed: bool, result: Any = None) -> None:
+        """Feed the step clock: before the batch former runs, the last step has ended; after
+        it (`formed`, its `result`), a prefill may have been formed. A failure here turns the
+        refresh off (the profile as given goes on deciding); it never stops the scheduler."""
+        if self.steps is None:
+            return
+        try:
+            if not formed:
+                self.steps.loop_came_back(scheduler.forward_ct, self.step_clock())
+            else:
+                batch = result[0] if isinstance(result, tuple) else result
+                self.steps.batch_formed(batch, scheduler.forward_ct, self.step_clock())
+        except Exception:
+            self.steps = None
+            logger.exception("fineslab engine scheduler: timing prefill steps failed; the "
+                             "profile is used as given from now on")
 
     def _before(self, scheduler: Any, running_batch: Any) -> list[Any]:
         """Apply one decision to the waiting queue; the deferred requests to put back."""

@@ -5,6 +5,7 @@ policy deciding inside a real SGLang server: tests/sglang_plugin/test_engine_pol
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from fineslab.scheduler.curves import PiecewiseLinear
 from fineslab.scheduler.local import ENGINE_DROP_PREFIX, get_batch_policy
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
 
+from fineslab.bench.engine_policy import EngineBenchConfig, _modes, fleet_config
 from fineslab.errors import ConfigError
 from fineslab.launch.config import fleet_from_dict
 from fineslab.launch.plan import make_plan
@@ -143,6 +145,7 @@ def _scheduler(queue: list[SimpleNamespace], free: int = 3000) -> SimpleNamespac
         scheduler.waiting_queue = [r for r in scheduler.waiting_queue if r.rid != rid]
 
     scheduler = SimpleNamespace(waiting_queue=queue, chunked_req=None, max_running_requests=8,
+                                forward_ct=0,
                                 max_prefill_tokens=4096, tp_size=1, abort_request=abort_request,
                                 aborted=aborted,
                                 token_to_kv_pool_allocator=SimpleNamespace(
@@ -223,3 +226,16 @@ def test_the_router_module_never_imports_sglang() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_the_engine_benchmark_runs_sglang_first_and_refuses_unknown_modes() -> None:
+    """SGLang's fleet drops nothing, so it calibrates the profile and measures the saturation
+    rate for the others: it always runs, and first."""
+    assert _modes("engine-static,sglang") == ("sglang", "engine-static")
+    for bad in ("router,engine", "sglang,gpu", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _modes(bad)
+    static = fleet_from_dict(fleet_config(EngineBenchConfig(), "engine-static", "x", None), "t")
+    assert (static.local_scheduler, static.engine_refresh) == ("engine", False)
+    engine = fleet_from_dict(fleet_config(EngineBenchConfig(), "engine", "x", None), "t")
+    assert (engine.local_scheduler, engine.engine_refresh) == ("engine", True)

@@ -2,15 +2,19 @@
 
 Two llama-tiny servers, started together: "arena" keeps its KV in a slab arena (the policy rides
 on the arena's plugin session) and "plain" keeps SGLang's own pool (the policy's own session).
-Both prefill in chunks of 64 tokens. Their predictor pretends a 64-token chunk takes 1 s, so
+Both prefill in chunks of 64 tokens. Their profile pretends a 64-token chunk takes 1 s, so
 that the work ahead of a request (a long prompt being prefilled) outweighs a short request's
-own prefill by far; the SLO is 3 s. Deadlines go in SGLang's `priority` field, in wall-clock
-milliseconds, as the router sends them.
+own prefill by far; the SLO is 3 s. "arena" decides with that profile as given (refresh off);
+"plain" refreshes it from the prefill steps it times (`step_refresh.py`), so there the same
+work ahead is predicted at the speed this machine runs it. Deadlines go in SGLang's `priority`
+field, in wall-clock milliseconds, as the router sends them.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +32,7 @@ pytestmark = pytest.mark.slow
 CHUNK = 64
 SCHEDULE = EngineSchedule("adaptive", 3.0, CHUNK, ((0.0, 0.0), (float(CHUNK), 1.0)))
 LONG_TOKENS = 3000
+PREDICTED = re.compile(r"would take about ([0-9.]+) s")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +40,8 @@ def servers(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[dict[str, str]]:
     logs = tmp_path_factory.mktemp("engine")
     arena = arena_for([kv_shape("llama-tiny", "bfloat16", "arena")], 16, 1 << 20, 16)
-    envs = {"arena": {**arena.join("arena").environ(), **SCHEDULE.environ()},
+    envs = {"arena": {**arena.join("arena").environ(),
+                      **dataclasses.replace(SCHEDULE, refresh=False).environ()},
             "plain": SCHEDULE.environ()}
     procs = {}
     try:
@@ -93,13 +99,9 @@ def test_a_request_without_a_plausible_deadline_gets_the_model_slo(
     assert response.status_code == 200, response.text
 
 
-def test_a_short_request_behind_a_long_prefill_is_dropped_naming_the_work_ahead(
-        servers: dict[str, str]) -> None:
-    """Alone, 8 tokens would be prefilled in 0.125 s (the predictor's), well within 3 s; behind
-    the 3,000-token prompt being prefilled (47 chunks, 'about 47 s') they cannot be. SGLang's
-    own admission would take them at the next step; the engine policy drops them at once,
-    saying why. Once the long prompt is done, the same request is served."""
-    url = servers["arena"]
+def _short_requests_during_a_long_prefill(url: str) -> list[httpx.Response]:
+    """Short one-token requests (deadline 3 s) sent one after another while a 3,000-token
+    prompt is prefilled; the answers."""
     short = prompts(1, 8, seed=3)[0]
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
         long = pool.submit(_completion, url, prompts(1, LONG_TOKENS, seed=4)[0],
@@ -112,9 +114,39 @@ def test_a_short_request_behind_a_long_prefill_is_dropped_naming_the_work_ahead(
             answers.append(_completion(url, short, priority=_deadline_ms(3.0), max_tokens=1))
             time.sleep(0.02)
         assert long.result().status_code == 200, long.result().text
+    assert {a.status_code for a in answers} <= {200, 429}
+    return answers
+
+
+def test_a_short_request_behind_a_long_prefill_is_dropped_naming_the_work_ahead(
+        servers: dict[str, str]) -> None:
+    """Alone, 8 tokens would be prefilled in 0.125 s (the profile's), well within 3 s; behind
+    the 3,000-token prompt being prefilled (47 chunks, 'about 47 s') they cannot be. SGLang's
+    own admission would take them at the next step; the engine policy drops them at once,
+    saying why. Once the long prompt is done, the same request is served."""
+    url = servers["arena"]
+    answers = _short_requests_during_a_long_prefill(url)
     dropped = [a for a in answers if a.status_code == 429]
     assert dropped, f"no short request was dropped in {len(answers)} tries during the prefill"
     assert all(ENGINE_DROP_PREFIX in a.json()["message"] for a in dropped)
     assert any("prompt tokens already being prefilled" in a.json()["message"] for a in dropped)
-    assert {a.status_code for a in answers} <= {200, 429}
+    predicted = [float(m.group(1)) for a in dropped
+                 for m in [PREDICTED.search(a.json()["message"])] if m]
+    assert max(predicted, default=0.0) >= 12.0, predicted  # the profile as given: ~1 s a chunk
+    short = prompts(1, 8, seed=3)[0]
     assert _completion(url, short, priority=_deadline_ms(3.0), max_tokens=1).status_code == 200
+
+
+def test_a_refreshed_profile_predicts_the_work_ahead_at_this_machines_speed(
+        servers: dict[str, str]) -> None:
+    """The same scenario on "plain", whose profile (1 s a chunk, tens of times too slow here)
+    is refreshed from the chunks it times: the long prompt's first chunk already rescales it,
+    so a short request is dropped only if the machine itself is that slow, and any drop names
+    a predicted wait far below the profile's 47 s (under 12 s: a chunk at up to 250 ms). The
+    "arena" test above, refresh off, is the control: there the early drops predict tens of
+    seconds."""
+    answers = _short_requests_during_a_long_prefill(servers["plain"])
+    predicted = [float(m.group(1)) for a in answers if a.status_code == 429
+                 for m in [PREDICTED.search(a.json()["message"])] if m]
+    assert all(seconds < 12.0 for seconds in predicted), predicted
+    assert any(a.status_code == 200 for a in answers) or predicted, "no answer at all"
