@@ -1,5 +1,5 @@
-"""CLI: `python -m fineslab.sim {fig10,fig11,fig12,fig13,capacity,elastic,fidelity,oneiros,selectn,
-swiftcache} [--quick] [--json]`.
+"""CLI: `python -m fineslab.sim {fig10,fig11,fig12,fig13,capacity,capacity-parts,elastic,fidelity,
+oneiros,selectn,swiftcache} [--quick] [--json]`.
 
 Each experiment writes `<out>/<name>.md` and PNG plots (default out: results/<name>/), prints
 a table, and with --json prints its acceptance numbers as the last line.
@@ -84,6 +84,16 @@ def _capacity(args: argparse.Namespace) -> int:
                    "scale 5) and GPUs for 99%", text, acceptance)
 
 
+def _capacity_parts(args: argparse.Namespace) -> int:
+    from fineslab.sim.experiments.capacity_parts import default_config, run_parts
+
+    out, traces, config = _common(args, "capacity-parts")
+    cfg = default_config(out, traces, args.quick, args.seed, args.duration)
+    acceptance, text = run_parts(cfg, config)
+    return _finish(args, "capacity by part (Poisson) and under KV memory pressure (SLO 5)",
+                   text, acceptance)
+
+
 def _fidelity(args: argparse.Namespace) -> int:
     from fineslab.env import FineslabEnv
     from fineslab.profile.fleet import exit_on_sigterm
@@ -153,6 +163,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
     "fig12": ("placer ablation: MME versus KVPR, static KV, FCFS", _ablation),
     "fig13": ("local scheduler ablation: one model, static KV", _ablation),
     "capacity": ("largest rate scale at 99% SLO attainment, and GPUs for 99%", _capacity),
+    "capacity-parts": ("capacity of fineslab's parts one at a time, and under memory "
+                       "pressure", _capacity_parts),
     "elastic": ("more models than fit: sleep/wake, fineslab vs Prism* vs no sleep", _elastic),
     "fidelity": ("live server versus simulator on one workload", _fidelity),
     "oneiros": ("Oneiros layer lending under temporal sharing, C1/C2 on one GPU", _oneiros),

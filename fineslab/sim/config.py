@@ -20,6 +20,7 @@ from fineslab.errors import ConfigError
 
 KV_MODES = ("shared", "static", "pages")
 MIB = 1 << 20
+MAX_MEMORY_FRACTION = 4.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,9 @@ class SimConfig:
         "pages" KV mode pays them (`sim.pages`).
     page_reserve_min, page_reserve_max: kvcached's pre-mapped reserve, in page groups (one
         2 MB page per layer, K and V): KVCACHED_MIN_RESERVED_PAGES / _MAX_ defaults, 5 and 10.
+    gpu_memory_fraction: the part of each GPU's memory the fleet may use. Above 1 (at most
+        MAX_MEMORY_FRACTION) it describes a GPU with that much more memory and the same
+        compute: `fineslab.sim capacity-parts` uses 1.8 for a fleet whose KV space never binds.
     """
 
     interference_per_neighbor: float = 0.2
@@ -90,8 +94,8 @@ class SimConfig:
         if min(self.max_running_requests, self.max_prefill_tokens,
                self.max_snapshot_requests) < 1:
             raise ConfigError("engine limits must be >= 1")
-        if not 0 < self.gpu_memory_fraction <= 1:
-            raise ConfigError("gpu_memory_fraction must be in (0, 1]")
+        if not 0 < self.gpu_memory_fraction <= MAX_MEMORY_FRACTION:
+            raise ConfigError(f"gpu_memory_fraction must be in (0, {MAX_MEMORY_FRACTION:g}]")
         if min(self.page_map_s, self.page_set_access_s) < 0:
             raise ConfigError("page map times must be >= 0")
         if not 0 <= self.page_reserve_min <= self.page_reserve_max:

@@ -101,7 +101,7 @@ def test_against_trend_names_a_rise_with_rate_and_a_fall_with_gpus() -> None:
 
 def test_a_capacity_meets_the_target_and_the_miss_above_it_does_not(tmp_path: Path) -> None:
     cfg = _tiny(tmp_path)
-    found = system_capacity(BASE, "fineslab", cfg, SimConfig())
+    found = system_capacity(BASE, SYSTEMS["fineslab"], cfg, SimConfig())
     search = found.search
     assert set(found.unplaced) == {r for r, _ in search.probes}, "placement kept per probe"
     assert search.capacity >= cfg.start_rate_scale and search.missed_at is not None
@@ -119,7 +119,8 @@ def test_a_capacity_meets_the_target_and_the_miss_above_it_does_not(tmp_path: Pa
 def test_an_impossible_slo_gives_capacity_zero(tmp_path: Path) -> None:
     impossible = PointSpec(MIX, 1, 5.0, 1.0, "poisson", 8.0, seed=0,
                            slo_overrides_s=tuple((e.name, 1e-6) for e in MIX))
-    search = system_capacity(impossible, "fineslab", _tiny(tmp_path), SimConfig()).search
+    search = system_capacity(impossible, SYSTEMS["fineslab"], _tiny(tmp_path),
+                             SimConfig()).search
     assert search.capacity == 0.0 and search.missed_at == 1.0, "no rate meets a 1 us TTFT SLO"
 
 
@@ -161,7 +162,8 @@ def test_the_experiment_reports_every_cell_and_the_json_keys(tmp_path: Path) -> 
 def _cell(arrival: str, slo: float, seed: int, capacity: dict[str, float],
           gpus: dict[str, int | None]) -> Cell:
     return Cell(arrival, slo, seed,
-                {s: SystemCapacity(Search(c, c + 1, ((c, 1.0),)), {}) for s, c in capacity.items()},
+                {s: SystemCapacity(Search(c, c + 1, ((c, 1.0),)), {}, {})
+                 for s, c in capacity.items()},
                 {s: GpuScan(n, (), {}) for s, n in gpus.items()})
 
 

@@ -37,8 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fineslab.sim.config import SYSTEMS, SimConfig
-from fineslab.sim.experiments.common import MixEntry, PointSpec, Traces, run_point
+from fineslab.sim.config import SYSTEMS, SimConfig, SystemSpec
+from fineslab.sim.experiments.common import MixEntry, PointResult, PointSpec, Traces, run_point
 from fineslab.sim.experiments.fig10 import FIG10_MIX
 from fineslab.sim.experiments.fig11 import FIG11_MIX
 from fineslab.sim.experiments.report import markdown_table, write_report
@@ -110,26 +110,30 @@ def bisect_capacity(attainment_at: Callable[[float], float], start: float, toler
 @dataclass(frozen=True)
 class SystemCapacity:
     """A system's bisection and, per probed rate scale, the replicas its placer could not
-    place (a model with none placed loses every request: a placement cliff, not a queue)."""
+    place (a model with none placed loses every request: a placement cliff, not a queue) and
+    the probe's whole result."""
 
     search: Search
     unplaced: dict[float, tuple[str, ...]]
+    points: dict[float, PointResult]
 
 
-def system_capacity(base: PointSpec, system: str, cfg: CapacityConfig,
+def system_capacity(base: PointSpec, system: SystemSpec, cfg: CapacityConfig,
                     config: SimConfig) -> SystemCapacity:
     """Bisect `system`'s capacity on `base` (its rate scale is the one varied)."""
     unplaced: dict[float, tuple[str, ...]] = {}
+    points: dict[float, PointResult] = {}
 
     def attainment_at(rate_scale: float) -> float:
         spec = replace(base, rate_scale=rate_scale)
-        (point,) = run_point(spec, [SYSTEMS[system]], cfg.traces, config)
+        (point,) = run_point(spec, [system], cfg.traces, config)
         unplaced[rate_scale] = tuple(dict.fromkeys(point.unplaced))
+        points[rate_scale] = point
         return point.attainment
 
     search = bisect_capacity(attainment_at, cfg.start_rate_scale, cfg.tolerance,
                              cfg.ceiling_rate_scale)
-    return SystemCapacity(search, unplaced)
+    return SystemCapacity(search, unplaced, points)
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,7 @@ def run_cell(cfg: CapacityConfig, arrival: str, slo_scale: float, seed: int,
              config: SimConfig) -> Cell:
     rate_base = PointSpec(cfg.rate_mix, cfg.num_gpus, slo_scale, cfg.start_rate_scale, arrival,
                           cfg.duration_s, seed)
-    capacity = {s: system_capacity(rate_base, s, cfg, config) for s in SYSTEM_NAMES}
+    capacity = {s: system_capacity(rate_base, SYSTEMS[s], cfg, config) for s in SYSTEM_NAMES}
     gpu_base = PointSpec(cfg.gpu_mix, cfg.min_gpus, slo_scale, GPU_RATE_SCALE, arrival,
                          cfg.duration_s, seed)
     gpus = gpus_needed(gpu_base, SYSTEM_NAMES, cfg, config)
