@@ -30,11 +30,12 @@ def test_every_part_and_fraction_is_searched_and_reported(tmp_path: Path) -> Non
     cfg = CapacityConfig(tmp_path, Traces(SHAREGPT_STATS, AZURE_CONV), duration_s=4.0,
                          seeds=(0,), tolerance=8.0, ceiling_rate_scale=16.0, rate_mix=MIX,
                          num_gpus=1)
-    figures, text = run_parts(cfg, SimConfig())
-    for slo in SLO_SCALES:
+    slo_scales, fractions = (5.0, 20.0), (0.9, 0.7)  # the CLI's are SLO_SCALES, MEMORY_FRACTIONS
+    figures, text = run_parts(cfg, SimConfig(), slo_scales, fractions)
+    for slo in slo_scales:
         for part in PARTS:
             assert f"{part.name}_capacity_slo{slo:g}" in figures
-    for fraction in MEMORY_FRACTIONS:
+    for fraction in fractions:
         for system in MEMORY_SYSTEMS:
             assert f"{system}_capacity_mem{fraction:g}" in figures
         if figures[f"static_capacity_mem{fraction:g}"] > 0:
@@ -46,7 +47,7 @@ def test_every_part_and_fraction_is_searched_and_reported(tmp_path: Path) -> Non
     assert figures["fineslab_capacity_slo5"] == figures["fineslab_capacity_mem0.9"]
     json.dumps(figures, allow_nan=False)
     report = (tmp_path / "capacity-parts.md").read_text()
-    searches = len(SLO_SCALES) * len(PARTS) + len(MEMORY_FRACTIONS) * len(MEMORY_SYSTEMS)
+    searches = len(slo_scales) * len(PARTS) + len(fractions) * len(MEMORY_SYSTEMS)
     rows = [line for line in report.splitlines()
             if line.startswith(tuple(f"| {name} |" for name in
                                      {*(p.name for p in PARTS), *MEMORY_SYSTEMS}))]
@@ -60,6 +61,14 @@ def _found(by_model: dict[str, float], dropped: int, unplaced: tuple[str, ...],
     point = PointResult("static", spec, 0.9, 0.0, 0.0, 100, dropped, unplaced, by_model)
     search = Search(2.0, missed, ((2.0, 1.0), (3.0, 0.9)))
     return Found("static", 5.0, 0.9, 0, SystemCapacity(search, {}, {3.0: point}))
+
+
+def test_the_sweeps_must_hold_the_headline_cell(tmp_path: Path) -> None:
+    cfg = CapacityConfig(tmp_path, Traces(SHAREGPT_STATS, AZURE_CONV))
+    with pytest.raises(ValueError, match="must include"):
+        run_parts(cfg, SimConfig(), (2.0,), MEMORY_FRACTIONS)
+    with pytest.raises(ValueError, match="must include"):
+        run_parts(cfg, SimConfig(), SLO_SCALES, (0.7,))
 
 
 def test_what_broke_names_the_worst_models_the_drops_and_what_was_unplaced() -> None:

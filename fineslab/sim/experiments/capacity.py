@@ -344,10 +344,15 @@ def against_trend(probes: Sequence[tuple[float, float]], falling: bool) -> str |
     return None
 
 
+def seeds_text(seeds: Sequence[int]) -> str:
+    """"seed 0" or "seeds 0, 1", for a report's reproduce line."""
+    return ("seeds " if len(seeds) > 1 else "seed ") + ", ".join(map(str, seeds))
+
+
 def _body(cfg: CapacityConfig, cells: Sequence[Cell], figures: dict[str, float],
           wall_s: float) -> str:
     command = "python -m fineslab.sim capacity" + (" --quick" if cfg.quick else "")
-    seeds = ("seeds " if len(cfg.seeds) > 1 else "seed ") + ", ".join(map(str, cfg.seeds))
+    seeds = seeds_text(cfg.seeds)
     return "\n".join([
         "# Capacity: the largest rate at 99% SLO attainment, and GPUs for 99%", "",
         f"Reproduce: `{command}` ({seeds}{', one seed in --quick' if cfg.quick else ''}; "

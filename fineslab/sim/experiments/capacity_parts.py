@@ -32,7 +32,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fineslab.sim.config import SYSTEMS, SimConfig, SystemSpec
-from fineslab.sim.experiments.capacity import CapacityConfig, SystemCapacity, system_capacity
+from fineslab.sim.experiments.capacity import (
+    CapacityConfig,
+    SystemCapacity,
+    seeds_text,
+    system_capacity,
+)
 from fineslab.sim.experiments.common import PointResult, PointSpec, Traces
 from fineslab.sim.experiments.report import markdown_table, write_report
 
@@ -76,16 +81,22 @@ def _search(cfg: CapacityConfig, system: SystemSpec, slo_scale: float, seed: int
     return found
 
 
-def run_parts(cfg: CapacityConfig, config: SimConfig) -> tuple[dict[str, float], str]:
-    """Both sweeps; returns the JSON figures and the printed table, writes
-    `<out>/capacity-parts.md`."""
+def run_parts(cfg: CapacityConfig, config: SimConfig,
+              slo_scales: Sequence[float] = SLO_SCALES,
+              fractions: Sequence[float] = MEMORY_FRACTIONS) -> tuple[dict[str, float], str]:
+    """Both sweeps (the CLI's: every SLO scale and memory fraction; `fractions` must hold
+    HEADLINE_FRACTION and `slo_scales` HEADLINE_SLO); returns the JSON figures and the printed
+    table, writes `<out>/capacity-parts.md`."""
+    if HEADLINE_FRACTION not in fractions or HEADLINE_SLO not in slo_scales:
+        raise ValueError(f"the sweeps must include memory {HEADLINE_FRACTION:g} and SLO scale "
+                         f"{HEADLINE_SLO:g}")
     started = time.monotonic()
     headline = replace(config, gpu_memory_fraction=HEADLINE_FRACTION)
     parts = [_search(cfg, system, slo, seed, headline)
-             for slo in SLO_SCALES for system in PARTS for seed in cfg.seeds]
+             for slo in slo_scales for system in PARTS for seed in cfg.seeds]
     memory = [_search(cfg, SYSTEMS[name], HEADLINE_SLO, seed,
                       replace(config, gpu_memory_fraction=fraction))
-              for fraction in MEMORY_FRACTIONS for name in MEMORY_SYSTEMS
+              for fraction in fractions for name in MEMORY_SYSTEMS
               for seed in cfg.seeds]
     figures = acceptance(parts, memory, cfg)
     wall_s = time.monotonic() - started
@@ -111,11 +122,11 @@ def acceptance(parts: Sequence[Found], memory: Sequence[Found],
     fineslab's ratios over Static* and Prism* at each fraction (left out where the baseline's
     capacity is 0: JSON has no Infinity)."""
     figures: dict[str, float] = {}
-    for slo in SLO_SCALES:
+    for slo in _slos(parts):
         for system in PARTS:
             figures[f"{system.name}_capacity_slo{slo:g}"] = mean_capacity(
                 parts, system.name, slo, HEADLINE_FRACTION)
-    for fraction in MEMORY_FRACTIONS:
+    for fraction in _fractions(memory):
         ours = mean_capacity(memory, "fineslab", HEADLINE_SLO, fraction)
         for name in MEMORY_SYSTEMS:
             figures[f"{name}_capacity_mem{fraction:g}"] = mean_capacity(
@@ -127,6 +138,14 @@ def acceptance(parts: Sequence[Found], memory: Sequence[Found],
     figures.update(tolerance=cfg.tolerance, duration_s=cfg.duration_s,
                    num_seeds=float(len(cfg.seeds)))
     return figures
+
+
+def _slos(found: Sequence[Found]) -> list[float]:
+    return list(dict.fromkeys(f.slo_scale for f in found))
+
+
+def _fractions(found: Sequence[Found]) -> list[float]:
+    return list(dict.fromkeys(f.memory_fraction for f in found))
 
 
 def what_broke(found: Found) -> str:
@@ -147,7 +166,7 @@ def what_broke(found: Found) -> str:
 def _parts_rows(parts: Sequence[Found]) -> tuple[list[str], list[list[object]]]:
     headers = ["SLO scale", *(f"{p.name} capacity" for p in PARTS), "fineslab / static"]
     rows: list[list[object]] = []
-    for slo in SLO_SCALES:
+    for slo in _slos(parts):
         caps = [mean_capacity(parts, p.name, slo, HEADLINE_FRACTION) for p in PARTS]
         ratio = f"{caps[-1] / caps[0]:.2f}" if caps[0] > 0 else "-"
         rows.append([f"{slo:g}", *(f"{c:g}" for c in caps), ratio])
@@ -158,7 +177,7 @@ def _memory_rows(memory: Sequence[Found]) -> tuple[list[str], list[list[object]]
     headers = ["memory fraction", *(f"{s} capacity" for s in MEMORY_SYSTEMS),
                "fineslab / static", "fineslab / prism"]
     rows: list[list[object]] = []
-    for fraction in MEMORY_FRACTIONS:
+    for fraction in _fractions(memory):
         caps = [mean_capacity(memory, s, HEADLINE_SLO, fraction) for s in MEMORY_SYSTEMS]
         ratios = [f"{caps[0] / c:.2f}" if c > 0 else "-" for c in caps[2:0:-1]]
         rows.append([f"{fraction:g}", *(f"{c:g}" for c in caps), *ratios])
@@ -177,10 +196,9 @@ def _search_rows(found: Sequence[Found]) -> tuple[list[str], list[list[object]]]
 def _body(cfg: CapacityConfig, parts: Sequence[Found], memory: Sequence[Found],
           figures: dict[str, float], parts_table: str, wall_s: float) -> str:
     command = "python -m fineslab.sim capacity-parts" + (" --quick" if cfg.quick else "")
-    seeds = ("seeds " if len(cfg.seeds) > 1 else "seed ") + ", ".join(map(str, cfg.seeds))
     return "\n".join([
         "# Capacity by part, and under KV memory pressure", "",
-        f"Reproduce: `{command}` ({seeds}; Poisson arrivals with ShareGPT lengths; "
+        f"Reproduce: `{command}` ({seeds_text(cfg.seeds)}; Poisson arrivals with ShareGPT lengths; "
         f"{cfg.duration_s:g} s per probe; tolerance {cfg.tolerance:g} rate scale; fig10's "
         f"fleet on {cfg.num_gpus} H100s; {wall_s:.0f} s wall). Method: the module docstring "
         "of `fineslab/sim/experiments/capacity_parts.py`; the bisection is "
