@@ -70,6 +70,8 @@ class RefreshedPredictor:
     overall: _Mean = field(default_factory=_Mean)
     buckets: dict[int, _Mean] = field(default_factory=dict)
     _logged_log_scale: float = 0.0
+    #: _floors[b]: the longest scaled step of any bucket below b + 1 (see `step_s`).
+    _floors: list[float] = field(default_factory=list)
 
     @property
     def chunk_tokens(self) -> int:
@@ -81,9 +83,27 @@ class RefreshedPredictor:
         chosen = mean if mean is not None and mean.samples >= MIN_SAMPLES else self.overall
         return math.exp(chosen.log_scale)
 
+    def _scaled(self, tokens: int) -> float:
+        return self.scale(tokens) * self.base.prefill_s(tokens)
+
     def step_s(self, tokens: int) -> float:
-        """One prefill step of `tokens` new tokens, as this runtime runs it now."""
-        return self.scale(tokens) * self.base.prefill_s(tokens) if tokens > 0 else 0.0
+        """One prefill step of `tokens` new tokens, as this runtime runs it now: the scaled
+        profile, and never less than the longest scaled step of fewer tokens (bucket scales
+        differ, and Algorithm 2 relies on a TTFT that never shrinks as tokens are added)."""
+        if tokens <= 0:
+            return 0.0
+        bucket = bucket_of(tokens)
+        floor = self._floors[bucket - 1] if 0 < bucket <= len(self._floors) else 0.0
+        return max(self._scaled(tokens), floor)
+
+    def _refloor(self) -> None:
+        """Recompute `_floors` after the scales moved: the running maximum of each bucket's
+        longest scaled step (its top, 2^(b+1) - 1 tokens), up to the chunk's bucket."""
+        floors, longest = [], 0.0
+        for bucket in range(bucket_of(self.chunk_tokens)):
+            longest = max(longest, self._scaled(2 ** (bucket + 1) - 1))
+            floors.append(longest)
+        self._floors = floors
 
     def prefill_tokens_s(self, total_tokens: int) -> float:
         full_chunks, rest_tokens = divmod(total_tokens, self.chunk_tokens)
@@ -101,6 +121,7 @@ class RefreshedPredictor:
         log_ratio = min(bound, max(-bound, math.log(seconds / profiled)))
         self.overall.add(log_ratio)
         self.buckets.setdefault(bucket_of(tokens), _Mean()).add(log_ratio)
+        self._refloor()
         if abs(self.overall.log_scale - self._logged_log_scale) >= math.log(LOG_FACTOR):
             self._logged_log_scale = self.overall.log_scale
             logger.info("fineslab engine scheduler: prefill steps run at %.2fx the profile "

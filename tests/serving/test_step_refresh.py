@@ -5,6 +5,7 @@ tests/sglang_plugin/test_engine_policy.py (refreshed and as-given side by side).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from types import SimpleNamespace
@@ -60,6 +61,22 @@ def test_a_size_with_its_own_steps_gets_its_own_scale_others_the_overall_one() -
     overall = predictor.scale(50)
     assert 0.5 < overall < 3.0 and overall == pytest.approx(math.exp(
         predictor.overall.log_scale))
+
+
+def test_the_refreshed_ttft_never_shrinks_as_tokens_are_added() -> None:
+    """Steps of 40 tokens measured at 3x the profile, of 100 at 0.5x: alone, the bucket scales
+    would make 64 tokens (0.32 s) quicker than 63 (1.89 s). The floor keeps every prediction
+    at least that of fewer tokens (Algorithm 2 relies on it), at the cost of predicting the
+    64-127 bucket no quicker than 63 tokens."""
+    predictor = RefreshedPredictor(BASE)
+    for _ in range(MIN_SAMPLES):
+        predictor.observe(40, 0.4 * 3)
+        predictor.observe(100, 1.0 * 0.5)
+    assert predictor.scale(63) == pytest.approx(3.0) and predictor.scale(64) == pytest.approx(0.5)
+    times = [predictor.ttft_s([n]) for n in range(0, 450)]
+    assert all(b >= a for a, b in itertools.pairwise(times)), "monotone in tokens"
+    assert predictor.step_s(64) == pytest.approx(3 * 0.63)
+    assert predictor.step_s(100) == pytest.approx(3 * 0.63)
 
 
 def test_one_outlier_step_moves_the_scale_by_a_bounded_factor() -> None:
