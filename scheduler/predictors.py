@@ -13,13 +13,21 @@ A batch of one request is the same formula, so "TTFT(r)" and "TTFT(S)" are one f
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from fineslab.scheduler.curves import PiecewiseLinear
 from fineslab.scheduler.profile_schema import ModelProfile
 
 from fineslab.errors import ConfigError
+
+
+def chunked_prefill_s(total_tokens: int, chunk_tokens: int,
+                      step_s: Callable[[int], float]) -> float:
+    """The module docstring's TTFT: full chunks of `chunk_tokens`, then the rest, each step
+    timed by `step_s` (0 for 0 tokens)."""
+    full_chunks, rest_tokens = divmod(total_tokens, chunk_tokens)
+    return full_chunks * step_s(chunk_tokens) + (step_s(rest_tokens) if rest_tokens > 0 else 0.0)
 
 
 @dataclass(frozen=True)
@@ -38,9 +46,7 @@ class ChunkedPrefillPredictor:
         return cls(profile.prefill_s, profile.chunk_tokens)
 
     def prefill_tokens_s(self, total_tokens: int) -> float:
-        full_chunks, rest_tokens = divmod(total_tokens, self.chunk_tokens)
-        seconds = full_chunks * self.prefill_s(self.chunk_tokens)
-        return seconds + (self.prefill_s(rest_tokens) if rest_tokens > 0 else 0.0)
+        return chunked_prefill_s(total_tokens, self.chunk_tokens, self.prefill_s)
 
     def ttft_s(self, prompt_tokens: Iterable[int]) -> float:
         """Seconds from now until every prompt in the batch has been prefilled."""

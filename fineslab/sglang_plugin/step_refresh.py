@@ -29,7 +29,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from fineslab.scheduler.predictors import ChunkedPrefillPredictor
+from fineslab.scheduler.predictors import ChunkedPrefillPredictor, chunked_prefill_s
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +106,7 @@ class RefreshedPredictor:
         self._floors = floors
 
     def prefill_tokens_s(self, total_tokens: int) -> float:
-        full_chunks, rest_tokens = divmod(total_tokens, self.chunk_tokens)
-        return full_chunks * self.step_s(self.chunk_tokens) + self.step_s(rest_tokens)
+        return chunked_prefill_s(total_tokens, self.chunk_tokens, self.step_s)
 
     def ttft_s(self, prompt_tokens: Iterable[int]) -> float:
         return self.prefill_tokens_s(sum(prompt_tokens))
