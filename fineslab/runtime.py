@@ -15,6 +15,11 @@ new session, so that:
 
 In CPU mode the child gets the CPU stand-ins on its path and SGLang's CPU flags
 (`fineslab.cpu_mode`).
+
+SGLang's crash diagnostics are off unless asked for (`QUIET_EXIT`): when its scheduler exits on
+a signal, which every stop here is, the server sleeps 5 s and then runs py-spy and CUDA core
+dumps, so each stop took over 5 s. Set either variable to 1 in the environment or a model's
+`env` to have them back.
 """
 
 from __future__ import annotations
@@ -127,12 +132,16 @@ def lifeline_read_fd() -> int:
     return _lifeline[0]
 
 
+# SGLang's own defaults are 1 (sglang/srt/environ.py); the environment and the spec override these.
+QUIET_EXIT = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+
+
 class ServerProcess:
     """A running SGLang server; use as a context manager or call `stop()`."""
 
     def __init__(self, spec: ServerSpec, log_path: Path | None = None) -> None:
         self.spec = spec
-        env = dict(os.environ)
+        env = {**QUIET_EXIT, **os.environ}
         if spec.cpu:
             env = cpu_mode.child_environ(env)
         env.update(spec.env)

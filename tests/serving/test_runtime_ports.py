@@ -1,8 +1,12 @@
 """Ports of runtimes: where `free_port` draws them, and a runtime whose port was taken during its
-start-up (a real SGLang server on CPU) being started again on a fresh port by the supervisor."""
+start-up (a real SGLang server on CPU) being started again on a fresh port by the supervisor.
+
+The same servers check how a stop ends: without SGLang's crash diagnostics (a 5 s sleep, then
+py-spy) by default, with them when the spec's env asks (the negative control)."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -74,11 +78,15 @@ def _supervised(spec: ServerSpec, log_path: Path, progress: Callable[[str], None
                                progress=progress, policy=SupervisionPolicy(health_timeout_s=300))
 
 
+DIAGNOSTICS = "Sleeping 5 seconds before crash diagnostics"
+
+
 def test_a_runtime_whose_port_is_taken_at_start_up_comes_up_on_a_fresh_port(
         squatted: ServerSpec, tmp_path: Path) -> None:
     taken = squatted.port
     messages: list[str] = []
-    runtime, supervisor = _supervised(squatted, tmp_path / "llama-r0.log", messages.append)
+    asked = dataclasses.replace(squatted, env={"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "1"})
+    runtime, supervisor = _supervised(asked, tmp_path / "llama-r0.log", messages.append)
     try:
         supervisor.start_all()
         assert runtime.spec.port != taken
@@ -92,6 +100,8 @@ def test_a_runtime_whose_port_is_taken_at_start_up_comes_up_on_a_fresh_port(
     finally:
         supervisor.stop_all()
     assert runtime.process is not None and not runtime.process.tree_pids()
+    logs = "".join(log.read_text() for log in tmp_path.glob("llama-r0*.log"))
+    assert DIAGNOSTICS in logs, "negative control: diagnostics asked for in the model's env run"
 
 
 def test_a_port_still_taken_after_the_last_retry_fails_the_start_with_the_log_named(
@@ -114,3 +124,6 @@ def test_start_server_moves_to_a_fresh_port_when_its_port_is_taken(
         health = httpx.get(server.spec.base_url + "/health", timeout=30)
         assert health.status_code == 200
     assert not server.tree_pids()
+    log = (tmp_path / "sglang.log").read_text()
+    assert "SIGTERM received" in log, "the stop reached SGLang as a signal"
+    assert DIAGNOSTICS not in log, "a stop must not wait out SGLang's crash diagnostics"
