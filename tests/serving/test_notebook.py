@@ -49,10 +49,15 @@ def test_cpu_elastic_notebook_serves_five_models_in_room_for_three(
 
 def test_cpu_mixed_notebook_serves_four_precisions_in_one_arena(
         model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """examples/cpu-mixed.ipynb: the bf16, fp8, awq and qoq runtimes of examples/cpu-mixed.yaml
-    all answer through the router, the slab table gives each its KV bytes a token (qoq's KV4 <
-    fp8 < bf16) and its arena share, and SIGINT leaves nothing behind."""
+    """examples/cpu-mixed.ipynb, the mixed fleet as the README starts it (`python -m
+    fineslab.launch --config examples/cpu-mixed.yaml`, one fleet for the notebook and this test):
+    the bf16, fp8, awq and qoq runtimes all come up and answer completions and chat with the
+    requested tokens through the router; the slab table gives each its KV bytes a token (qoq's
+    KV4 < fp8 < bf16), its own block size as the plan gives it (FP8's page is twice BF16's, so
+    FP8, BF16 and AWQ blocks are one size and share a key pool; KV4 keeps slabs of its own) and
+    its arena share; /metrics has each one's used bytes; SIGINT leaves nothing behind."""
     outputs = _execute("cpu-mixed.ipynb", model_cache, monkeypatch)
+    assert re.search(r"\[4/4\] runtime .* healthy", outputs), outputs[:3000]
     assert "answers from 4 of 4 models" in outputs, outputs[-4000:]
     line = outputs.split("KV bytes per token: ")[1].splitlines()[0]
     per_token = json.loads(line)
@@ -64,6 +69,14 @@ def test_cpu_mixed_notebook_serves_four_precisions_in_one_arena(
     assert sorted(used) == sorted(held) == sorted(per_token), (used, held)
     assert all(used[m] > 0 and held[m] >= 1 for m in used), (
         f"every model keeps its KV in arena slabs: {used} {held}")
+    keys = json.loads(outputs.split("block bytes: ")[1].splitlines()[0])
+    planned = json.loads(outputs.split("block bytes as planned: ")[1].splitlines()[0])
+    assert keys == planned, f"each runtime's slabs are keyed by its planned block: {keys}"
+    assert keys["llama-fp8"] == keys["llama-bf16"] == keys["llama-awq"] > keys["llama-qoq"], keys
+    pooled = json.loads(outputs.split("in a key pool: ")[1].splitlines()[0])
+    assert pooled == {"llama-bf16": True, "llama-fp8": True, "llama-awq": True,
+                      "llama-qoq": False}, pooled
+    assert f"used bytes on /metrics for: {sorted(per_token)}" in outputs, outputs[-3000:]
     assert "launcher exit code 0" in outputs, outputs[-2000:]
     assert "processes left: [] shared memory left: []" in outputs, outputs[-2000:]
 
