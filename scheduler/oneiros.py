@@ -27,7 +27,12 @@ Rules (section 5.2, and issue #17 item 2):
               `streaming(n, alpha, T_T, T_compute).step_s <= T_compute` (equation 4 or 5).
               Section 5.3 writes T_T * alpha <= T_compute, but a step streams alpha + beta
               layers (section 5.4), so that bound alone let a step run up to (alpha + 2) /
-              alpha times its compute (bug: active lending slowed every decode step)
+              alpha times its compute (bug: active lending slowed every decode step).
+              Where copies cannot overlap compute (`copies_overlap=False`: the CPU streamer
+              copies synchronously), nothing hides: a step lasts compute + its copies, and an
+              active model lends while alpha * T_T <= SYNC_COPY_SHARE * T_compute (one slot
+              streams all alpha lent layers each pass: its decode step at most that share
+              longer)
     layers    evenly spaced on the layer circle (section 5.4, equations 1 to 3), keeping the
               layers already lent: each new layer is the one farthest (circularly) from those
     revert    when lent KV is empty again, layers go back in the reverse order of lending
@@ -43,6 +48,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from fineslab.errors import ConfigError
+
+#: Without overlap, the most an active model's decode step may lengthen by its copies.
+SYNC_COPY_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -155,9 +163,10 @@ def _ranks(models: Sequence[ModelState]) -> list[list[ModelState]]:
 
 
 def _room(m: ModelState, count: int, layer_transfer_s: Mapping[str, float],
-          step_compute_s: Mapping[str, float]) -> bool:
+          step_compute_s: Mapping[str, float], copies_overlap: bool = True) -> bool:
     """May `m` lend one more layer when it has `count` lent? An active one only while the
-    copies of count + 1 lent layers (and their beta slots) still hide under its compute."""
+    copies of count + 1 lent layers (and their beta slots) still hide under its compute, or,
+    without overlap, take at most SYNC_COPY_SHARE of it."""
     if count >= m.cap:
         return False
     if not m.active:
@@ -165,17 +174,21 @@ def _room(m: ModelState, count: int, layer_transfer_s: Mapping[str, float],
     compute_s = step_compute_s.get(m.name, 0.0)
     if compute_s <= 0:
         return False
+    if not copies_overlap:
+        return (count + 1) * layer_transfer_s[m.name] <= SYNC_COPY_SHARE * compute_s
     return streaming(m.num_layers, count + 1, layer_transfer_s[m.name],
                      compute_s).step_s <= compute_s
 
 
 def plan_lending(models: Sequence[ModelState], need_bytes: int,
                  layer_transfer_s: Mapping[str, float],
-                 step_compute_s: Mapping[str, float] | None = None) -> LendPlan:
+                 step_compute_s: Mapping[str, float] | None = None,
+                 copies_overlap: bool = True) -> LendPlan:
     """The layers to lend so that `need_bytes` more KV fit (fewer when the caps run out: see
     `LendPlan.met`). `layer_transfer_s` is T_T by model; `step_compute_s` the compute time
     of the current decode step of each active model (absent: it lends nothing; section 5.3
-    takes an active model's T_compute from decode, never from a prefill)."""
+    takes an active model's T_compute from decode, never from a prefill); `copies_overlap`
+    False where a streamed layer's copy runs before its compute, not under it (module doc)."""
     compute = step_compute_s or {}
     counts = {m.name: 0 for m in models}
     turns: list[str] = []  # the round-robin order of the new layers, by model
@@ -185,7 +198,7 @@ def plan_lending(models: Sequence[ModelState], need_bytes: int,
             progressed = False
             for m in group:
                 if freed >= need_bytes or not _room(m, len(m.lent) + counts[m.name],
-                                                    layer_transfer_s, compute):
+                                                    layer_transfer_s, compute, copies_overlap):
                     continue
                 counts[m.name] += 1
                 turns.append(m.name)

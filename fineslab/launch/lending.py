@@ -13,9 +13,13 @@ the launcher tells each runtime its set S of streamed layers through its stream 
                 `fineslab.scheduler.oneiros.plan_lending` over the device's oneiros models:
                 inactive ones first (no work in the router), ascending `priority`, the most
                 recently used among equals, up to `cap` layers each (default half the
-                layers), evenly spaced. An active model lends nothing here (the paper's
-                T_T * N <= T_compute bound needs its step time, which the launcher does not
-                measure): the 'never a whole model' rule holds by `cap`
+                layers), evenly spaced; then active models (work in the router), each
+                only while the copies of its lent layers fit its decode step: T_compute is
+                the decode pass each runtime times (`StreamState.decode_compute_s`), T_T a
+                layer's copy as it measured it (else HOST_LINK_BYTES_S). The streamer copies
+                synchronously (no copy stream yet), so nothing hides and the bound is
+                `oneiros.SYNC_COPY_SHARE` of the step; a model with no timed decode pass lends
+                nothing while active. The 'never a whole model' rule holds by `cap`
               - not pressed, and the arena has more free than the last lent layer (plus the
                 reclaimer's low-water mark): that layer comes back (`plan_reversion`, the
                 latest lent first)
@@ -46,8 +50,12 @@ logger = logging.getLogger(__name__)
 
 INTERVAL_S = 0.5
 PRESSED_ROUNDS = 2
-#: T_T for the plan's ordering only (active models lend nothing here): CPU memcpy, about.
+#: T_T before a runtime has timed a copy of its own: CPU memcpy, about.
 HOST_LINK_BYTES_S = 8 << 30
+#: Decode passes a runtime must have timed before its T_compute is believed.
+MIN_DECODE_PASSES = 3
+#: The streamer copies a layer before its compute, not under it (no copy stream yet).
+COPIES_OVERLAP = False
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,12 @@ def stream_states(plan: FleetPlan, folder: Path) -> dict[str, StreamState]:
     states = {r.runtime_id: read_state(plan.config.fleet_id, r.runtime_id, folder)
               for r in plan.runtimes if r.model.layer_streaming is not None}
     return {runtime_id: s for runtime_id, s in states.items() if s is not None}
+
+
+def _copy_s(state: StreamState | None, layer_bytes: int) -> float:
+    """T_T of a runtime: a layer's copy as it timed its copies, else the host link's."""
+    measured = state.layer_copy_s() if state is not None else None
+    return measured if measured is not None else layer_bytes / HOST_LINK_BYTES_S
 
 
 @dataclass
@@ -178,17 +192,26 @@ class Lender(Rounds):
         models = self._models(device, states, demand)
         if not models:
             return []
-        transfer = {m.name: m.layer_bytes / HOST_LINK_BYTES_S for m in models}
+        transfer = {m.name: _copy_s(states[m.name], m.layer_bytes) for m in models}
+        compute = {m.name: state.decode_compute_s for m in models
+                   if (state := states[m.name]) is not None
+                   and state.decode_passes >= MIN_DECODE_PASSES}
         need = min(m.layer_bytes for m in models)
         width = {m.name: m.layer_bytes for m in models}
-        plan = plan_lending(models, need, transfer)
+        plan = plan_lending(models, need, transfer, compute, COPIES_OVERLAP)
         for _ in range(len(models)):  # a model's first lent layer pays for its slot buffer
             slots = sum(width[name] for name in plan.layers if not device.ledger.lent_of(name))
             if plan.lent_bytes - slots >= need or not plan.met:
                 break
-            plan = plan_lending(models, need + slots, transfer)
+            plan = plan_lending(models, need + slots, transfer, compute, COPIES_OVERLAP)
         if not plan.layers:
             return []
+        for m in models:
+            if m.active and m.name in plan.layers:
+                logger.info("oneiros: %s lends while active: %d layer(s) lent, a layer's copy "
+                            "%.3f ms, its decode pass %.3f ms", m.name, len(m.lent)
+                            + len(plan.layers[m.name]), 1e3 * transfer[m.name],
+                            1e3 * compute[m.name])
         device.ledger.apply(plan)
         device.pressed_rounds = 0  # give the runtimes a round to use it
         return self._write(device, [(name, "lend", layer) for name, layer in plan.order])

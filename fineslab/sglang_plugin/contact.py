@@ -294,6 +294,11 @@ _STREAMING_CONTACTS = (
     Contact(f"{_LLAMA}.LlamaForCausalLM.model", _ATTRIBUTE,
             "the module whose call brackets a forward pass for the layer streamer",
             in_source_of=("__init__", "forward")),
+    Contact("sglang.srt.model_executor.forward_batch_info.ForwardBatch.forward_mode",
+            _ATTRIBUTE, "a pass's batch kind: the layer streamer times decode passes "
+            "(streaming.is_decode)"),
+    Contact("sglang.srt.model_executor.forward_batch_info.ForwardMode.is_decode", _METHOD,
+            "whether a pass is a decode step, whose compute an active model's copies fit"),
 )
 
 _QUANT = "sglang.srt.layers.quantization"

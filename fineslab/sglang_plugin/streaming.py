@@ -20,7 +20,9 @@ A runtime with `FINESLAB_LAYER_STREAMING=1` has each decoder layer on whole slab
              restored from the host copy
 
 S changes only between forward passes: a pre-hook and a hook on the model bracket each pass
-with `lock`, and the watcher thread applies a new request (streamctl) under it. On CPU the copy
+with `lock`, and the watcher thread applies a new request (streamctl) under it. The same hooks
+time each decode pass, less the copies in it (`decode_compute_s`): the compute an active
+model's copies would have to hide under (launch/lending.py). On CPU the copy
 is synchronous (correctness; its cost is the `streamed_bytes` the state reports, timed by
 bench.streaming); on a GPU it would run on a copy stream with an event before the layer's
 kernels, the overlap bench.hostlink measures (not built here).
@@ -65,6 +67,20 @@ from fineslab.slabs.weights import (
 
 logger = logging.getLogger(__name__)
 
+#: Weight of the newest decode pass in `StreamState.decode_compute_s`.
+DECODE_EWMA = 0.2
+
+
+def is_decode(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a forward pass of the decoder stack runs a decode batch: its ForwardBatch
+    (positional or by keyword) says so. False when none is found (nothing is timed)."""
+    for value in (*args, *kwargs.values()):
+        mode = getattr(value, "forward_mode", None)
+        if mode is not None:
+            check = getattr(mode, "is_decode", None)
+            return bool(check()) if callable(check) else False
+    return False
+
 
 class LayerStreamer:
     """Streams a runtime's layers in S (module doc). Not thread-safe except through `lock`."""
@@ -89,6 +105,9 @@ class LayerStreamer:
         self._host_mapping = map_host_copy(host_copy, region.nbytes)
         self._host = self._host_mapping.tensor
         self._pass_bytes = 0
+        self._pass_start_s = 0.0
+        self._pass_copy_s = 0.0
+        self._pass_decode = False
 
     @property
     def streamed(self) -> tuple[int, ...]:
@@ -213,21 +232,33 @@ class LayerStreamer:
         self._slot_holds[k] = layer
         start_s = time.perf_counter()
         self._copy_in(span)
-        self.state.copy_seconds += time.perf_counter() - start_s
+        took_s = time.perf_counter() - start_s
+        self.state.copy_seconds += took_s
+        self._pass_copy_s += took_s
         self._pass_bytes += span.end - span.start
 
     def _copy_in(self, span: LayerSpan) -> None:
         self.region.tensor()[span.start: span.end].copy_(self._host[span.start: span.end])
 
-    def begin_pass(self) -> None:
+    def begin_pass(self, decode: bool = False) -> None:
         self.lock.acquire()
         self._pass_bytes = 0
+        self._pass_copy_s = 0.0
+        self._pass_decode = decode
+        self._pass_start_s = time.perf_counter()
 
     def end_pass(self) -> None:
         try:
-            self.state.passes += 1
-            self.state.streamed_bytes += self._pass_bytes
-            self.state.streamed_bytes_last_pass = self._pass_bytes
+            state = self.state
+            state.passes += 1
+            state.streamed_bytes += self._pass_bytes
+            state.streamed_bytes_last_pass = self._pass_bytes
+            if self._pass_decode:
+                compute_s = max(0.0, time.perf_counter() - self._pass_start_s
+                                - self._pass_copy_s)
+                state.decode_compute_s = compute_s if state.decode_passes == 0 else (
+                    DECODE_EWMA * compute_s + (1 - DECODE_EWMA) * state.decode_compute_s)
+                state.decode_passes += 1
         finally:
             self.lock.release()
 
@@ -265,7 +296,9 @@ def install_hooks(streamer: LayerStreamer, model: torch.nn.Module) -> list[Any]:
     SGLang's split prefill (`forward_split_prefill`, PD multiplexing on CUDA) calls the layers
     without that module, so a pass there is not bracketed: not supported with streaming."""
     owner = layers_owner(model)
-    handles = [owner.register_forward_pre_hook(lambda module, args: streamer.begin_pass()),
+    handles = [owner.register_forward_pre_hook(
+                   lambda module, args, kwargs: streamer.begin_pass(is_decode(args, kwargs)),
+                   with_kwargs=True),
                owner.register_forward_hook(lambda module, args, out: streamer.end_pass(),
                                            always_call=True)]  # also when the pass raises
     layers = decoder_layers(model)

@@ -97,6 +97,16 @@ class StreamState:
     #: the model's decoder layers, and the bytes one lent layer frees (the widest layer's slabs)
     num_layers: int = 0
     layer_bytes: int = 0
+    #: a decode pass's compute (its wall time less the copies in it): a moving average over
+    #: the `decode_passes` timed so far (Oneiros' T_compute of an active model's step)
+    decode_compute_s: float = 0.0
+    decode_passes: int = 0
+
+    def layer_copy_s(self) -> float | None:
+        """Seconds to stream one layer in, as measured so far (None before any copy)."""
+        if self.streamed_bytes <= 0 or self.copy_seconds <= 0:
+            return None
+        return self.layer_bytes * self.copy_seconds / self.streamed_bytes
 
     @property
     def net_lent_bytes(self) -> int:

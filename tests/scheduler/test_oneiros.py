@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 from fineslab.scheduler.oneiros import (
+    SYNC_COPY_SHARE,
     LendingLedger,
     ModelState,
     cap_for,
@@ -81,6 +82,22 @@ def test_regression_active_bound_counted_alpha_but_a_step_streams_alpha_plus_bet
         got = len(lent.layers.get("x", ()))
         assert streaming(8, got, 0.001, 0.001 * (alpha + 2)).step_s == 0.001 * (alpha + 2), \
             "whatever the active model lends, its step stays its compute"
+
+
+def test_without_overlap_an_active_model_lends_while_its_copies_take_a_tenth_of_its_step(
+        ) -> None:
+    # Copies that cannot overlap compute (the CPU streamer): a 25 ms decode pass may take
+    # 0.1 * 25 = 2.5 ms of copies, two layers of 1 ms; the overlapping rule, under the same
+    # step, would let it lend its whole cap of 3 ((3 + 2) * 1 ms = 5 ms < 25 ms).
+    assert SYNC_COPY_SHARE == 0.1
+    plan = plan_lending(_device(), 10_000, T_T, {"x": 0.025}, copies_overlap=False)
+    assert plan.layers["x"] == (0, 4), "2 layers: 2 ms of copies <= 2.5 ms, 3 would be 3 ms"
+    overlapping = plan_lending(_device(), 10_000, T_T, {"x": 0.025})
+    assert len(overlapping.layers["x"]) == 3, "control: with overlap the cap binds instead"
+    short = plan_lending(_device(), 10_000, T_T, {"x": 0.009}, copies_overlap=False)
+    assert "x" not in short.layers, "a 9 ms pass hides no 1 ms copy within its tenth"
+    assert plan_lending(_device(), 10_000, T_T, None, copies_overlap=False).layers.keys() \
+        == {"a", "b", "c"}, "no decode timing: the active model lends nothing"
 
 
 def test_layers_are_evenly_spaced_on_the_circle() -> None:

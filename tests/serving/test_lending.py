@@ -150,3 +150,53 @@ def test_a_refused_request_puts_the_ledger_back_to_what_the_runtime_streams(
     lender.run_once()
     assert lender.devices["cpu"].ledger.order == [], "the ledger follows the runtime"
     assert lender.run_once() == [("idle-a", "lend", 0), ("idle-a", "lend", 2)], "asked again"
+
+
+def _timed(folder: Path, runtime: str, decode_s: float, passes: int,
+           copy_s_per_layer: float | None = None) -> None:
+    """Publish `runtime`'s state with `passes` timed decode passes of `decode_s`, and (when
+    given) copies that took `copy_s_per_layer` a layer."""
+    copied = {} if copy_s_per_layer is None else {
+        "streamed_bytes": 10 * LAYER, "copy_seconds": 10 * copy_s_per_layer}
+    write_state(state_path("f", runtime, folder), StreamState(
+        seq=0, num_layers=4, layer_bytes=LAYER, decode_compute_s=decode_s,
+        decode_passes=passes, **copied))
+
+
+def test_an_active_model_lends_once_idle_ones_are_capped_while_its_copies_fit_its_step(
+        tmp_path: Path) -> None:
+    """idle-a lends its cap of one first. Then busy, active in the router, may lend while its
+    copies take at most a tenth of its timed decode pass (the streamer copies synchronously):
+    a 25 ms pass and 1 ms copies (as it timed them) fit two layers, and a third would not."""
+    world = World(tmp_path)
+    _timed(tmp_path, "busy", 0.025, lending.MIN_DECODE_PASSES, copy_s_per_layer=0.001)
+    lender = world.lender(_specs(**{"idle-a": 1, "busy": 3}))
+    world.pressed, world.demand = True, {"busy": 2}
+    lender.run_once()
+    first = lender.run_once()
+    assert first[0] == ("idle-a", "lend", 0), "the idle model lends first"
+    for _ in range(8):
+        lender.run_once()
+    assert world.requested("idle-a") == [0]
+    assert world.requested("busy") == [0, 2], "two layers: 2 ms of copies <= 2.5 ms"
+
+
+def test_an_active_model_with_too_few_timed_passes_or_too_short_a_step_lends_nothing(
+        tmp_path: Path) -> None:
+    world = World(tmp_path)
+    _timed(tmp_path, "busy", 0.025, lending.MIN_DECODE_PASSES - 1, copy_s_per_layer=0.001)
+    lender = world.lender(_specs(**{"busy": 3}))
+    world.pressed, world.demand = True, {"busy": 2}
+    for _ in range(4):
+        lender.run_once()
+    assert world.requested("busy") is None, "T_compute not yet believed"
+    _timed(tmp_path, "busy", 0.009, lending.MIN_DECODE_PASSES, copy_s_per_layer=0.001)
+    for _ in range(4):
+        lender.run_once()
+    assert world.requested("busy") is None, "a 9 ms pass: no 1 ms copy fits a tenth of it"
+    _timed(tmp_path, "busy", 0.005, lending.MIN_DECODE_PASSES)  # no copy timed yet
+    for _ in range(8):
+        lender.run_once()
+    assert world.requested("busy") == [0, 2], (
+        "before any timed copy T_T is the host link's (2 MiB at 8 GiB/s, 0.24 ms): two "
+        "copies (0.49 ms) fit a tenth of a 5 ms pass, three (0.73 ms) do not")

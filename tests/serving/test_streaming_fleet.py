@@ -101,6 +101,30 @@ def test_an_idle_model_lends_layers_to_a_neighbour_out_of_kv_and_takes_them_back
     assert "taken back" in fleet.output.read_text()
 
 
+def test_an_active_model_out_of_kv_lends_its_own_layers_within_its_decode_pass(
+        fleet: LaunchedFleet) -> None:
+    """llama-lender itself busy and out of KV (the hog holds every free slab): the only oneiros
+    model is active, so it lends only what its decode pass (timed by its streamer) can take in
+    copies, a tenth of it here (synchronous copies on CPU), and at most its cap; its requests
+    finish with its own lent layers as KV, and the layers come back once it is done."""
+    before = _text(fleet, "llama-lender")
+    hog = Hog(fleet)
+    try:
+        prompt = " ".join(f"word{i}" for i in range(150))
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda _: _complete(fleet, "llama-lender", prompt, 200),
+                                    range(4)))
+        assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+        log = fleet.output.read_text()
+        lent = [int(line.split("lends while active: ")[1].split()[0]) for line in
+                log.splitlines() if "oneiros: llama-lender-r0 lends while active: " in line]
+        assert lent and all(1 <= n <= 2 for n in lent), (lent, log[-3000:])
+    finally:
+        hog.close()
+    _wait_lent(fleet, "llama-lender", lambda layers: layers == [])
+    assert _text(fleet, "llama-lender") == before, "greedy output after lending and reversion"
+
+
 def test_ctl_list_and_metrics_show_the_layers_lent(fleet: LaunchedFleet) -> None:
     listed = subprocess.run([sys.executable, "-m", "fineslab.ctl", "--url", fleet.base_url,
                              "list"], capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fineslab.errors import ArenaExhausted, ConfigError
-from fineslab.sglang_plugin.streaming import LayerStreamer, install_hooks
+from fineslab.sglang_plugin.streaming import LayerStreamer, install_hooks, is_decode
 from fineslab.sglang_plugin.weights import SHARED, collect, move_into_region
 from fineslab.slabs.arena import ArenaSpec, SlabArena
 from fineslab.slabs.streamctl import StreamRequest
@@ -233,4 +233,62 @@ def test_sleep_with_layers_lent_and_wake_lends_them_again(arena: SlabArena,
     assert _free_slabs(arena) == lent_free, "S lent again, through its slot"
     with torch.no_grad():
         assert torch.equal(model(ids), before)
+    streamer.close()
+
+
+class _Mode:
+    """What the streamer reads of SGLang's ForwardMode."""
+
+    def __init__(self, decode: bool) -> None:
+        self.decode = decode
+
+    def is_decode(self) -> bool:
+        return self.decode
+
+
+class _Batch:
+    """What the streamer reads of SGLang's ForwardBatch."""
+
+    def __init__(self, decode: bool) -> None:
+        self.forward_mode = _Mode(decode)
+
+
+def test_a_pass_is_decode_when_its_forward_batch_says_so_positional_or_by_keyword() -> None:
+    ids = torch.tensor([1])
+    assert is_decode((ids, ids, _Batch(True)), {})
+    assert is_decode((ids, ids), {"forward_batch": _Batch(True)})
+    assert not is_decode((ids, ids, _Batch(False)), {}), "a prefill (extend) pass"
+    assert not is_decode((ids,), {}), "no batch: nothing is timed"
+
+
+def test_decode_passes_are_timed_without_their_copies_and_prefill_passes_are_not(
+        arena: SlabArena, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clock that moves 1 s per reading: a decode pass of two streamed layers reads it six
+    times (start, two copies of two readings, end): 5 s of wall, 2 s of copies, 3 s of
+    compute. The moving average starts at the first pass and weighs each next one by 0.2."""
+    _, streamer = _streamed_toy(arena, tmp_path)
+    with streamer.lock:
+        streamer.apply(StreamRequest((1, 3), 1))
+    ticks = itertools.count()
+    monkeypatch.setattr("fineslab.sglang_plugin.streaming.time.perf_counter",
+                        lambda: float(next(ticks)))
+
+    def one_pass(decode: bool) -> None:
+        streamer.begin_pass(decode)
+        for layer in range(4):
+            streamer.before_layer(layer)
+        streamer.end_pass()
+
+    one_pass(decode=False)
+    assert streamer.state.decode_passes == 0 and streamer.state.decode_compute_s == 0.0
+    one_pass(decode=True)
+    assert streamer.state.decode_passes == 1 and streamer.state.decode_compute_s == 3.0
+    with streamer.lock:
+        streamer.apply(StreamRequest((1,), 1))  # one layer, one slot: no copy after the first
+    one_pass(decode=True)  # layer 1 into its slot: 3 s of wall, 1 s of copy, 2 s of compute
+    one_pass(decode=True)  # nothing copied: start and end, 1 s
+    assert streamer.state.decode_passes == 3
+    after_two = 0.2 * 2.0 + 0.8 * 3.0
+    assert streamer.state.decode_compute_s == pytest.approx(0.2 * 1.0 + 0.8 * after_two)
+    assert streamer.state.passes == 4
     streamer.close()

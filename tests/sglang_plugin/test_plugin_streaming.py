@@ -108,6 +108,9 @@ def test_streamed_output_is_identical_and_the_gain_is_the_lent_bytes(
     state = _ask(arena, (), 1)
     assert _free_slabs(arena) == free_before, "reversion returns every lent slab"
     assert state.lent_bytes == 0 and state.slot_bytes == 0
+    assert 0 < state.decode_passes < state.passes, (
+        "decode passes are timed, prefill passes are not", state)
+    assert 0 < state.decode_compute_s < 5, state
     assert _greedy(server) == reference
     check_integrity(arena.arena.table)
 
