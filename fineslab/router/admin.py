@@ -111,6 +111,7 @@ def install_admin(app: FastAPI, router: Router) -> None:
                     "layers": state.layers, "lent_bytes": state.net_lent_bytes,
                     "streamed_bytes": state.streamed_bytes,
                     "streamed_bytes_last_step": state.streamed_bytes_last_pass,
+                    "decode_compute_s": state.decode_compute_s,
                     "error": state.error} for runtime, state in mine.items()}
         return JSONResponse({"models": models})
 

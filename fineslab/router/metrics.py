@@ -27,6 +27,7 @@ request path never pays for them.
     fineslab_stream_lent_bytes{model,runtime}    their bytes, less the slot buffers
     fineslab_stream_streamed_bytes_total{model,runtime}  bytes copied in from the host copy
     fineslab_stream_streamed_bytes_last_step{model,runtime}  ... in the last forward pass
+    fineslab_stream_decode_compute_seconds{model,runtime}  a decode pass's compute, less copies
 """
 
 from __future__ import annotations
@@ -105,12 +106,16 @@ def _stream_metrics(states: dict[tuple[str, str], StreamState]) -> Iterator[Metr
     last = GaugeMetricFamily("fineslab_stream_streamed_bytes_last_step",
                              "Layer bytes copied in during the last forward pass",
                              labels=labels)
+    decode = GaugeMetricFamily("fineslab_stream_decode_compute_seconds",
+                               "A decode pass's compute, less its copies (moving average; what "
+                               "an active model's copies are bounded by)", labels=labels)
     for (model, runtime), state in sorted(states.items()):
         layers.add_metric([model, runtime], len(state.layers))
         lent.add_metric([model, runtime], state.net_lent_bytes)
         streamed.add_metric([model, runtime], state.streamed_bytes)
         last.add_metric([model, runtime], state.streamed_bytes_last_pass)
-    yield from (layers, lent, streamed, last)
+        decode.add_metric([model, runtime], state.decode_compute_s)
+    yield from (layers, lent, streamed, last, decode)
 
 
 def _slab_metrics(snapshots: dict[str, TableSnapshot]) -> Iterator[Metric]:

@@ -13,6 +13,7 @@ than it holds. The checks run in file order against one fleet.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -135,6 +136,9 @@ def test_ctl_list_and_metrics_show_the_layers_lent(fleet: LaunchedFleet) -> None
     assert 'fineslab_stream_layers{model="llama-selectn",runtime="llama-selectn-r0"} 2.0' \
         in metrics, metrics[-2000:]
     assert "fineslab_stream_streamed_bytes_total" in metrics
+    timed = re.search(r'fineslab_stream_decode_compute_seconds{model="llama-lender",'
+                      r'runtime="llama-lender-r0"} (\S+)', metrics)
+    assert timed and float(timed.group(1)) > 0, "the lender timed its decode passes above"
 
 
 def test_a_lender_stopped_with_layers_lent_is_restarted_and_the_borrower_keeps_serving(
