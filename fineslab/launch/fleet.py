@@ -54,7 +54,9 @@ from fineslab.router.admin import KVLimits
 from fineslab.router.elastic import CONTROL_TIMEOUT_S, SLEEP_CALLS, ArenaView, Elastic, ElasticSpec
 from fineslab.router.server import bind_router_socket
 from fineslab.runtime import ServerSpec
+from fineslab.scheduler.local import TtftPredictor
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
+from fineslab.scheduler.refreshed import FollowedPredictor
 from fineslab.sglang_plugin.config import EngineSchedule
 from fineslab.slabs import ArenaSpec, SlabArena, TableSnapshot, snapshot
 from fineslab.slabs.shm import arena_device
@@ -183,7 +185,8 @@ class Fleet:
             schedule = EngineSchedule.for_model(
                 config.batch_policy, r.model.ttft_slo_s,
                 ChunkedPrefillPredictor.from_profile(self.plan.profiles[r.model.name]),
-                refresh=config.engine_refresh)
+                refresh=config.engine_refresh, publish=(
+                    str(self._scales_path(r.runtime_id)) if config.engine_refresh else None))
         spec = server_spec(r, self.prepared[r.model.name], config.fleet_id,
                            config.kv_pool == "arena",
                            max_running_requests=config.router.max_running_requests,
@@ -340,16 +343,26 @@ class Fleet:
                               upstream_timeout_s=r.upstream_timeout_s,
                               max_body_bytes=r.max_body_bytes)
 
+    def _scales_path(self, runtime_id: str) -> Path:
+        """Where an engine-scheduled runtime writes its step scales for the router's gate."""
+        return self.log_dir / f"{runtime_id}.steps.json"
+
     def _routes(self, runtimes: list[SupervisedRuntime]) -> list[ModelRoute]:
         routes = []
-        for model in self.plan.config.models:
+        config = self.plan.config
+        for model in config.models:
             mine = [r for r in runtimes if r.plan.model.name == model.name]
             model_dir = mine[0].plan.model_dir
             hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+            profiled = ChunkedPrefillPredictor.from_profile(self.plan.profiles[model.name])
+            predictor: TtftPredictor = profiled
+            if config.local_scheduler == "engine" and config.engine_refresh:
+                # one predictor: the gate scales the profile as the runtimes' engines do
+                predictor = FollowedPredictor(profiled, tuple(
+                    self._scales_path(r.plan.runtime_id) for r in mine))
             routes.append(ModelRoute(
                 model.name, tuple(ReplicaRoute(r.plan.runtime_id, r.spec.base_url) for r in mine),
-                model.ttft_slo_s, ChunkedPrefillPredictor.from_profile(
-                    self.plan.profiles[model.name]),
+                model.ttft_slo_s, predictor,
                 tokenizer_dir=model_dir,
                 context_tokens=int(hf_config.get("max_position_embeddings", 2048)),
                 vocab_size=_vocab_size(hf_config),

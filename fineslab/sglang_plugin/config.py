@@ -130,13 +130,16 @@ class EngineSchedule:
     and its TTFT predictor (chunked prefill: `chunk_tokens` and the profiled prefill curve,
     `prefill_s` as [tokens, seconds] points), the same the router decides with; `refresh`:
     scale that curve by the prefill steps the runtime times while serving
-    (`step_refresh.py`; off, the profile decides as given)."""
+    (`step_refresh.py`; off, the profile decides as given); `publish`: the file the runtime
+    writes those scales to, for the router's gate (`fineslab.scheduler.refreshed`; None:
+    not written)."""
 
     policy: str
     ttft_slo_s: float
     chunk_tokens: int
     prefill_s: tuple[tuple[float, float], ...]
     refresh: bool = True
+    publish: str | None = None
 
     def __post_init__(self) -> None:
         from fineslab.scheduler.local import BATCH_POLICIES
@@ -150,10 +153,10 @@ class EngineSchedule:
 
     @classmethod
     def for_model(cls, policy: str, ttft_slo_s: float, predictor: ChunkedPrefillPredictor,
-                  refresh: bool = True) -> EngineSchedule:
+                  refresh: bool = True, publish: str | None = None) -> EngineSchedule:
         points = tuple((x, y) for x, y in zip(predictor.prefill_s.xs, predictor.prefill_s.ys,
                                                strict=True))
-        return cls(policy, ttft_slo_s, predictor.chunk_tokens, points, refresh)
+        return cls(policy, ttft_slo_s, predictor.chunk_tokens, points, refresh, publish)
 
     def predictor(self) -> ChunkedPrefillPredictor:
         return ChunkedPrefillPredictor(PiecewiseLinear.from_points(self.prefill_s),
@@ -163,7 +166,7 @@ class EngineSchedule:
         return {ENGINE_POLICY_VAR: json.dumps(
             {"policy": self.policy, "ttft_slo_s": self.ttft_slo_s,
              "chunk_tokens": self.chunk_tokens, "prefill_s": [list(p) for p in self.prefill_s],
-            "refresh": self.refresh})}
+             "refresh": self.refresh, "publish": self.publish})}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> EngineSchedule | None:
@@ -178,8 +181,11 @@ class EngineSchedule:
             refresh = data.get("refresh", True)
             if not isinstance(refresh, bool):
                 raise TypeError(f"refresh must be true or false, got {refresh!r}")
+            publish = data.get("publish")
+            if publish is not None and not (isinstance(publish, str) and publish):
+                raise TypeError(f"publish must be a file path or null, got {publish!r}")
             return cls(str(data["policy"]), float(data["ttft_slo_s"]), int(data["chunk_tokens"]),
-                       points, refresh)
+                       points, refresh, publish)
         except (ValueError, TypeError, KeyError) as exc:
             raise ConfigError(f"{ENGINE_POLICY_VAR} is not a valid engine schedule "
                               f"({type(exc).__name__}: {exc})") from exc

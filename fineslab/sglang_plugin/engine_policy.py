@@ -31,11 +31,14 @@ this host's wall clock (the router's deadlines are wall-clock too: one host, or 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 from fineslab.scheduler.local import (
@@ -46,6 +49,7 @@ from fineslab.scheduler.local import (
     get_batch_policy,
 )
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
+from fineslab.scheduler.refreshed import PUBLISH_S, write_scales
 from fineslab.sglang_plugin.config import EngineSchedule
 from fineslab.sglang_plugin.step_refresh import RefreshedPredictor, StepClock
 
@@ -111,6 +115,7 @@ class EngineBatchPolicy:
         #: When this runtime first saw each waiting request without a deadline (by id()).
         self._first_seen: dict[int, float] = {}
         self._tp_refused = False
+        self._published_s, self._published_samples = -math.inf, 0
 
     def around(self, original: Callable[..., Any], scheduler: Any, *args: Any,
                **kwargs: Any) -> Any:
@@ -134,7 +139,9 @@ class EngineBatchPolicy:
             return
         try:
             if not formed:
-                self.steps.loop_came_back(scheduler.forward_ct, self.step_clock())
+                now_s = self.step_clock()
+                self.steps.loop_came_back(scheduler.forward_ct, now_s)
+                self._publish(now_s)
             else:
                 batch = result[0] if isinstance(result, tuple) else result
                 self.steps.batch_formed(batch, scheduler.forward_ct, self.step_clock())
@@ -142,6 +149,24 @@ class EngineBatchPolicy:
             self.steps = None
             logger.exception("fineslab engine scheduler: timing prefill steps failed; the "
                              "profile is used as given from now on")
+
+    def _publish(self, now_s: float) -> None:
+        """Write the scales for the router's gate, at most every PUBLISH_S and only once a
+        step was timed. A failed write is logged once and publishing stops (the router's gate
+        goes on with what it last read); the scheduler never stops for it."""
+        path = self.schedule.publish
+        samples = self.predictor.overall.samples
+        if path is None or samples == self._published_samples \
+                or now_s - self._published_s < PUBLISH_S:
+            return
+        try:
+            write_scales(Path(path), self.predictor)
+        except OSError:
+            self.schedule = dataclasses.replace(self.schedule, publish=None)
+            logger.exception("fineslab engine scheduler: cannot write the step scales to %s; "
+                             "the router's gate keeps the scales it last read", path)
+            return
+        self._published_s, self._published_samples = now_s, samples
 
     def _before(self, scheduler: Any, running_batch: Any) -> list[Any]:
         """Apply one decision to the waiting queue; the deferred requests to put back."""

@@ -100,7 +100,7 @@ def test_a_step_without_a_positive_time_is_ignored(tokens: int, seconds: float) 
 
 def test_the_scale_is_logged_when_it_moves(caplog: pytest.LogCaptureFixture) -> None:
     predictor = RefreshedPredictor(BASE)
-    with caplog.at_level(logging.INFO, logger="fineslab.sglang_plugin.step_refresh"):
+    with caplog.at_level(logging.INFO, logger="fineslab.scheduler.refreshed"):
         predictor.observe(100, 1.05)  # within LOG_FACTOR of 1: quiet
         assert not caplog.records
         predictor.observe(100, 4.0)

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fineslab.scheduler.local import ENGINE_DROP_PREFIX
+from fineslab.scheduler.refreshed import FollowedPredictor, read_scales
 from plugin_test_support import arena_for, kv_shape, prompts
 
 from fineslab.runtime import ServerProcess, ServerSpec, free_port
@@ -42,7 +43,8 @@ def servers(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
     arena = arena_for([kv_shape("llama-tiny", "bfloat16", "arena")], 16, 1 << 20, 16)
     envs = {"arena": {**arena.join("arena").environ(),
                       **dataclasses.replace(SCHEDULE, refresh=False).environ()},
-            "plain": SCHEDULE.environ()}
+            "plain": dataclasses.replace(
+                SCHEDULE, publish=str(logs / "plain.steps.json")).environ()}
     procs = {}
     try:
         for name, env in envs.items():
@@ -54,7 +56,8 @@ def servers(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
             procs[name] = ServerProcess(spec, logs / f"{name}.log")
         for proc in procs.values():
             proc.wait_healthy(300)
-        yield {name: proc.spec.base_url for name, proc in procs.items()}
+        yield {**{name: proc.spec.base_url for name, proc in procs.items()},
+               "plain_scales": str(logs / "plain.steps.json")}
     finally:
         for proc in procs.values():
             proc.stop()
@@ -150,3 +153,13 @@ def test_a_refreshed_profile_predicts_the_work_ahead_at_this_machines_speed(
                  for m in [PREDICTED.search(a.json()["message"])] if m]
     assert all(seconds < 12.0 for seconds in predicted), predicted
     assert any(a.status_code == 200 for a in answers) or predicted, "no answer at all"
+    # One predictor: the router's gate, following the file the runtime writes, predicts the
+    # same work at the same speed (the profile as given says 47 s).
+    scales = Path(servers["plain_scales"])
+    deadline = time.monotonic() + 5
+    while (doc := read_scales(scales)) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert doc is not None and doc["overall"][1] > 0, "the runtime wrote its step scales"
+    gate = FollowedPredictor(SCHEDULE.predictor(), (scales,))
+    assert gate.prefill_tokens_s(47 * CHUNK) < 12.0 < SCHEDULE.predictor().prefill_tokens_s(
+        47 * CHUNK)

@@ -1,0 +1,224 @@
+"""The TTFT predictor refreshed from timed prefill steps, and shared with the router.
+
+The profile a runtime's engine schedule carries was measured once, elsewhere (in-process or
+through HTTP, on an idle machine or not), so it is wrong in two ways a runtime can see:
+
+    its level       the machine's speed changes under other load, and a profile measured
+                    through HTTP charges a request's fixed cost (HTTP, tokenizer) to every step
+    its shape       that fixed cost weighs most on small steps
+
+`RefreshedPredictor` keeps the profile's curve and scales it by what the runtime's own prefill
+steps take now (timed by `fineslab.sglang_plugin.step_refresh.StepClock`). Per power-of-two
+bucket of n new tokens (and over all steps), the scale is an exponentially weighted mean of
+log(measured / profiled), so one outlier step (a page fault, a GC pause) moves it by a bounded
+factor; a bucket with fewer than `MIN_SAMPLES` steps uses the all-steps scale. A step whose
+sample ratio falls outside [1/MAX_RATIO, MAX_RATIO] is clamped, and the scale itself stays
+within the same bounds.
+
+One predictor for the router's gate and the engine: a runtime writes its scales to a small
+JSON file (`write_scales`, at most every PUBLISH_S, renamed into place), and the router's gate
+for the model decides with `FollowedPredictor`, the same profile scaled by its runtimes' files
+(a sample-weighted mean of their log scales per bucket; a missing, unreadable or malformed
+file counts as no samples, so the gate falls back to the profile as given).
+
+    {"overall": [log_scale, samples], "buckets": {"<bucket>": [log_scale, samples], ...}}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fineslab.scheduler.predictors import ChunkedPrefillPredictor, chunked_prefill_s
+
+logger = logging.getLogger(__name__)
+
+#: Weight of the newest step in the exponentially weighted mean of log ratios.
+ALPHA = 0.2
+#: A bucket's own scale is used once it has seen this many steps.
+MIN_SAMPLES = 3
+#: Bound on one step's measured / profiled ratio and on the scale.
+MAX_RATIO = 64.0
+#: The scale is logged when it has moved by this factor since it was last logged.
+LOG_FACTOR = 1.25
+#: A runtime writes its scales at most this often (seconds); the router rereads them as often.
+PUBLISH_S = 0.5
+
+
+def bucket_of(tokens: int) -> int:
+    """The power-of-two bucket of a step of `tokens` new tokens (1 -> 0, 2-3 -> 1, ...)."""
+    return max(0, int(tokens).bit_length() - 1)
+
+
+@dataclass
+class _Mean:
+    """An exponentially weighted mean of log ratios, and how many steps fed it."""
+
+    log_scale: float = 0.0
+    samples: int = 0
+
+    def to_pair(self) -> list[float]:
+        return [self.log_scale, self.samples]
+
+    @classmethod
+    def merged(cls, pairs: Iterable[Sequence[float]]) -> _Mean:
+        """The sample-weighted mean of several means' log scales, their samples summed."""
+        pairs = list(pairs)
+        total = sum(int(n) for _, n in pairs)
+        if total <= 0:
+            return cls()
+        bound = math.log(MAX_RATIO)
+        mean = sum(float(log) * int(n) for log, n in pairs) / total
+        return cls(min(bound, max(-bound, mean)), total)
+
+    def add(self, log_ratio: float) -> None:
+        weight = ALPHA if self.samples else 1.0
+        self.log_scale += weight * (log_ratio - self.log_scale)
+        self.samples += 1
+
+
+@dataclass
+class RefreshedPredictor:
+    """A `ChunkedPrefillPredictor` whose step times are scaled by measured steps (module
+    docstring); same `prefill_tokens_s` / `ttft_s` as the base, so the policies take it."""
+
+    base: ChunkedPrefillPredictor
+    overall: _Mean = field(default_factory=_Mean)
+    buckets: dict[int, _Mean] = field(default_factory=dict)
+    _logged_log_scale: float = 0.0
+    #: _floors[b]: the longest scaled step of any bucket below b + 1 (see `step_s`).
+    _floors: list[float] = field(default_factory=list)
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.base.chunk_tokens
+
+    def scale(self, tokens: int) -> float:
+        """The factor applied to the profiled time of a step of `tokens` new tokens."""
+        mean = self.buckets.get(bucket_of(tokens))
+        chosen = mean if mean is not None and mean.samples >= MIN_SAMPLES else self.overall
+        return math.exp(chosen.log_scale)
+
+    def _scaled(self, tokens: int) -> float:
+        return self.scale(tokens) * self.base.prefill_s(tokens)
+
+    def step_s(self, tokens: int) -> float:
+        """One prefill step of `tokens` new tokens, as this runtime runs it now: the scaled
+        profile, and never less than the longest scaled step of fewer tokens (bucket scales
+        differ, and Algorithm 2 relies on a TTFT that never shrinks as tokens are added)."""
+        if tokens <= 0:
+            return 0.0
+        bucket = bucket_of(tokens)
+        floor = self._floors[bucket - 1] if 0 < bucket <= len(self._floors) else 0.0
+        return max(self._scaled(tokens), floor)
+
+    def _refloor(self) -> None:
+        """Recompute `_floors` after the scales moved: the running maximum of each bucket's
+        longest scaled step (its top, 2^(b+1) - 1 tokens), up to the chunk's bucket."""
+        floors, longest = [], 0.0
+        for bucket in range(bucket_of(self.chunk_tokens)):
+            longest = max(longest, self._scaled(2 ** (bucket + 1) - 1))
+            floors.append(longest)
+        self._floors = floors
+
+    def to_doc(self) -> dict[str, Any]:
+        """The scales as the file the router's gate follows (module doc)."""
+        return {"overall": self.overall.to_pair(),
+                "buckets": {str(b): m.to_pair() for b, m in sorted(self.buckets.items())}}
+
+    @classmethod
+    def from_docs(cls, base: ChunkedPrefillPredictor, docs: Sequence[Mapping[str, Any]]
+                  ) -> RefreshedPredictor:
+        """`base` scaled by the merged scales of several runtimes' files (`to_doc`)."""
+        predictor = cls(base)
+        predictor.overall = _Mean.merged([d["overall"] for d in docs])
+        keys = sorted({int(k) for d in docs for k in d["buckets"]})
+        predictor.buckets = {k: _Mean.merged([d["buckets"][str(k)] for d in docs
+                                              if str(k) in d["buckets"]]) for k in keys}
+        predictor._refloor()
+        return predictor
+
+    def prefill_tokens_s(self, total_tokens: int) -> float:
+        return chunked_prefill_s(total_tokens, self.chunk_tokens, self.step_s)
+
+    def ttft_s(self, prompt_tokens: Iterable[int]) -> float:
+        return self.prefill_tokens_s(sum(prompt_tokens))
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One measured prefill step; ignored when either side is not a positive time."""
+        profiled = self.base.prefill_s(tokens) if tokens > 0 else 0.0
+        if not (profiled > 0 and math.isfinite(seconds) and seconds > 0):
+            return
+        bound = math.log(MAX_RATIO)
+        log_ratio = min(bound, max(-bound, math.log(seconds / profiled)))
+        self.overall.add(log_ratio)
+        self.buckets.setdefault(bucket_of(tokens), _Mean()).add(log_ratio)
+        self._refloor()
+        if abs(self.overall.log_scale - self._logged_log_scale) >= math.log(LOG_FACTOR):
+            self._logged_log_scale = self.overall.log_scale
+            logger.info("fineslab engine scheduler: prefill steps run at %.2fx the profile "
+                        "(%d steps timed; last %d tokens in %.1f ms)",
+                        math.exp(self.overall.log_scale), self.overall.samples, tokens,
+                        seconds * 1e3)
+
+
+
+
+def write_scales(path: Path, predictor: RefreshedPredictor) -> None:
+    """Write `predictor`'s scales whole: to a partial file, then renamed into place."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(predictor.to_doc()))
+    os.replace(partial, path)
+
+
+def read_scales(path: Path) -> dict[str, Any] | None:
+    """A runtime's scales file, None when it is missing, unreadable or not of the shape
+    `to_doc` writes (the gate then counts no samples from it)."""
+    try:
+        doc = json.loads(path.read_text())
+        buckets = {str(int(k)): v for k, v in doc["buckets"].items()}
+        pairs = [doc["overall"], *buckets.values()]
+        if not all(len(p) == 2 and math.isfinite(float(p[0])) and int(p[1]) >= 0
+                   for p in pairs):
+            return None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return {"overall": doc["overall"], "buckets": buckets}
+
+
+@dataclass
+class FollowedPredictor:
+    """The router's gate of a model: its profile scaled as its runtimes measure their steps,
+    read from their scales files (`paths`) at most every PUBLISH_S (module doc)."""
+
+    base: ChunkedPrefillPredictor
+    paths: tuple[Path, ...]
+    clock: Callable[[], float] = time.monotonic
+    _current: RefreshedPredictor | None = field(default=None, repr=False)
+    _loaded_s: float = -math.inf
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.base.chunk_tokens
+
+    def current(self) -> RefreshedPredictor:
+        """The predictor as of the files' last read (reread when PUBLISH_S has passed)."""
+        now_s = self.clock()
+        if self._current is None or now_s - self._loaded_s >= PUBLISH_S:
+            docs = [doc for path in self.paths if (doc := read_scales(path)) is not None]
+            self._current = RefreshedPredictor.from_docs(self.base, docs)
+            self._loaded_s = now_s
+        return self._current
+
+    def prefill_tokens_s(self, total_tokens: int) -> float:
+        return self.current().prefill_tokens_s(total_tokens)
+
+    def ttft_s(self, prompt_tokens: Iterable[int]) -> float:
+        return self.current().ttft_s(prompt_tokens)
