@@ -72,6 +72,15 @@ def _text(fleet: LaunchedFleet, model: str, prompt: str = "the slab arena") -> s
     return str(reply.json()["choices"][0]["text"])
 
 
+def _burst(fleet: LaunchedFleet, model: str) -> None:
+    """Four requests at once to `model`, each needing more KV than an arena the hog holds has
+    to spare; every one must be answered."""
+    prompt = " ".join(f"word{i}" for i in range(150))
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda _: _complete(fleet, model, prompt, 200), range(4)))
+    assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+
+
 def test_selectn_streams_from_the_start_with_the_output_of_a_model_that_does_not(
         fleet: LaunchedFleet) -> None:
     assert _wait_lent(fleet, "llama-selectn", lambda layers: layers) == [1, 3]
@@ -86,11 +95,7 @@ def test_an_idle_model_lends_layers_to_a_neighbour_out_of_kv_and_takes_them_back
     before = _text(fleet, "llama-lender")
     hog = Hog(fleet)
     try:
-        prompt = " ".join(f"word{i}" for i in range(150))
-        with ThreadPoolExecutor(4) as pool:
-            replies = list(pool.map(lambda _: _complete(fleet, "llama-busy", prompt, 200),
-                                    range(4)))
-        assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+        _burst(fleet, "llama-busy")
         lent = _lent(fleet, "llama-lender")
         assert 1 <= len(lent) <= 2, f"llama-lender lent {lent} (cap 2) while the hog held"
         log = fleet.output.read_text()
@@ -111,11 +116,7 @@ def test_an_active_model_out_of_kv_lends_its_own_layers_within_its_decode_pass(
     before = _text(fleet, "llama-lender")
     hog = Hog(fleet)
     try:
-        prompt = " ".join(f"word{i}" for i in range(150))
-        with ThreadPoolExecutor(4) as pool:
-            replies = list(pool.map(lambda _: _complete(fleet, "llama-lender", prompt, 200),
-                                    range(4)))
-        assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+        _burst(fleet, "llama-lender")
         log = fleet.output.read_text()
         lent = [int(line.split("lends while active: ")[1].split()[0]) for line in
                 log.splitlines() if "oneiros: llama-lender-r0 lends while active: " in line]
