@@ -52,13 +52,16 @@ class AdaptiveBatchPolicy:
         feasible, dropped = [], []
         for request in snapshot.requests:
             deadline_s = request.deadline_s(snapshot.ttft_slo_s)
-            finish_s = snapshot.now_s + predictor.ttft_s([request.prompt_tokens])
-            if finish_s < deadline_s:
+            ttft_s = predictor.ttft_s([request.prompt_tokens])
+            if snapshot.now_s + ttft_s < deadline_s:
                 feasible.append(request)
-            else:
+            else:  # (a client reads this: durations, not clock readings)
+                left_s = deadline_s - snapshot.now_s
+                when = (f"its deadline is {left_s:.2f} s away" if left_s > 0 else
+                        f"its deadline passed {-left_s:.2f} s ago")
                 dropped.append(DroppedRequest(request, (
-                    f"cannot meet its deadline even alone: now + TTFT = {finish_s:.4f} s "
-                    f">= deadline {deadline_s:.4f} s")))
+                    f"cannot meet its deadline even alone: its first token would take about "
+                    f"{ttft_s:.2f} s and {when}")))
         return feasible, dropped
 
     @staticmethod

@@ -54,6 +54,11 @@ def test_adaptive_drops_removes_longest_and_trims_by_hand() -> None:
     assert ids(decision.admitted) == ["b", "d"]
     assert [d.request.request_id for d in decision.dropped] == ["a"]
     assert "even alone" in decision.dropped[0].reason
+    # Regression: the reason reaches the client in the router's 429; it named clock readings
+    # ("now + TTFT = 10.3000 s >= deadline 10.2000 s"). Durations only: 0.30 s, 0.20 s.
+    assert decision.dropped[0].reason == ("cannot meet its deadline even alone: its first token "
+                                          "would take about 0.30 s and its deadline is 0.20 s "
+                                          "away")
     assert ids(decision.deferred) == ["c", "e"]
     assert decision.predicted_finish_s == pytest.approx(10.3)
 
