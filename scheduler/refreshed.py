@@ -169,8 +169,6 @@ class RefreshedPredictor:
                         seconds * 1e3)
 
 
-
-
 def write_scales(path: Path, predictor: RefreshedPredictor) -> None:
     """Write `predictor`'s scales whole: to a partial file, then renamed into place."""
     partial = path.with_name(path.name + ".partial")
