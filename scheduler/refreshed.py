@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor, chunked_prefill_s
+
+from fineslab.jsonfile import write_json_whole
 
 logger = logging.getLogger(__name__)
 
@@ -170,10 +171,8 @@ class RefreshedPredictor:
 
 
 def write_scales(path: Path, predictor: RefreshedPredictor) -> None:
-    """Write `predictor`'s scales whole: to a partial file, then renamed into place."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(predictor.to_doc()))
-    os.replace(partial, path)
+    """Write `predictor`'s scales whole (`fineslab.jsonfile`)."""
+    write_json_whole(path, predictor.to_doc())
 
 
 def read_scales(path: Path) -> dict[str, Any] | None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import pickle
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fineslab.errors import FatalError
+from fineslab.jsonfile import write_json_whole
 from fineslab.launch.config import FleetConfig
 from fineslab.scheduler.placement import PlacementPlan
 
@@ -60,12 +60,6 @@ def used_bytes(plan: FleetPlan) -> dict[str, int]:
     return used
 
 
-def _write_json(path: Path, payload: object) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fineslab.cluster.node", description=(
         "Run one node's share of a cluster fleet (started by the node agent)."))
@@ -80,13 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     from fineslab.slabs.shm import ProcessIdentity
 
     me = ProcessIdentity.current()
-    _write_json(args.work_dir / "pid.json", [me.pid, me.start_ticks])
+    write_json_whole(args.work_dir / "pid.json", [me.pid, me.start_ticks])
     agent = ProcessIdentity(args.agent_pid, 0) if args.agent_pid else None
     rc = 1
     try:
         rc = _serve(args)
     finally:
-        _write_json(args.work_dir / "exit.json", {"rc": rc})
+        write_json_whole(args.work_dir / "exit.json", {"rc": rc})
         if agent is not None and not agent.is_alive():  # nobody will read it
             shutil.rmtree(args.work_dir, ignore_errors=True)
     return rc
@@ -112,7 +106,7 @@ def _serve(args: argparse.Namespace) -> int:
         ready = args.work_dir / "ready.json"
 
         def on_ready(fleet: Fleet) -> None:
-            _write_json(ready, {"url": f"http://{spec.host}:{fleet.port}",
+            write_json_whole(ready, {"url": f"http://{spec.host}:{fleet.port}",
                                  "pid": os.getpid(), "used_bytes": used_bytes(plan)})
 
         return run_fleet(plan, port=0, log_dir=spec.log_dir, stop_fd=args.stop_with_fd,

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fineslab.errors import EnvironmentSetupError
+from fineslab.jsonfile import write_json_whole
 from fineslab.proctree import FLEET_MARKER, remove_files, stop_group, tree_pids_of_group
 from fineslab.slabs.shm import ProcessIdentity, default_shm_dir, shm_stem
 
@@ -65,9 +66,7 @@ class RunRecord:
     def write(self) -> None:
         body = {"launcher": [self.launcher.pid, self.launcher.start_ticks],
                 "runtimes": self.runtimes, "folders": self.folders}
-        tmp = self.path.with_suffix(".run.tmp")
-        tmp.write_text(json.dumps(body))
-        os.replace(tmp, self.path)
+        write_json_whole(self.path, body)
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)

@@ -24,10 +24,10 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
 
 from fineslab.env import WEIGHTS_DIR_VAR
 from fineslab.errors import ConfigError
+from fineslab.jsonfile import write_json_whole
 
 #: How often a runtime looks at its request (seconds): a change waits at most this long.
 POLL_S = 0.05
@@ -114,12 +114,6 @@ class StreamState:
         return self.lent_bytes - self.slot_bytes
 
 
-def _write_whole(path: Path, doc: dict[str, Any]) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(doc))
-    partial.replace(path)
-
-
 def write_request(arena_name: str, runtime_id: str, layers: list[int] | tuple[int, ...],
                   slots: int = 1, folder: Path | None = None) -> StreamRequest:
     """Ask the runtime to stream `layers`; returns the request (its seq is one past the last)."""
@@ -132,7 +126,7 @@ def write_request(arena_name: str, runtime_id: str, layers: list[int] | tuple[in
     seq = 1 + max(-1, previous.seq if previous else -1, state.seq if state else -1)
     request = StreamRequest(tuple(sorted(layers)), slots, seq)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_whole(path, asdict(request))
+    write_json_whole(path, asdict(request))
     return request
 
 
@@ -154,7 +148,7 @@ def read_request(path: Path) -> StreamRequest | None:
 
 
 def write_state(path: Path, state: StreamState) -> None:
-    _write_whole(path, asdict(state))
+    write_json_whole(path, asdict(state))
 
 
 def read_state(arena_name: str, runtime_id: str, folder: Path | None = None
