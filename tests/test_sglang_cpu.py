@@ -69,16 +69,6 @@ def _sglang_greedy(model_dir: Path, dtype: str, prompts_ids: list[list[int]],
     return [o["output_ids"] for o in outs]
 
 
-def test_an_in_process_engine_leaves_no_shared_memory_files(model_cache: Path) -> None:
-    # Issue #15: sglang.Engine.shutdown() leaves sglang_loads_*.shm and a sem.mp-* in
-    # /dev/shm; shutdown_engine finds them (held by the engine's processes) and removes them.
-    removed: list[Path] = []
-    _sglang_greedy(model_cache / "llama-tiny", "float32", [[1, 2, 3]], removed)
-    names = sorted(p.name for p in removed)
-    assert any(n.startswith("sglang_loads_") for n in names), names
-    assert not [p for p in removed if p.exists()]
-
-
 def _is_bf16_tie(model_dir: Path, prefix: list[int], a: int, b: int) -> tuple[bool, str]:
     """Whether tokens `a` and `b` are tied within bfloat16's error after `prefix`."""
     import torch
@@ -96,10 +86,17 @@ def _is_bf16_tie(model_dir: Path, prefix: list[int], a: int, b: int) -> tuple[bo
 
 
 @pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny"])
-def test_engine_matches_transformers_exactly_in_float32(model_cache: Path, preset: str) -> None:
+def test_engine_matches_transformers_exactly_in_float32_and_leaves_no_shared_memory(
+        model_cache: Path, preset: str) -> None:
     prompts_ids, expected = _hf_greedy(model_cache / preset, "float32")
-    got = _sglang_greedy(model_cache / preset, "float32", prompts_ids)
+    removed: list[Path] = []
+    got = _sglang_greedy(model_cache / preset, "float32", prompts_ids, removed)
     assert got == expected, "SGLang on CPU must reproduce transformers' greedy tokens"
+    # Issue #15: sglang.Engine.shutdown() leaves sglang_loads_*.shm and a sem.mp-* in
+    # /dev/shm; shutdown_engine finds them (held by the engine's processes) and removes them.
+    names = sorted(p.name for p in removed)
+    assert any(n.startswith("sglang_loads_") for n in names), names
+    assert not [p for p in removed if p.exists()]
 
 
 # Qwen2 only (its attention biases): Llama's bf16 path is compared with SGLang's own pool by

@@ -3,10 +3,11 @@
     python -m fineslab.bench.prefix [--json] [--quick] [--seed N] [--load moderate|busy]
 
 A fleet of one chat model (`chat`, its own KV capped small with `--max-total-tokens`) and two
-idle neighbours in one arena is launched twice, the same sessions driven through the router
-each time: first without `prefix_lending` (SGLang's own radix cache), then with it. Sessions
-(`fineslab.workload.sessions`, closed loop, interleaved) send each turn as the whole history
-(earlier prompts and the model's own replies, as token ids) plus a new message, streamed.
+idle neighbours (one with --quick) in one arena is launched twice, the same sessions driven
+through the router each time: first without `prefix_lending` (SGLang's own radix cache), then
+with it. Sessions (`fineslab.workload.sessions`, closed loop, interleaved) send each turn as the
+whole history (earlier prompts and the model's own replies, as token ids) plus a new message,
+streamed.
 
 Figures (last line, with --json):
     ttft_later_turns_p50_off / _on   median TTFT of turns after the first (s)
@@ -64,14 +65,17 @@ class BenchConfig:
     mean_turns: float = 5.0
     seed: int = 0
     load: str = "moderate"
+    #: idle neighbours in the arena beside the chat model (llama-tiny, then qwen2-tiny)
+    neighbours: int = 2
 
 
 #: (session starts a second, mean think time s): "busy" queues turns behind each other on this
 #: CPU (TTFT mostly waiting), "moderate" leaves the prefill to dominate.
 LOADS = {"moderate": (0.5, 2.0), "busy": (2.0, 0.5)}
 
+#: One neighbour: each runtime start costs the quick run 20-40 s of this 2-core machine.
 QUICK = BenchConfig(preset="llama-tiny", own_kv_tokens=640, arena_mib=16, sessions=4,
-                    mean_turns=3.0)
+                    mean_turns=3.0, neighbours=1)
 
 
 def fleet_config(cfg: BenchConfig, lending: bool, fleet_id: str) -> dict[str, Any]:
@@ -83,7 +87,8 @@ def fleet_config(cfg: BenchConfig, lending: bool, fleet_id: str) -> dict[str, An
         chat["prefix_lending"] = {"cap": 0.5, "window_s": 10.0, "check_s": 1.0}
     idle = [{"name": name, "preset": preset, "precision": "bf16", "kv_dtype": "bf16",
              "ttft_slo_s": 30.0, "request_rate_per_s": 0.1, "replicas": 1}
-            for name, preset in (("idle-llama", "llama-tiny"), ("idle-qwen", "qwen2-tiny"))]
+            for name, preset in (("idle-llama", "llama-tiny"),
+                                 ("idle-qwen", "qwen2-tiny"))[:cfg.neighbours]]
     return {"fleet_id": fleet_id, "kv_pool": "arena", "placement": "mme",
             "devices": [{"name": "cpu", "kind": "cpu", "memory_gib": 8,
                          "kv_arena_mib": cfg.arena_mib}],

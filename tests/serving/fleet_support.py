@@ -4,7 +4,7 @@
 free router port, starts the launcher in a new session (so the test can signal the whole
 group), and waits for its `ready` line; `LaunchedFleet` reads the router's /health and
 /metrics. `group_alive` and `shm_files` check that a stopped fleet left nothing behind; `Hog`
-fills a fleet's arena.
+fills a fleet's arena; `execute_notebook` runs one of examples/*.ipynb top to bottom.
 """
 
 from __future__ import annotations
@@ -139,3 +139,25 @@ def assert_no_slab_leaked(fleet: LaunchedFleet) -> None:
         check_integrity(arena.table)
         dead = [o.runtime_id for o in snapshot(arena.table).owners if not o.alive]
     assert dead == [], f"slabs still held by dead owners: {dead}"
+
+
+def execute_notebook(name: str, environ: dict[str, str]) -> str:
+    """Run examples/`name` top to bottom in a kernel with `environ` added to this process's
+    environment (the kernel inherits it); the text of all its outputs."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.read(REPO / "examples" / name, as_version=4)
+    saved = {key: os.environ.get(key) for key in environ}
+    os.environ.update(environ)
+    try:
+        NotebookClient(notebook, timeout=1200, kernel_name="python3",
+                       resources={"metadata": {"path": str(REPO / "examples")}}).execute()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return "".join(o.get("text", "") for cell in notebook.cells
+                   for o in cell.get("outputs", []))

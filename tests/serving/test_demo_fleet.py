@@ -6,6 +6,7 @@ and the last one shuts it down.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -20,7 +21,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from fleet_support import START_TIMEOUT_S, LaunchedFleet, group_alive, launched, shm_files
+from fleet_support import (
+    START_TIMEOUT_S,
+    LaunchedFleet,
+    execute_notebook,
+    group_alive,
+    launched,
+    shm_files,
+)
 
 from fineslab import cpu_mode
 
@@ -86,15 +94,14 @@ def _bench_serving(fleet: LaunchedFleet, model: str) -> str:
     return result.stdout + result.stderr
 
 
-def test_sglang_bench_serving_runs_against_the_router_for_each_model(
-        fleet: LaunchedFleet) -> None:
-    with ThreadPoolExecutor(len(MODELS)) as pool:
-        outputs = dict(zip(MODELS, pool.map(lambda m: _bench_serving(fleet, m), MODELS),
-                           strict=True))
-    for model, out in outputs.items():
-        match = re.search(r"Successful requests:\s+(\d+)", out)
-        assert match and int(match.group(1)) == 4, f"{model}:\n{out[-3000:]}"
-        assert re.search(r"Mean TTFT \(ms\):\s+[\d.]+", out), out[-2000:]
+def test_sglang_bench_serving_runs_against_the_router(fleet: LaunchedFleet) -> None:
+    """SGLang's own load generator, pointed at the router for one model (each run costs a
+    process that imports SGLang, about 25 s of this machine; the router's path is the same for
+    every model, and the openai client test above covers each one)."""
+    out = _bench_serving(fleet, "llama-small-fp16")
+    match = re.search(r"Successful requests:\s+(\d+)", out)
+    assert match and int(match.group(1)) == 4, out[-3000:]
+    assert re.search(r"Mean TTFT \(ms\):\s+[\d.]+", out), out[-2000:]
 
 
 @pytest.mark.parametrize(("payload", "status"), [
@@ -178,6 +185,23 @@ def test_killing_a_runtime_mid_load_errors_its_requests_restarts_it_and_others_a
         in fleet.metrics()
     reply = client.completions.create(model="llama-bf16", prompt="back", max_tokens=2)
     assert reply.choices, "the restarted runtime serves again"
+
+
+def test_the_demo_notebook_drives_this_fleet(fleet: LaunchedFleet) -> None:
+    """examples/cpu-demo.ipynb with FINESLAB_FLEET_URL set, against this module's fleet (the
+    notebook's own start would be one more fleet of the same file, a minute and a half here):
+    the openai client gets a completion and a streamed chat from every model, the burst is
+    answered or dropped with 429, /metrics has a TTFT for every model, and the notebook leaves
+    the fleet running."""
+    outputs = execute_notebook("cpu-demo.ipynb", {
+        "FINESLAB_MODEL_CACHE": str(fleet.model_cache), "FINESLAB_FLEET_URL": fleet.base_url})
+    assert outputs.count("chat(stream)=") == len(MODELS), outputs[:3000]
+    outcomes = ast.literal_eval(outputs.split("samples of /metrics; ")[1].splitlines()[0])
+    assert sum(outcomes.values()) == 18 and set(outcomes) <= {"served", "dropped"}, outcomes
+    ttft = ast.literal_eval(outputs.split("TTFT measured for ")[1].split(" owners")[0])
+    assert sorted(ttft) == sorted(MODELS) and all(ttft.values()), outputs[-2000:]
+    assert f"the fleet at {fleet.base_url} keeps running" in outputs, outputs[-2000:]
+    assert fleet.health().status_code == 200
 
 
 def test_shutdown_leaves_no_process_and_no_shared_memory(fleet: LaunchedFleet) -> None:

@@ -1,4 +1,5 @@
-"""The example notebooks run from top to bottom (each launches and stops what it needs)."""
+"""The example notebooks run from top to bottom (each launches and stops what it needs; the demo
+notebook runs against the demo fleet of test_demo_fleet.py instead)."""
 
 from __future__ import annotations
 
@@ -6,38 +7,23 @@ import json
 import re
 from pathlib import Path
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
+from fleet_support import execute_notebook
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-def _execute(name: str, model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+def _execute(name: str, model_cache: Path) -> str:
     """Run examples/`name` top to bottom; the text of all its outputs."""
-    monkeypatch.setenv("FINESLAB_MODEL_CACHE", str(model_cache))
-    notebook = nbformat.read(REPO / "examples" / name, as_version=4)
-    client = NotebookClient(notebook, timeout=1200, kernel_name="python3",
-                            resources={"metadata": {"path": str(REPO / "examples")}})
-    client.execute()
-    return "".join(o.get("text", "") for cell in notebook.cells
-                   for o in cell.get("outputs", []))
-
-
-def test_cpu_demo_notebook_executes(model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    outputs = _execute("cpu-demo.ipynb", model_cache, monkeypatch)
-    assert "chat(stream)=" in outputs, "the openai client got answers from every model"
-    assert "TTFT measured for" in outputs and "shared memory left: []" in outputs, outputs[-2000:]
+    return execute_notebook(name, {"FINESLAB_MODEL_CACHE": str(model_cache)})
 
 
 def test_cpu_elastic_notebook_serves_five_models_in_room_for_three(
-        model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        model_cache: Path) -> None:
     """Issue #16's fleet test and notebook in one: five tiny models, weight room for three awake,
     served round-robin by the `openai` client; every request answered, wakes evict LRU models,
     idle models fall asleep, `ctl limit` round-trips, and nothing is left after the stop."""
-    outputs = _execute("cpu-elastic.ipynb", model_cache, monkeypatch)
+    outputs = _execute("cpu-elastic.ipynb", model_cache)
     assert outputs.count("weight slab(s) back to the arena") == 2, \
         f"two of the five start asleep: {outputs[:3000]}"
     assert "answered 15 of 15 requests" in outputs, outputs[-4000:]
@@ -48,7 +34,7 @@ def test_cpu_elastic_notebook_serves_five_models_in_room_for_three(
 
 
 def test_cpu_mixed_notebook_serves_four_precisions_in_one_arena(
-        model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        model_cache: Path) -> None:
     """examples/cpu-mixed.ipynb, the mixed fleet as the README starts it (`python -m
     fineslab.launch --config examples/cpu-mixed.yaml`, one fleet for the notebook and this test):
     the bf16, fp8, awq and qoq runtimes all come up and answer completions and chat with the
@@ -56,7 +42,7 @@ def test_cpu_mixed_notebook_serves_four_precisions_in_one_arena(
     KV4 < fp8 < bf16), its own block size as the plan gives it (FP8's page is twice BF16's, so
     FP8, BF16 and AWQ blocks are one size and share a key pool; KV4 keeps slabs of its own) and
     its arena share; /metrics has each one's used bytes; SIGINT leaves nothing behind."""
-    outputs = _execute("cpu-mixed.ipynb", model_cache, monkeypatch)
+    outputs = _execute("cpu-mixed.ipynb", model_cache)
     assert re.search(r"\[4/4\] runtime .* healthy", outputs), outputs[:3000]
     assert "answers from 4 of 4 models" in outputs, outputs[-4000:]
     line = outputs.split("KV bytes per token: ")[1].splitlines()[0]
@@ -89,7 +75,7 @@ def test_custom_sglang_notebook_installs_the_pool_without_launcher_or_entry_poin
     arena is unlinked at the end."""
     monkeypatch.delenv("FINESLAB_ARENA", raising=False)
     monkeypatch.delenv("FINESLAB_RUNTIME_ID", raising=False)
-    outputs = _execute("custom-sglang.ipynb", model_cache, monkeypatch)
+    outputs = _execute("custom-sglang.ipynb", model_cache)
     assert re.search(r"scheduler \d+: FINESLAB_ARENA and FINESLAB_RUNTIME_ID unset, "
                      r"install\(\) joined the arena", outputs), outputs[:3000]
     assert re.search(r"answered: '.+' \(\d+ prompt tokens, 8 generated\)", outputs), outputs

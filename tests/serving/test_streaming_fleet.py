@@ -81,6 +81,16 @@ def _burst(fleet: LaunchedFleet, model: str) -> None:
     assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
 
 
+def _flush_caches(fleet: LaunchedFleet) -> None:
+    """Every runtime's prefix cache dropped (SGLang's /flush_cache), so the slabs they held are
+    free for the hog: an idle neighbour's cache is the launcher's first source of room, before
+    any layer is lent (a CI run's burst found 3 cached slabs of llama-busy and lent nothing)."""
+    for replicas in fleet.health().json()["models"].values():
+        for replica in replicas:
+            reply = httpx.post(replica["url"] + "/flush_cache", timeout=30)
+            assert reply.status_code == 200, reply.text
+
+
 def test_selectn_streams_from_the_start_with_the_output_of_a_model_that_does_not(
         fleet: LaunchedFleet) -> None:
     assert _wait_lent(fleet, "llama-selectn", lambda layers: layers) == [1, 3]
@@ -93,6 +103,7 @@ def test_selectn_streams_from_the_start_with_the_output_of_a_model_that_does_not
 def test_an_idle_model_lends_layers_to_a_neighbour_out_of_kv_and_takes_them_back(
         fleet: LaunchedFleet) -> None:
     before = _text(fleet, "llama-lender")
+    _flush_caches(fleet)
     hog = Hog(fleet)
     try:
         _burst(fleet, "llama-busy")
@@ -114,6 +125,7 @@ def test_an_active_model_out_of_kv_lends_its_own_layers_within_its_decode_pass(
     copies, a tenth of it here (synchronous copies on CPU), and at most its cap; its requests
     finish with its own lent layers as KV, and the layers come back once it is done."""
     before = _text(fleet, "llama-lender")
+    _flush_caches(fleet)
     hog = Hog(fleet)
     try:
         _burst(fleet, "llama-lender")
@@ -150,6 +162,7 @@ def test_a_lender_stopped_with_layers_lent_is_restarted_and_the_borrower_keeps_s
     are reclaimed, and it serves its greedy text again with its layers taken back."""
     before = _text(fleet, "llama-lender")
     restarts = fleet.output.read_text().count("restarting runtime llama-lender-r0")
+    _flush_caches(fleet)
     hog = Hog(fleet)
     stopped: int | None = None
     try:
