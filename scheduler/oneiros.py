@@ -44,7 +44,7 @@ at most once and exactly the lent layers.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from fineslab.errors import ConfigError
@@ -163,13 +163,14 @@ def _ranks(models: Sequence[ModelState]) -> list[list[ModelState]]:
 
 
 def _room(m: ModelState, count: int, layer_transfer_s: Mapping[str, float],
-          step_compute_s: Mapping[str, float], copies_overlap: bool = True) -> bool:
+          step_compute_s: Mapping[str, float], copies_overlap: bool = True,
+          unbounded: Collection[str] = ()) -> bool:
     """May `m` lend one more layer when it has `count` lent? An active one only while the
     copies of count + 1 lent layers (and their beta slots) still hide under its compute, or,
-    without overlap, take at most SYNC_COPY_SHARE of it."""
+    without overlap, take at most SYNC_COPY_SHARE of it; one in `unbounded` up to its cap."""
     if count >= m.cap:
         return False
-    if not m.active:
+    if not m.active or m.name in unbounded:
         return True
     compute_s = step_compute_s.get(m.name, 0.0)
     if compute_s <= 0:
@@ -183,12 +184,15 @@ def _room(m: ModelState, count: int, layer_transfer_s: Mapping[str, float],
 def plan_lending(models: Sequence[ModelState], need_bytes: int,
                  layer_transfer_s: Mapping[str, float],
                  step_compute_s: Mapping[str, float] | None = None,
-                 copies_overlap: bool = True) -> LendPlan:
+                 copies_overlap: bool = True, unbounded: Collection[str] = ()) -> LendPlan:
     """The layers to lend so that `need_bytes` more KV fit (fewer when the caps run out: see
     `LendPlan.met`). `layer_transfer_s` is T_T by model; `step_compute_s` the compute time
     of the current decode step of each active model (absent: it lends nothing; section 5.3
     takes an active model's T_compute from decode, never from a prefill); `copies_overlap`
-    False where a streamed layer's copy runs before its compute, not under it (module doc)."""
+    False where a streamed layer's copy runs before its compute, not under it (module doc);
+    `unbounded`: active models that lend up to their caps whatever their copies cost (not in
+    the paper: a fleet whose requests have stalled for memory, where a slower decode step
+    beats none; fineslab.launch.lending)."""
     compute = step_compute_s or {}
     counts = {m.name: 0 for m in models}
     turns: list[str] = []  # the round-robin order of the new layers, by model
@@ -198,7 +202,8 @@ def plan_lending(models: Sequence[ModelState], need_bytes: int,
             progressed = False
             for m in group:
                 if freed >= need_bytes or not _room(m, len(m.lent) + counts[m.name],
-                                                    layer_transfer_s, compute, copies_overlap):
+                                                    layer_transfer_s, compute, copies_overlap,
+                                                    unbounded):
                     continue
                 counts[m.name] += 1
                 turns.append(m.name)

@@ -256,7 +256,8 @@ class Fleet:
         if self.weights_dir is None:
             return None
         return start_lender(self.plan, self.weights_dir, lambda d: self.slab_snapshots().get(d),
-                            lambda d: reclaimer.pressed.get(d, False), demand)
+                            lambda d: reclaimer.pressed.get(d, False), demand,
+                            stalled=lambda d: reclaimer.stalled.get(d, False))
 
     def _stream_states(self) -> dict[str, StreamState]:
         return stream_states(self.plan, self.weights_dir) if self.weights_dir else {}

@@ -19,7 +19,14 @@ the launcher tells each runtime its set S of streamed layers through its stream 
                 layer's copy as it measured it (else HOST_LINK_BYTES_S). The streamer copies
                 synchronously (no copy stream yet), so nothing hides and the bound is
                 `oneiros.SYNC_COPY_SHARE` of the step; a model with no timed decode pass lends
-                nothing while active. The 'never a whole model' rule holds by `cap`
+                nothing while active. Once the device has also stalled (the reclaimer's stall
+                rule: a runtime with work has held the same blocks for its STALL_S) for
+                STARVED_ROUNDS rounds with nothing lent, active models lend up to their caps
+                whatever their copies cost, logged as a warning: a request waiting for memory
+                makes no progress at all, a slower decode step some (a CI run found an active
+                lender out of KV whose copies, timed on a loaded machine, never fitted a tenth
+                of its pass: its requests waited for ever). The 'never a whole model' rule
+                holds by `cap`
               - not pressed, and the arena has more free than the last lent layer (plus the
                 reclaimer's low-water mark): that layer comes back (`plan_reversion`, the
                 latest lent first)
@@ -34,14 +41,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fineslab.launch.plan import FleetPlan, num_layers
 from fineslab.launch.reclaim import LOW_FREE_FRACTION
 from fineslab.launch.rounds import Rounds
-from fineslab.scheduler.oneiros import LendingLedger, ModelState, plan_lending, plan_reversion
+from fineslab.scheduler.oneiros import (
+    LendingLedger,
+    LendPlan,
+    ModelState,
+    plan_lending,
+    plan_reversion,
+)
 from fineslab.scheduler.selectn import offload_layers
 from fineslab.slabs.integrity import TableSnapshot
 from fineslab.slabs.streamctl import StreamState, read_state, write_request
@@ -54,6 +67,8 @@ PRESSED_ROUNDS = 2
 HOST_LINK_BYTES_S = 8 << 30
 #: Decode passes a runtime must have timed before its T_compute is believed.
 MIN_DECODE_PASSES = 3
+#: Rounds a device must stay stalled with nothing lent before active models lend unbounded.
+STARVED_ROUNDS = 4
 #: The streamer copies a layer before its compute, not under it (no copy stream yet).
 COPIES_OVERLAP = False
 
@@ -85,8 +100,8 @@ def write_selectn_requests(plan: FleetPlan, folder: Path) -> None:
 
 def start_lender(plan: FleetPlan, folder: Path,
                  snapshot_of: Callable[[str], TableSnapshot | None],
-                 pressed: Callable[[str], bool], demand: Callable[[], Mapping[str, int]]
-                 ) -> Lender | None:
+                 pressed: Callable[[str], bool], demand: Callable[[], Mapping[str, int]],
+                 stalled: Callable[[str], bool] = lambda _device: False) -> Lender | None:
     """The lender of the fleet's oneiros runtimes, started; None when there are none."""
     specs = [LenderSpec(r.runtime_id, r.model.name, r.device.name, streaming.priority,
                         streaming.cap, streaming.slots) for r in plan.runtimes
@@ -94,7 +109,8 @@ def start_lender(plan: FleetPlan, folder: Path,
              and streaming.policy == "oneiros"]
     if not specs:
         return None
-    lender = Lender(plan.config.fleet_id, folder, specs, snapshot_of, pressed, demand)
+    lender = Lender(plan.config.fleet_id, folder, specs, snapshot_of, pressed, demand,
+                    stalled=stalled)
     lender.start()
     return lender
 
@@ -116,6 +132,7 @@ def _copy_s(state: StreamState | None, layer_bytes: int) -> float:
 class _Device:
     specs: list[LenderSpec]
     pressed_rounds: int = 0
+    stalled_rounds: int = 0  # rounds in a row the device stalled and nothing was lent
     ledger: LendingLedger = field(default_factory=LendingLedger)
 
 
@@ -125,14 +142,15 @@ class Lender(Rounds):
     def __init__(self, fleet_id: str, folder: Path, specs: Sequence[LenderSpec],
                  snapshot_of: Callable[[str], TableSnapshot | None],
                  pressed: Callable[[str], bool], demand: Callable[[], Mapping[str, int]],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 stalled: Callable[[str], bool] = lambda _device: False) -> None:
         super().__init__("lender", INTERVAL_S)
         self.fleet_id, self.folder = fleet_id, folder
         self.devices: dict[str, _Device] = {}
         for spec in specs:
             self.devices.setdefault(spec.device, _Device([])).specs.append(spec)
         self._snapshot_of, self._pressed, self._demand = snapshot_of, pressed, demand
-        self._clock = clock
+        self._stalled, self._clock = stalled, clock
         self._last_used: dict[str, float] = {}
         self._asked: dict[str, int] = {}  # runtime id -> seq of the request it has not answered
 
@@ -148,6 +166,8 @@ class Lender(Rounds):
             if snap is None:
                 continue
             device.pressed_rounds = device.pressed_rounds + 1 if self._pressed(name) else 0
+            device.stalled_rounds = device.stalled_rounds + 1 \
+                if device.pressed_rounds and self._stalled(name) else 0
             states = {s.runtime_id: read_state(self.fleet_id, s.runtime_id, self.folder)
                       for s in device.specs}
             self._reconcile(device, states)
@@ -198,23 +218,42 @@ class Lender(Rounds):
                    and state.decode_passes >= MIN_DECODE_PASSES}
         need = min(m.layer_bytes for m in models)
         width = {m.name: m.layer_bytes for m in models}
-        plan = plan_lending(models, need, transfer, compute, COPIES_OVERLAP)
-        for _ in range(len(models)):  # a model's first lent layer pays for its slot buffer
-            slots = sum(width[name] for name in plan.layers if not device.ledger.lent_of(name))
-            if plan.lent_bytes - slots >= need or not plan.met:
-                break
-            plan = plan_lending(models, need + slots, transfer, compute, COPIES_OVERLAP)
+        plan = self._plan(models, need, transfer, compute, width, device, ())
+        starved = device.stalled_rounds >= STARVED_ROUNDS
+        unbounded = {m.name for m in models if m.active} if starved else set()
+        if not plan.layers and unbounded:
+            plan = self._plan(models, need, transfer, compute, width, device, unbounded)
         if not plan.layers:
             return []
         for m in models:
+            if m.name in unbounded and m.name in plan.layers:
+                logger.warning("oneiros: %s lends beyond its bound: the arena on %s has stalled "
+                               "for %d rounds with nothing else to lend (a layer's copy %.3f ms, "
+                               "its decode pass %s)", m.name, device.specs[0].device,
+                               device.stalled_rounds, 1e3 * transfer[m.name],
+                               f"{1e3 * compute[m.name]:.3f} ms" if m.name in compute
+                               else "not timed")
             if m.active and m.name in plan.layers:
                 logger.info("oneiros: %s lends while active: %d layer(s) lent, a layer's copy "
                             "%.3f ms, its decode pass %.3f ms", m.name, len(m.lent)
                             + len(plan.layers[m.name]), 1e3 * transfer[m.name],
-                            1e3 * compute[m.name])
+                            1e3 * compute.get(m.name, 0.0))
         device.ledger.apply(plan)
-        device.pressed_rounds = 0  # give the runtimes a round to use it
+        device.pressed_rounds = device.stalled_rounds = 0  # give the runtimes a round to use it
         return self._write(device, [(name, "lend", layer) for name, layer in plan.order])
+
+    @staticmethod
+    def _plan(models: list[ModelState], need: int, transfer: Mapping[str, float],
+              compute: Mapping[str, float], width: Mapping[str, int], device: _Device,
+              unbounded: Collection[str]) -> LendPlan:
+        plan = plan_lending(models, need, transfer, compute, COPIES_OVERLAP, unbounded)
+        for _ in range(len(models)):  # a model's first lent layer pays for its slot buffer
+            slots = sum(width[name] for name in plan.layers if not device.ledger.lent_of(name))
+            if plan.lent_bytes - slots >= need or not plan.met:
+                break
+            plan = plan_lending(models, need + slots, transfer, compute, COPIES_OVERLAP,
+                                unbounded)
+        return plan
 
     def _revert(self, device: _Device, states: Mapping[str, StreamState | None],
                 snap: TableSnapshot) -> list[tuple[str, str, int]]:

@@ -56,8 +56,10 @@ class CacheReclaimer(Rounds):
         self._last: dict[str, float] = {}
         self._blocks: dict[str, tuple[int, float]] = {}  # runtime -> (used blocks, since)
         self.flushes = 0
-        #: per device, whether the last round found it pressed (the layer lender reads it)
+        #: per device, whether the last round found it pressed, and stalled (a runtime with
+        #: work held the same blocks for STALL_S); the layer lender reads both
         self.pressed: dict[str, bool] = {}
+        self.stalled: dict[str, bool] = {}
 
     def run_once(self) -> list[str]:
         """One round; returns the runtimes whose caches were flushed."""
@@ -73,6 +75,7 @@ class CacheReclaimer(Rounds):
             waiting = [r for r in runtime_ids if demand.get(r, 0) > 0]
             low = snap.free_slabs < LOW_FREE_FRACTION * snap.num_slabs
             self.pressed[device] = bool(waiting) and (low or bool(stalled))
+            self.stalled[device] = bool(stalled)
             if not self.pressed[device]:
                 continue
             holding = {name: o for name, o in owners.items() if o.used_blocks > 0}

@@ -100,6 +100,17 @@ def test_without_overlap_an_active_model_lends_while_its_copies_take_a_tenth_of_
         == {"a", "b", "c"}, "no decode timing: the active model lends nothing"
 
 
+def test_an_unbounded_active_model_lends_up_to_its_cap_whatever_its_copies_cost() -> None:
+    # fineslab.launch.lending's stalled fleet: the bound is lifted for the active model only.
+    short = plan_lending(_device(), 10_000, T_T, {"x": 0.009}, copies_overlap=False,
+                         unbounded={"x"})
+    assert short.layers["x"] == (0, 2, 5), "its cap of 3, though no copy fits a 9 ms pass"
+    untimed = plan_lending(_device(), 10_000, T_T, None, copies_overlap=False, unbounded={"x"})
+    assert len(untimed.layers["x"]) == 3, "nor is a decode timing needed"
+    assert "x" not in plan_lending(_device(), 10_000, T_T, {"x": 0.009},
+                                   copies_overlap=False).layers, "control: bounded, none"
+
+
 def test_layers_are_evenly_spaced_on_the_circle() -> None:
     assert evenly_spaced(8, 2) == (0, 4), "the paper's Figure 7: layers 1 and 5 of 8 (1-based)"
     assert evenly_spaced(8, 4) == (0, 2, 4, 6)

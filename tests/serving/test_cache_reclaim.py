@@ -90,12 +90,15 @@ def test_a_stalled_runtime_is_helped_although_free_slabs_are_not_low(runtimes: t
     snap = [_snap(20, {"busy": 40, "idle": 300, "idle2": 8})]
     reclaimer = _reclaimer(urls, snap, demand, clock)
     assert reclaimer.run_once() == [], "20 free slabs and no stall yet"
+    assert reclaimer.stalled == {"cpu": False}
     clock.now_s += reclaim.STALL_S
     assert reclaimer.run_once() == ["idle", "idle2"]
+    assert reclaimer.stalled == {"cpu": True}, "the layer lender reads it"
     # Progress (the block count moves) is not a stall.
     snap[0] = _snap(20, {"busy": 41, "idle": 0, "idle2": 0})
     clock.now_s += reclaim.MIN_GAP_S + reclaim.STALL_S
     assert reclaimer.run_once() == []
+    assert reclaimer.stalled == {"cpu": False}
 
 
 def test_nothing_is_flushed_without_work_or_from_a_busy_runtime(runtimes: tuple) -> None:

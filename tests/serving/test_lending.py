@@ -35,6 +35,7 @@ class World:
         self.folder = folder
         self.free_slabs = 0
         self.pressed = False
+        self.stalled = False
         self.demand: dict[str, int] = {}
         self.now_s = 100.0
         for runtime in ("idle-a", "idle-b", "busy"):
@@ -43,7 +44,8 @@ class World:
 
     def lender(self, specs: list[LenderSpec]) -> Lender:
         return Lender("f", self.folder, specs, lambda d: _snap(self.free_slabs),
-                      lambda d: self.pressed, lambda: self.demand, clock=lambda: self.now_s)
+                      lambda d: self.pressed, lambda: self.demand, clock=lambda: self.now_s,
+                      stalled=lambda d: self.stalled)
 
     def requested(self, runtime: str) -> list[int] | None:
         request = read_request(request_path("f", runtime, self.folder))
@@ -200,3 +202,27 @@ def test_an_active_model_with_too_few_timed_passes_or_too_short_a_step_lends_not
     assert world.requested("busy") == [0, 2], (
         "before any timed copy T_T is the host link's (2 MiB at 8 GiB/s, 0.24 ms): two "
         "copies (0.49 ms) fit a tenth of a 5 ms pass, three (0.73 ms) do not")
+
+
+def test_an_active_model_lends_beyond_its_bound_once_the_arena_has_stalled_for_a_while(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """busy alone, active and out of memory: a 9 ms pass fits no 1 ms copy in its tenth, so it
+    lends nothing while the arena is merely pressed. Once the reclaimer also finds it stalled
+    (a runtime with work holding the same blocks) for STARVED_ROUNDS rounds, it lends up to
+    its cap, with a warning: its requests could make no progress at all (the CI case: a lender
+    whose copies, timed on a loaded machine, never fitted, its requests waiting for ever)."""
+    world = World(tmp_path)
+    _timed(tmp_path, "busy", 0.009, lending.MIN_DECODE_PASSES, copy_s_per_layer=0.001)
+    lender = world.lender(_specs(**{"busy": 2}))
+    world.pressed, world.demand = True, {"busy": 2}
+    for _ in range(3 * lending.STARVED_ROUNDS):
+        lender.run_once()
+    assert world.requested("busy") is None, "pressed but not stalled: the bound holds"
+    world.stalled = True
+    for _ in range(lending.STARVED_ROUNDS - 1):
+        lender.run_once()
+    assert world.requested("busy") is None, "stalled, not yet for STARVED_ROUNDS"
+    with caplog.at_level("WARNING", logger="fineslab.launch.lending"):
+        lender.run_once()
+    assert world.requested("busy") == [0, 2], "its cap of 2 at once (the first pays its slot)"
+    assert "busy lends beyond its bound" in caplog.text, caplog.text
