@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import httpx
 import yaml
@@ -148,16 +149,8 @@ def execute_notebook(name: str, environ: dict[str, str]) -> str:
     from nbclient import NotebookClient
 
     notebook = nbformat.read(REPO / "examples" / name, as_version=4)
-    saved = {key: os.environ.get(key) for key in environ}
-    os.environ.update(environ)
-    try:
+    with mock.patch.dict(os.environ, environ):
         NotebookClient(notebook, timeout=1200, kernel_name="python3",
                        resources={"metadata": {"path": str(REPO / "examples")}}).execute()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     return "".join(o.get("text", "") for cell in notebook.cells
                    for o in cell.get("outputs", []))
