@@ -107,7 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         def on_ready(fleet: Fleet) -> None:
             write_json_whole(ready, {"url": f"http://{spec.host}:{fleet.port}",
-                                 "pid": os.getpid(), "used_bytes": used_bytes(plan)})
+                                     "pid": os.getpid(), "used_bytes": used_bytes(plan)})
 
         return run_fleet(plan, port=0, log_dir=spec.log_dir, stop_fd=args.stop_with_fd,
                          on_ready=on_ready)

@@ -216,13 +216,11 @@ class Lender(Rounds):
         compute = {m.name: state.decode_compute_s for m in models
                    if (state := states[m.name]) is not None
                    and state.decode_passes >= MIN_DECODE_PASSES}
-        need = min(m.layer_bytes for m in models)
-        width = {m.name: m.layer_bytes for m in models}
-        plan = self._plan(models, need, transfer, compute, width, device, ())
+        plan = self._plan(models, transfer, compute, device, ())
         starved = device.stalled_rounds >= STARVED_ROUNDS
         unbounded = {m.name for m in models if m.active} if starved else set()
         if not plan.layers and unbounded:
-            plan = self._plan(models, need, transfer, compute, width, device, unbounded)
+            plan = self._plan(models, transfer, compute, device, unbounded)
         if not plan.layers:
             return []
         for m in models:
@@ -243,9 +241,12 @@ class Lender(Rounds):
         return self._write(device, [(name, "lend", layer) for name, layer in plan.order])
 
     @staticmethod
-    def _plan(models: list[ModelState], need: int, transfer: Mapping[str, float],
-              compute: Mapping[str, float], width: Mapping[str, int], device: _Device,
-              unbounded: Collection[str]) -> LendPlan:
+    def _plan(models: list[ModelState], transfer: Mapping[str, float],
+              compute: Mapping[str, float], device: _Device, unbounded: Collection[str]
+              ) -> LendPlan:
+        """One more layer's worth (the narrowest model's), counting each model's slot buffer."""
+        need = min(m.layer_bytes for m in models)
+        width = {m.name: m.layer_bytes for m in models}
         plan = plan_lending(models, need, transfer, compute, COPIES_OVERLAP, unbounded)
         for _ in range(len(models)):  # a model's first lent layer pays for its slot buffer
             slots = sum(width[name] for name in plan.layers if not device.ledger.lent_of(name))

@@ -122,7 +122,7 @@ def test_an_idle_model_lends_layers_to_a_neighbour_out_of_kv_and_takes_them_back
     assert "taken back" in fleet.output.read_text()
 
 
-def test_an_active_model_out_of_kv_lends_its_own_layers_within_its_decode_pass(
+def test_an_active_model_out_of_kv_lends_its_own_layers_and_takes_them_back(
         fleet: LaunchedFleet) -> None:
     """llama-lender itself busy and out of KV (the hog holds every free slab): the only oneiros
     model is active, so it lends what its decode pass (timed by its streamer) can take in
