@@ -26,16 +26,19 @@ esac
 
 # name|what follows `python -m`. Each benchmark also gets --json (its last line: the figures).
 TESTS="tests|pytest -m gpu -p no:cacheprovider tests -q"
-# Without SGLang (FINESLAB_PYTHON above), the gpu-marked tests that need only torch.
-TESTS_TORCH="tests-torch|pytest -m gpu -p no:cacheprovider tests/slabs/test_slab_cuda.py tests/precisions/test_qoq.py tests/precisions/test_qoq_triton.py -q"
+# Without SGLang (FINESLAB_PYTHON above), the gpu-marked tests that need only torch (no
+# conftest: tests/precisions/conftest.py imports the launcher, which needs pydantic).
+TESTS_TORCH="tests-torch|pytest -m gpu -p no:cacheprovider --noconftest tests/slabs/test_slab_cuda.py tests/slabs/test_cuda_vmm.py tests/slabs/test_layer_copy.py tests/precisions/test_qoq.py tests/precisions/test_qoq_triton.py -q"
 BENCHES=(
   "hostlink|fineslab.bench.hostlink --device cuda --mib 2048"
+  "layer-copy|fineslab.bench.layer_copy --device cuda"
+  "cuda-wake|fineslab.bench.cuda_wake --device cuda --gib 4"
   "alloc|fineslab.bench.alloc --device cuda"
   "pool-triton|fineslab.bench.pool --device cuda --attention-backend triton"
   "pool-flashinfer|fineslab.bench.pool --device cuda --attention-backend flashinfer"
   "precisions|fineslab.bench.precisions --device cuda"
 )
-TORCH_ONLY=" hostlink "  # benchmarks that run without SGLang
+TORCH_ONLY=" hostlink layer-copy cuda-wake "  # benchmarks that run without SGLang
 
 if [ "$mode" = check ]; then
   entries=("$TESTS" "$TESTS_TORCH")

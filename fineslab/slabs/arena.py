@@ -7,8 +7,10 @@ after that: blocks are handed out by `RuntimeSlabs` from the table alone.
 Backings (one interface, `ArenaBacking`):
     CPU   a shared-memory file /dev/shm/fineslab-<fleet>-<device>.arena (0600), mapped by every
           process; tmpfs commits pages on first touch.
-    CUDA  one `torch.empty` on the device by the owner; its CUDA IPC handle is pickled into the
-          table header and opened once by each runtime (cuda_backing.py).
+    CUDA  one physical allocation of CUDA virtual memory by the owner, exported as a file
+          descriptor that each runtime duplicates (pidfd_getfd) and maps once (cuda_vmm.py);
+          weight regions map its slabs too (cuda_region.py). Where the driver refuses that,
+          one `torch.empty` shared by CUDA IPC (cuda_backing.py), KV only.
 
 Lifecycle: the creator's `close()` unlinks both files (clean shutdown). A file left by a crashed
 creator is found at the next `create`: if its creator process is gone it is reclaimed (unlinked
@@ -44,7 +46,8 @@ from fineslab.slabs.table import SlabTable, TableDims, creator_of_header, read_h
 logger = logging.getLogger(__name__)
 
 BACKING_CPU = 0
-BACKING_CUDA = 1
+BACKING_CUDA = 1  # CUDA IPC of one torch allocation (cuda_backing.py): KV only
+BACKING_CUDA_VMM = 2  # CUDA virtual memory (cuda_vmm.py): KV and weight regions
 
 
 @dataclass(frozen=True)
@@ -137,10 +140,7 @@ class SlabArena:
         _clear_stale(paths, reclaim_stale)
         backing: ArenaBacking
         if spec.is_cuda:
-            from fineslab.slabs.cuda_backing import CudaBacking
-
-            cuda = CudaBacking.allocate(spec.device, spec.arena_bytes)
-            backing, kind, handle = cuda, BACKING_CUDA, cuda.handle_bytes()
+            backing, kind, handle = _cuda_backing(spec)
         else:
             backing, kind, handle = CpuBacking(paths.data, spec.arena_bytes, True), BACKING_CPU, b""
         try:
@@ -162,7 +162,11 @@ class SlabArena:
         spec = ArenaSpec(fleet_id, device, dims.num_slabs * dims.slab_bytes, dims.slab_bytes,
                          dims.max_blocks_per_slab, dims.max_runtimes)
         backing: ArenaBacking
-        if table.backing == BACKING_CUDA:
+        if table.backing == BACKING_CUDA_VMM:
+            from fineslab.slabs.cuda_vmm import VmmBacking
+
+            backing = VmmBacking.open(table.handle_bytes())
+        elif table.backing == BACKING_CUDA:
             from fineslab.slabs.cuda_backing import CudaBacking
 
             backing = CudaBacking.open(table.handle_bytes())
@@ -173,6 +177,11 @@ class SlabArena:
     def tensor(self) -> object:
         """The arena as a 1-D uint8 torch tensor (pass it to `layer_views`)."""
         return self._backing.tensor()
+
+    @property
+    def backing(self) -> ArenaBacking:
+        """What holds the bytes: a `VmmBacking` is what a `CudaWeightRegion` maps slabs of."""
+        return self._backing
 
     def client(self, runtime_id: str, fmt: BlockFormat, pooled: bool = False
                ) -> RuntimeSlabs | PooledSlabs:
@@ -194,6 +203,22 @@ class SlabArena:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _cuda_backing(spec: ArenaSpec) -> tuple[ArenaBacking, int, bytes]:
+    """CUDA virtual memory where the driver offers it (weights can then live in the arena);
+    else CUDA IPC of one allocation, KV only, with a warning saying why."""
+    from fineslab.slabs.cuda_backing import CudaBacking
+    from fineslab.slabs.cuda_vmm import VmmBacking
+
+    try:
+        vmm = VmmBacking.allocate(spec.device, spec.arena_bytes, spec.slab_bytes)
+        return vmm, BACKING_CUDA_VMM, vmm.handle_bytes()
+    except EnvironmentSetupError as exc:
+        logger.warning("arena on %s: CUDA virtual memory unavailable (%s); falling back to "
+                       "CUDA IPC (KV only: weights cannot live in this arena)", spec.device, exc)
+    cuda = CudaBacking.allocate(spec.device, spec.arena_bytes)
+    return cuda, BACKING_CUDA, cuda.handle_bytes()
 
 
 def _clear_stale(paths: ArenaPaths, reclaim_stale: bool) -> None:

@@ -83,20 +83,25 @@ class WeightRegion:
     """`nbytes` of weights of `runtime_id` in whole slabs of a CPU arena (see module doc)."""
 
     def __init__(self, table: SlabTable, arena_path: Path, runtime_id: str, nbytes: int) -> None:
+        self._setup(table, runtime_id, nbytes, mmap.PAGESIZE, "the page size")
+        self._fd = os.open(arena_path, os.O_RDWR)
+        self.base = _mmap(None, self.span_bytes, _PROT_NONE,
+                          mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+
+    def _setup(self, table: SlabTable, runtime_id: str, nbytes: int, grain_bytes: int,
+               grain: str) -> None:
+        """The bookkeeping every backing shares: sizes checked, the weight owner registered."""
         slab_bytes = table.dims.slab_bytes
-        if slab_bytes % mmap.PAGESIZE:
-            raise ConfigError(f"slab size {slab_bytes} B is not a multiple of the page size "
-                              f"{mmap.PAGESIZE} B: weights cannot be mapped slab by slab")
+        if slab_bytes % grain_bytes:
+            raise ConfigError(f"slab size {slab_bytes} B is not a multiple of {grain} "
+                              f"{grain_bytes} B: weights cannot be mapped slab by slab")
         if nbytes <= 0:
             raise ConfigError(f"a weight region needs a positive size, got {nbytes} B")
         self.table, self.runtime_id, self.nbytes = table, runtime_id, nbytes
         self.slab_bytes = slab_bytes
         self.num_slabs = -(-nbytes // slab_bytes)
         self.span_bytes = self.num_slabs * slab_bytes
-        self._fd = os.open(arena_path, os.O_RDWR)
         self.slot = table.register(runtime_id + WEIGHTS_SUFFIX, slab_bytes)
-        self.base = _mmap(None, self.span_bytes, _PROT_NONE,
-                          mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
         self.slab_ids: np.ndarray | None = None
         self._closed = False
 
@@ -111,9 +116,7 @@ class WeightRegion:
         slabs = carve_weight_slabs(self.table, self.slot, self.num_slabs)
         try:
             for i, slab in enumerate(slabs.tolist()):
-                _mmap(self.base + i * self.slab_bytes, self.slab_bytes, _PROT_RW,
-                      mmap.MAP_SHARED | _MAP_FIXED | MAP_POPULATE, self._fd,
-                      slab * self.slab_bytes)
+                self._map_slab(i, slab)
         except OSError:
             self._cover()
             self._give_back(slabs)
@@ -170,9 +173,7 @@ class WeightRegion:
         """Map arena slab `slabs[i]` (held by the caller) under lent position `positions[i]`:
         how a layer streamer shows a slot buffer at the address of the layer it holds."""
         for position, slab in zip(positions, slabs, strict=True):
-            _mmap(self.base + position * self.slab_bytes, self.slab_bytes, _PROT_RW,
-                  mmap.MAP_SHARED | _MAP_FIXED | MAP_POPULATE, self._fd,
-                  slab * self.slab_bytes)
+            self._map_slab(position, slab)
 
     def cover(self, positions: Sequence[int]) -> None:
         """Make lent `positions` inaccessible again (undoes `alias`)."""
@@ -199,6 +200,15 @@ class WeightRegion:
         self._closed = True
         self.unback()
         self.table.unregister(self.slot)
+        self._close_backing()
+
+    # The backing's part (CPU here; CUDA in cuda_region.py): map one slab, cover positions.
+
+    def _map_slab(self, position: int, slab: int) -> None:
+        _mmap(self.base + position * self.slab_bytes, self.slab_bytes, _PROT_RW,
+              mmap.MAP_SHARED | _MAP_FIXED | MAP_POPULATE, self._fd, slab * self.slab_bytes)
+
+    def _close_backing(self) -> None:
         os.close(self._fd)
 
     def _cover(self, first: int = 0, count: int | None = None) -> None:
@@ -262,7 +272,10 @@ def write_host_copy(region: WeightRegion, path: Path) -> None:
     """Write the region's bytes (all resident) to `path`, whole or not at all."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
-    region.tensor().numpy().tofile(partial)
+    data = region.tensor()
+    if data.is_cuda:  # a CUDA region: through host memory, once (the host copy is written once)
+        data = data.cpu()
+    data.numpy().tofile(partial)
     partial.replace(path)
 
 
