@@ -50,12 +50,19 @@ MODELS = {"a": ("llama-tiny", "bfloat16"), "b": ("qwen2-tiny", "float16")}
 # (ignore_eos: no early-stop discount) and a page of headroom fit next to what the running
 # requests have reserved, so how full the pool gets is set by which requests SGLang admits
 # together. B's load is therefore two requests that are always admitted together, whatever their
-# arrival order: 2 x (prompt + 680 + 16) = 1,443 tokens <= 1,472, B's capacity (23 slabs: slab 0
-# is the padding slab); at their last step they hold 44 + 45 = 89 of the arena's 96 pages of B
-# (93%), more than the 86.4 pages that 90% needs. A's burst is eight requests that want more
-# than A's 72 pages. Prompt lengths are staggered so requests open new pages on different steps.
+# arrival order: 2 x (prompt + 680 + 16) = 1,436 tokens <= 1,472, B's capacity (23 slabs: slab 0
+# is the padding slab); at their last step they hold 44 + 44 = 88 of the arena's 96 pages of B
+# (92%, 22 slabs), more than the 86.4 pages that 90% needs. Exactly 22 slabs, so that B never
+# needs the one slab left free: a waiting runtime's failed admission pass keeps the pages it
+# reserved for its first request (SlabPrefillBudget draws before SGLang's ignore_eos check
+# refuses), and A, waiting from the moment B reaches 90%, holds that slab. With prompts of 24 and
+# 27 tokens B needed a 23rd slab for its 89th page two steps before its end: when A's burst came
+# in before that page, B found the arena short, SGLang retracted one of B's requests, and its
+# re-prefill took the memory A's waiting requests were to get (a rehearsal: A peaked at 49%).
+# A's burst is eight requests that want more than A's 72 pages. Prompt lengths are staggered so
+# requests open new pages on different steps.
 LOADS = {"a": [p[: 24 + 3 * i] for i, p in enumerate(prompts(8, 48, seed=11))],
-         "b": [p[: 24 + 3 * i] for i, p in enumerate(prompts(2, 60, seed=12))]}
+         "b": [p[: 24 - 4 * i] for i, p in enumerate(prompts(2, 60, seed=12))]}
 NEW_TOKENS = {"a": 96, "b": 680}
 SMALL = {"a": prompts(4, 32, seed=21), "b": prompts(4, 32, seed=22)}
 
@@ -250,7 +257,7 @@ def test_sigkill_returns_slabs_and_neighbour_keeps_serving(
     b_thread = threading.Thread(target=lambda: b_results.__setitem__(
         "b", generate_concurrently(shared.url("b"), LOADS["b"], NEW_TOKENS["b"])))
     b_thread.start()
-    # A quarter of the arena: one of B's requests reaches it alone (45 pages at its end), so
+    # A quarter of the arena: one of B's requests reaches it alone (44 pages at its end), so
     # the kill lands mid-flight even when B admits its two requests one after the other.
     while b_thread.is_alive() and arena.used_bytes().get("b", 0) < arena.arena_bytes // 4:
         time.sleep(0.02)
