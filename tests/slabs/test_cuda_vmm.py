@@ -151,3 +151,66 @@ def test_a_model_loads_straight_into_its_region(tmp_path: Path) -> None:
         pool.close()
         assert pool.live_segments == 0, "torch gave every segment back to the pool"
         region.close()
+
+
+def test_streamed_layers_share_one_slot_by_address_on_the_gpu(tmp_path: Path) -> None:
+    """The layer streamer's GPU design end to end, with torch alone: each decoder layer on whole
+    slabs of a region, two layers lent (their ranges both showing one slot's slabs), their bytes
+    copied in ahead on a copy stream through their own addresses; logits identical, the arena
+    four slabs richer, and a corrupted host copy changing the logits (negative control)."""
+    from fineslab.bench.layer_copy import build_llama
+    from fineslab.slabs.layer_copy import StreamCopies, hook_layers
+
+    model = build_llama(512, 4, 8000, "cuda", torch.bfloat16)
+    ids = torch.randint(0, 8000, (1, 32), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.inference_mode():
+        expected = model(ids).logits.float().cpu()
+    layers = model.model.layers
+    layer_bytes = sum(-(-p.numel() * p.element_size() // 256) * 256
+                      for p in layers[0].parameters())
+    per_layer = -(-layer_bytes // SLAB_BYTES)
+    with _arena(tmp_path) as arena:
+        region = _region(arena, "model", len(layers) * per_layer * SLAB_BYTES)
+        region.back()
+        whole = region.tensor()
+        for index, layer in enumerate(layers):  # each layer's tensors into its own slabs
+            at = index * per_layer * SLAB_BYTES
+            for p in layer.parameters():
+                nbytes = p.numel() * p.element_size()
+                view = whole[at: at + nbytes].view(p.dtype).view(p.shape)
+                view.copy_(p.data)
+                p.data = view
+                at += -(-nbytes // 256) * 256
+        host = torch.empty(region.nbytes, dtype=torch.uint8, pin_memory=True)
+        host.copy_(whole)
+        free_before = int((arena.table.state == SlabState.FREE).sum())
+
+        def positions(layer: int) -> list[int]:
+            return list(range(layer * per_layer, (layer + 1) * per_layer))
+
+        slot = region.lend(positions(1) + positions(3), keep=per_layer)
+        region.alias(positions(1), slot)
+        region.alias(positions(3), slot)
+        assert int((arena.table.state == SlabState.FREE).sum()) == free_before + per_layer
+
+        def copy(layer: int) -> None:
+            span = slice(layer * per_layer * SLAB_BYTES, (layer + 1) * per_layer * SLAB_BYTES)
+            whole[span].copy_(host[span], non_blocking=True)
+
+        copies = StreamCopies([1, 3], 1, copy, "cuda")
+        handles = hook_layers(layers, copies, model.model)
+        for _ in range(3):
+            with torch.inference_mode():
+                assert torch.equal(model(ids).logits.float().cpu(), expected)
+        assert copies.copies == 6, "two layers take turns in one slot, every pass"
+        host[3 * per_layer * SLAB_BYTES: 3 * per_layer * SLAB_BYTES + 4096] = 0
+        with torch.inference_mode():
+            assert not torch.equal(model(ids).logits.float().cpu(), expected)
+        for handle in handles:
+            handle.remove()
+        del model
+        region.cover(positions(1) + positions(3))
+        from fineslab.slabs.weights import release_weight_slabs
+
+        release_weight_slabs(arena.table, region.slot, np.array(slot), "slot")
+        region.close()
