@@ -7,9 +7,10 @@ after that: blocks are handed out by `RuntimeSlabs` from the table alone.
 Backings (one interface, `ArenaBacking`):
     CPU   a shared-memory file /dev/shm/fineslab-<fleet>-<device>.arena (0600), mapped by every
           process; tmpfs commits pages on first touch.
-    CUDA  one physical allocation of CUDA virtual memory by the owner, exported as a file
-          descriptor that each runtime duplicates (pidfd_getfd) and maps once (cuda_vmm.py);
-          weight regions map its slabs too (cuda_region.py). Where the driver refuses that,
+    CUDA  CUDA virtual memory, one exported allocation per slab, whose descriptors the owner
+          serves on a unix socket at the data path (no data file on CUDA) and each runtime
+          imports and maps once (cuda_vmm.py); weight regions map its slabs too
+          (cuda_region.py). Where the driver refuses that,
           one `torch.empty` shared by CUDA IPC (cuda_backing.py), KV only.
 
 Lifecycle: the creator's `close()` unlinks both files (clean shutdown). A file left by a crashed
@@ -140,7 +141,7 @@ class SlabArena:
         _clear_stale(paths, reclaim_stale)
         backing: ArenaBacking
         if spec.is_cuda:
-            backing, kind, handle = _cuda_backing(spec)
+            backing, kind, handle = _cuda_backing(spec, paths)
         else:
             backing, kind, handle = CpuBacking(paths.data, spec.arena_bytes, True), BACKING_CPU, b""
         try:
@@ -205,14 +206,14 @@ class SlabArena:
         self.close()
 
 
-def _cuda_backing(spec: ArenaSpec) -> tuple[ArenaBacking, int, bytes]:
+def _cuda_backing(spec: ArenaSpec, paths: ArenaPaths) -> tuple[ArenaBacking, int, bytes]:
     """CUDA virtual memory where the driver offers it (weights can then live in the arena);
     else CUDA IPC of one allocation, KV only, with a warning saying why."""
     from fineslab.slabs.cuda_backing import CudaBacking
     from fineslab.slabs.cuda_vmm import VmmBacking
 
     try:
-        vmm = VmmBacking.allocate(spec.device, spec.arena_bytes, spec.slab_bytes)
+        vmm = VmmBacking.allocate(spec.device, spec.arena_bytes, spec.slab_bytes, paths.data)
         return vmm, BACKING_CUDA_VMM, vmm.handle_bytes()
     except EnvironmentSetupError as exc:
         logger.warning("arena on %s: CUDA virtual memory unavailable (%s); falling back to "

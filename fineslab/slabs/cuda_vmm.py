@@ -19,12 +19,11 @@ segments do:
     slab_bytes % granularity == 0 (2 MiB on Hopper) for weights; otherwise one allocation for
     the arena (rounded up to the granularity), KV only
 
-Sharing the descriptors: the owner keeps them open and publishes (pid, fds) in the table header;
-a runtime takes a duplicate of each with pidfd_getfd(2) (Linux >= 5.6) and closes it once
-imported. That needs ptrace access to the
-owner: root, CAP_SYS_PTRACE, or kernel.yama.ptrace_scope = 0 (a runtime is the owner's child, and
-scope 1 lets only an ancestor trace). torch's own sharing of expandable segments has the same
-requirement. A refusal names it (`EnvironmentSetupError`).
+Sharing the descriptors: the owner keeps them open and serves them on a unix socket whose path
+the table header names (fd_share.py, SCM_RIGHTS, same uid only); a runtime fetches its
+duplicates once, imports each allocation and closes the descriptor (the imported handle holds
+the memory). Not pidfd_getfd(2): that needs ptrace access to the launcher, which a non-root
+runtime lacks under the default kernel.yama.ptrace_scope = 1.
 
 Cost: cuMemMap + cuMemSetAccess per slab on back, microseconds each, no copy; the bytes of the
 arena stay allocated (resident) for the fleet's life, so a wake's copy runs at the link's speed.
@@ -37,9 +36,11 @@ import json
 import logging
 import os
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from fineslab.errors import ConfigError, EnvironmentSetupError
+from fineslab.slabs.fd_share import FdServer, fetch_fds
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,6 @@ CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
 CU_MEM_LOCATION_TYPE_DEVICE = 1
 CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
 CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
-_SYS_PIDFD_GETFD = 438  # x86_64 and aarch64 alike
 
 
 class _Location(ctypes.Structure):
@@ -169,26 +169,6 @@ def driver() -> Driver:
     return Driver()
 
 
-def duplicate_fd(pid: int, fd: int) -> int:
-    """A descriptor of this process for descriptor `fd` of process `pid` (pidfd_getfd(2))."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError as exc:
-        raise EnvironmentSetupError(f"the arena's owner (pid {pid}) is gone: {exc}") from exc
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        got = libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
-        if got < 0:
-            err = ctypes.get_errno()
-            raise EnvironmentSetupError(
-                f"pidfd_getfd of the arena's descriptor in pid {pid} failed: {os.strerror(err)}; "
-                "the runtime needs ptrace access to the launcher (root, CAP_SYS_PTRACE or "
-                "kernel.yama.ptrace_scope=0)")
-        return int(got)
-    finally:
-        os.close(pidfd)
-
-
 class _CudaArray:
     """Device bytes described by __cuda_array_interface__, for `torch.as_tensor` (zero copy)."""
 
@@ -211,21 +191,6 @@ def device_ordinal(device: str) -> int:
     return 0 if index is None else int(index)
 
 
-def _runs(values: list[int]) -> list[list[int]]:
-    """[[first, count], ...] of consecutive integers: descriptors fit the table header."""
-    runs: list[list[int]] = []
-    for value in values:
-        if runs and runs[-1][0] + runs[-1][1] == value:
-            runs[-1][1] += 1
-        else:
-            runs.append([value, 1])
-    return runs
-
-
-def _unruns(runs: list[list[int]]) -> list[int]:
-    return [first + i for first, count in runs for i in range(count)]
-
-
 class VmmBacking:
     """The arena as exportable physical allocations mapped back to back in this process.
 
@@ -233,7 +198,8 @@ class VmmBacking:
     weight region maps single slabs, and the driver maps an allocation only from its start:
     cuMemMap with a non-zero offset answered 801, "operation not supported", on an H200 with
     driver 580); otherwise one allocation for the whole arena (KV only).
-    Owner: `allocate` creates, maps, zeroes and exports them; runtimes: `open` imports them.
+    Owner: `allocate` creates, maps, zeroes and exports them, and serves the descriptors at
+    `socket_path` until `close()`; runtimes: `open` fetches and imports them.
 
         physical[s] backs [base + s * slab_bytes, base + (s + 1) * slab_bytes)   (per slab)
     """
@@ -244,6 +210,7 @@ class VmmBacking:
         self.chunk_bytes, self.arena_bytes = chunk_bytes, arena_bytes
         self.mapped_bytes = chunk_bytes * len(physical)
         self._owner_fds, self._handle = owner_fds, handle
+        self._server: FdServer | None = None
         self._tensor: Any = tensor_at(base, arena_bytes, ordinal)
 
     def physical_of(self, slab: int, slab_bytes: int) -> int:
@@ -272,7 +239,8 @@ class VmmBacking:
         return base
 
     @classmethod
-    def allocate(cls, device: str, arena_bytes: int, slab_bytes: int) -> VmmBacking:
+    def allocate(cls, device: str, arena_bytes: int, slab_bytes: int,
+                 socket_path: Path) -> VmmBacking:
         import torch
 
         if not torch.cuda.is_available():
@@ -300,10 +268,11 @@ class VmmBacking:
             for allocation in physical:
                 drv.release(allocation)
             raise
-        handle = json.dumps({"kind": "vmm", "pid": os.getpid(), "fds": _runs(fds),
-                             "device": ordinal, "chunk_bytes": chunk,
+        handle = json.dumps({"kind": "vmm", "socket": str(socket_path), "device": ordinal,
+                             "chunk_bytes": chunk, "slabs": count,
                              "arena_bytes": arena_bytes}).encode()
         backing = cls(ordinal, physical, base, chunk, arena_bytes, fds, handle)
+        backing._server = FdServer(socket_path, fds)
         backing._tensor.zero_()
         torch.cuda.synchronize(ordinal)
         logger.info("arena on %s: %d B of CUDA virtual memory in %d allocation(s)", device,
@@ -322,15 +291,22 @@ class VmmBacking:
         drv = driver()
         drv.make_current(ordinal)
         physical: list[int] = []
+        fds = fetch_fds(Path(doc["socket"]))
+        if len(fds) != int(doc["slabs"]):
+            for fd in fds:
+                os.close(fd)
+            raise EnvironmentSetupError(f"the arena's descriptor server sent {len(fds)} "
+                                        f"descriptors, not {doc['slabs']}")
         try:
-            for owner_fd in _unruns(doc["fds"]):
-                fd = duplicate_fd(int(doc["pid"]), owner_fd)
-                try:
-                    physical.append(drv.import_fd(fd))
-                finally:
-                    os.close(fd)  # the imported handle holds the memory, not the descriptor
+            for i, fd in enumerate(fds):
+                physical.append(drv.import_fd(fd))
+                os.close(fd)  # the imported handle holds the memory, not the descriptor
+                fds[i] = -1
             base = cls._map_all(ordinal, physical, int(doc["chunk_bytes"]))
         except EnvironmentSetupError:
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
             for imported in physical:
                 drv.release(imported)
             raise
@@ -358,6 +334,9 @@ class VmmBacking:
             drv.unmap(self.base + i * self.chunk_bytes, self.chunk_bytes)
             drv.release(handle)
         drv.free_range(self.base, self.mapped_bytes)
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         for fd in self._owner_fds:
             os.close(fd)
         self._owner_fds = []
