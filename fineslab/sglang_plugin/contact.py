@@ -108,6 +108,10 @@ def _members(owner: str, kind: Kind, names: Iterable[str], why: str,
 
 
 _HOOKS = (
+    Contact(f"{_SERVER_ARGS}.check_server_args", _METHOD,
+            "in the launching process, before SGLang starts the scheduler: refuses what needs "
+            "no model (settings, the lent tier's backend, a missing or too small arena)",
+            hook="check_server_args"),
     Contact("sglang.srt.utils.torch_memory_saver_adapter.TorchMemorySaverAdapter.create",
             _METHOD, "returns the ArenaMemorySaver: /release_memory_occupation and "
             "/resume_memory_occupation put the weights to sleep and wake them",
@@ -182,6 +186,9 @@ _SCHEDULER_STATE = (
     *_members(_SERVER_ARGS, _ATTRIBUTE,
               [r.setting for r in REFUSALS] + [name for name, _ in PARALLEL_SIZES],
               "read by the start-up refusals: a renamed setting would never be refused"),
+    *_members(_SERVER_ARGS, _ATTRIBUTE, ("device", "base_gpu_id"),
+              "the arena device the launching process checks before SGLang starts the "
+              "scheduler"),
 )
 
 _ALLOCATOR_CONTACTS = (

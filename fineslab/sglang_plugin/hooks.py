@@ -4,6 +4,8 @@ A `PluginSession` holds one runtime's link to the arena; its methods are install
 hooks (`contact.HOOK_TARGETS` lists the targets). In a scheduler process the calls come in this
 order:
 
+    (launching process) ServerArgs.check_server_args -> refuse what needs no model, before
+                                 SGLang starts the scheduler
     TorchMemorySaverAdapter.create -> ArenaMemorySaver: sleep and wake (memory_saver.py)
     ModelRunner.initialize    -> after loading: the weights into arena slabs (when asked)
     _profile_available_bytes  -> join the arena, refuse what cannot work, report its capacity
@@ -16,8 +18,8 @@ order:
     update_running_batch (every decode step) -> skip the step while the neighbours starve a lone
                                  request (`starvation.py`), instead of SGLang aborting it
 
-Processes that never build a pool (the tokenizer, the detokenizer) never call them, and so never
-open the arena.
+Processes that never build a pool never call the others: the detokenizer never opens the arena,
+and the launching process (the tokenizer's) reads only its slab table's header.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from fineslab.errors import ConfigError
 from fineslab.sglang_plugin.allocator import SlabAllocator, needs_zeroed_pages
 from fineslab.sglang_plugin.config import LENT_RADIX_BACKEND, ArenaJoin
 from fineslab.sglang_plugin.engine_policy import EngineBatchPolicy
-from fineslab.sglang_plugin.link import ArenaLink, join_arena
+from fineslab.sglang_plugin.link import ArenaLink, check_arena_before_start, join_arena
 from fineslab.sglang_plugin.memory_saver import ArenaMemorySaver, WeightSleeper
 from fineslab.sglang_plugin.pool import SlabKVPool
 from fineslab.sglang_plugin.quant_pools import Fp8SlabKVPool, Kv4SlabKVPool
@@ -88,6 +90,18 @@ def refuse_model_kinds(configurator: Any) -> None:
             f"unknown model format: the slab KV pool serves plain MHA models, not {found}")
 
 
+def refuse_settings(join: ArenaJoin, server_args: Any) -> None:
+    """The server settings a runtime in an arena cannot run with (`refusals.py`), and the lent
+    tier asked for on another radix cache: ConfigError naming them. Needs no model, so the
+    launching process checks it too (`PluginSession.check_server_args`)."""
+    refuse_unsupported(settings_of(server_args))
+    if join.prefix_lending is not None and \
+            (backend := server_args.radix_cache_backend) != LENT_RADIX_BACKEND:
+        raise ConfigError(
+            f"{PREFIX_LENDING_VAR} asks for the lent tier, but SGLang runs radix-cache "
+            f"backend {backend!r}: start it with --radix-cache-backend {LENT_RADIX_BACKEND}")
+
+
 class PluginSession:
     """One runtime's membership of an arena, and the hooks that put it to use."""
 
@@ -113,6 +127,32 @@ class PluginSession:
         if self._memory_saver is None:
             self._memory_saver = ArenaMemorySaver(self)
         return self._memory_saver
+
+    def check_server_args(self, original: Callable[..., Any], server_args: Any,
+                          *args: Any, **kwargs: Any) -> Any:
+        """In the launching process, before SGLang starts the scheduler and the detokenizer:
+        SGLang's own checks, then the plugin's that need no model (`refuse_settings`, the
+        arena's presence and room). A bad configuration then stops the runtime once its
+        launching process has imported SGLang, not after two more processes imported it and
+        the scheduler loaded the model (about 25 s of a 2-core machine for a tiny model); the
+        scheduler checks again, and alone checks what needs the model (its KV format, room for
+        its weights).
+
+        The join is the one in the environment now, which the scheduler inherits, not this
+        session's: a program may start several in-process engines, each with its own join,
+        and SGLang loads plugins (this session) once per process."""
+        result = original(server_args, *args, **kwargs)
+        join = ArenaJoin.from_env()
+        if join is not None:
+            try:
+                refuse_settings(join, server_args)
+                check_arena_before_start(join, arena_device(str(server_args.device),
+                                                            server_args.base_gpu_id))
+            except ConfigError as exc:
+                logger.critical("fineslab plugin: refused before SGLang started the scheduler: "
+                                "%s", exc)
+                raise
+        return result
 
     def initialize_model(self, original: Callable[..., Any], runner: Any,
                          *args: Any, **kwargs: Any) -> Any:
@@ -149,13 +189,8 @@ class PluginSession:
     def profile_available_bytes(self, original: Callable[..., int], configurator: Any,
                                 *args: Any, **kwargs: Any) -> int:
         """Join the arena and report its capacity instead of profiling device memory."""
-        refuse_unsupported(settings_of(configurator.server_args))
+        refuse_settings(self.join, configurator.server_args)
         refuse_model_kinds(configurator)
-        backend = configurator.server_args.radix_cache_backend
-        if self.join.prefix_lending is not None and backend != LENT_RADIX_BACKEND:
-            raise ConfigError(
-                f"{PREFIX_LENDING_VAR} asks for the lent tier, but SGLang runs radix-cache "
-                f"backend {backend!r}: start it with --radix-cache-backend {LENT_RADIX_BACKEND}")
         model_shape = kv_shape_of(configurator, self.join.runtime_id)
         shape = self._stored_shape(model_shape)
         if self.link is None:

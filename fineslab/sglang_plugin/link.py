@@ -23,12 +23,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fineslab.errors import ConfigError
+from fineslab.errors import ConfigError, EnvironmentSetupError
 from fineslab.sglang_plugin.allocator import BlockSource
 from fineslab.sglang_plugin.config import ArenaJoin
 from fineslab.slabs.arena import SlabArena
 from fineslab.slabs.formats import BlockFormat, KVShape
+from fineslab.slabs.shm import ArenaPaths
 from fineslab.slabs.sizing import fit_format
+from fineslab.slabs.table import SlabTable
 from fineslab.slabs.views import LayerKV, layer_views
 
 logger = logging.getLogger(__name__)
@@ -71,12 +73,36 @@ def fit_to_arena(shape: KVShape, slab_bytes: int, arena_bytes: int, page_size: i
             f"unknown model format: no {page_size}-token block of {shape.name!r} "
             f"({shape.token_bytes} B a token) divides the arena's {slab_bytes} B slabs; plan "
             "the arena with this model and page size (fineslab.slabs.sizing.plan_slabs)")
+    check_arena_room(arena_bytes, slab_bytes, shape.name)
+    return fmt
+
+
+def check_arena_room(arena_bytes: int, slab_bytes: int, runtime_id: str) -> None:
+    """ConfigError unless the arena has a slab for KV besides slab 0 (the padding slab)."""
     if arena_bytes < 2 * slab_bytes:
         raise ConfigError(
             f"arena too small: {arena_bytes} B is fewer than two {slab_bytes} B slabs (slab 0 "
             f"takes SGLang's padded-token writes and holds no KV), so no block of "
-            f"{shape.name!r} is left for KV")
-    return fmt
+            f"{runtime_id!r} is left for KV")
+
+
+def check_arena_before_start(join: ArenaJoin, device: str) -> None:
+    """What a launching process can tell of the arena `join` names before SGLang starts the
+    runtime's scheduler: that it exists and has room for KV. Reads the slab table's header only
+    (the arena's data is never mapped, so a CUDA arena costs that process no CUDA context); the
+    model's format is the scheduler's to check (`fit_to_arena`), with SGLang's model config."""
+    paths = ArenaPaths.of(join.arena_name, device)
+    try:
+        table = SlabTable.open(paths.table, writable=False)
+    except EnvironmentSetupError as exc:
+        raise ConfigError(
+            f"no arena {join.arena_name!r} on {device}: the launcher creates it before starting "
+            f"runtimes ({exc})") from exc
+    try:
+        dims = table.dims
+    finally:
+        table.close()
+    check_arena_room(dims.num_slabs * dims.slab_bytes, dims.slab_bytes, join.runtime_id)
 
 
 def join_arena(join: ArenaJoin, shape: KVShape, page_size: int, device: str) -> ArenaLink:

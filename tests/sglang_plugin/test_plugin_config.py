@@ -1,6 +1,8 @@
 """Bad configuration stops a runtime at start-up with a clear error; no silent fallback.
 
-The five start-up failures run as real SGLang servers, started together to share the wait.
+The five start-up failures run as real SGLang servers, started together to share the wait. What
+needs no model is refused by the launching process before SGLang starts the scheduler (three of
+them: seconds, not a model load); the other two by the scheduler.
 """
 
 from __future__ import annotations
@@ -22,19 +24,21 @@ from fineslab.sglang_plugin.link import ArenaLink, fit_to_arena
 from fineslab.sglang_plugin.refusals import refuse_unsupported
 from fineslab.slabs.views import layer_views
 
+#: case -> (dtype, flags, what the error names, refused before SGLang starts the scheduler)
 BAD_STARTS = {
     # One slab of exactly one 16-token llama block: nothing left once page 0 is set aside.
-    "too_small": ("bfloat16", (), "arena too small"),
-    # float32 KV has no slab block format.
-    "unknown_format": ("float32", (), "unknown model format"),
+    "too_small": ("bfloat16", (), "arena too small", True),
+    # float32 KV has no slab block format (the model's KV dtype is the scheduler's to derive).
+    "unknown_format": ("float32", (), "unknown model format", False),
     # HiCache copies contiguous per-layer buffers: refused by name.
     "unsupported_flag": ("bfloat16", ("--enable-hierarchical-cache",),
-                         "--enable-hierarchical-cache"),
+                         "--enable-hierarchical-cache", True),
     # Issue #16: weights asked into an arena of 3 slabs (llama-tiny needs more).
-    "weights_do_not_fit": ("bfloat16", (), "do not fit the arena"),
+    "weights_do_not_fit": ("bfloat16", (), "do not fit the arena", False),
     # Issue #20: the lent tier asked for (FINESLAB_PREFIX_LENDING) on SGLang's own radix cache.
-    "lent_tier_without_backend": ("bfloat16", (), "--radix-cache-backend fineslab_lent"),
+    "lent_tier_without_backend": ("bfloat16", (), "--radix-cache-backend fineslab_lent", True),
 }
+EARLY = "refused before SGLang started the scheduler"
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +54,7 @@ def failed_logs(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
         "lent_tier_without_backend": arena_for([shape], 16, 1 << 20, 4),
     }
     servers = {}
-    for case, (dtype, flags, _) in BAD_STARTS.items():
+    for case, (dtype, flags, _, _) in BAD_STARTS.items():
         spec = ServerSpec(str(model_cache / "llama-tiny"), free_port(), extra_args=(
             "--dtype", dtype, "--page-size", "16", *flags),
             env=dataclasses.replace(
@@ -75,9 +79,13 @@ def failed_logs(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
 @pytest.mark.parametrize("case", sorted(BAD_STARTS))
 def test_bad_configuration_fails_start_up_with_clear_error(failed_logs: dict[str, str],
                                                           case: str) -> None:
-    expected = BAD_STARTS[case][2]
+    _, _, expected, early = BAD_STARTS[case]
     assert "ConfigError" in failed_logs[case] and expected in failed_logs[case], (
         f"{case}: start-up must fail naming the problem ({expected!r}); log:\n"
+        + failed_logs[case][-3000:])
+    assert (EARLY in failed_logs[case]) == early, (
+        f"{case}: {'the launching process' if early else 'the scheduler'} must refuse it "
+        f"(what needs no model is refused before SGLang starts the scheduler); log:\n"
         + failed_logs[case][-3000:])
 
 
