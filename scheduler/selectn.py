@@ -362,7 +362,9 @@ class LinkRuntime:
     """One runtime streaming over the shared host link, as the coordinator sees it now.
 
     `layer_compute_s` is the decode T_c of its running batch; `max_interval` the largest
-    interval its GPU memory holds (None: every layer fits, so 0 is allowed too).
+    interval its GPU memory holds (None: every layer fits, so 0 is allowed too);
+    `min_interval` the smallest it may take for another reason (its TTFT SLO, which the
+    coordinator's TPOT test does not see).
     """
 
     name: str
@@ -371,11 +373,15 @@ class LinkRuntime:
     layer_compute_s: float
     tpot_slo_s: float
     max_interval: int | None = None
+    min_interval: int = 2
 
     def __post_init__(self) -> None:
         if self.max_interval is not None and self.max_interval < 2:
             raise ConfigError(f"{self.name}: max_interval must be >= 2 or None, "
                               f"got {self.max_interval}")
+        if self.min_interval < 2:
+            raise ConfigError(f"{self.name}: min_interval must be >= 2, "
+                              f"got {self.min_interval}")
 
 
 @dataclass(frozen=True)
@@ -426,7 +432,7 @@ class LinkCoordinator:
         limit_s = runtime.tpot_slo_s * (1 + _REL_EPS)
         top = min(runtime.num_layers, runtime.max_interval or runtime.num_layers)
         found, seen_k = [], set()
-        for interval in range(2, top + 1):
+        for interval in range(runtime.min_interval, top + 1):
             k = num_offloaded(runtime.num_layers, interval)
             if k not in seen_k and self._step_s(runtime, interval) <= limit_s:
                 found.append(interval)

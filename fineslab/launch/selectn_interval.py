@@ -34,6 +34,8 @@ from fineslab.quant.verify import DTYPE_BYTES, read_headers
 from fineslab.scheduler.profile_schema import ModelProfile
 from fineslab.scheduler.selectn import (
     LayerCosts,
+    LinkCoordinator,
+    LinkRuntime,
     most_conservative,
     offload_layers,
     smallest_interval,
@@ -92,10 +94,27 @@ def decoder_layer_bytes(model_dir: Path) -> int:
     return max(per_layer.values())
 
 
-def choose_interval(model: ModelConfig, profile: ModelProfile, model_dir: Path,
-                    device_kind: str, max_running: int) -> IntervalChoice:
-    """Equation (5) for `model` (an `interval: auto` selectn model) on a device of
-    `device_kind`, from its profile and checkpoint (module docstring)."""
+@dataclass(frozen=True)
+class _Sizing:
+    """What equation (5) is evaluated on for one model: its costs, the link, the two points."""
+
+    costs: LayerCosts
+    link_bytes_per_s: float
+    prefill_at: tuple[int, int]
+    decode_at: tuple[int, int]
+    ttft_slo_s: float
+    tpot_slo_s: float
+
+    def choice(self, model: str, interval: int) -> IntervalChoice:
+        costs = self.costs
+        return IntervalChoice(
+            model, interval, tuple(offload_layers(costs.num_layers, interval)),
+            costs.layer_bytes, costs.layer_transfer_s, costs.ttft_s(interval, *self.prefill_at),
+            costs.tpot_s(interval, *self.decode_at), self.ttft_slo_s, self.tpot_slo_s)
+
+
+def _sizing(model: ModelConfig, profile: ModelProfile, model_dir: Path, device_kind: str,
+            max_running: int) -> _Sizing:
     streaming = model.layer_streaming
     if streaming is None or streaming.tpot_slo_s is None:
         raise ConfigError(f"model {model.name}: interval: auto needs tpot_slo_s")
@@ -110,23 +129,64 @@ def choose_interval(model: ModelConfig, profile: ModelProfile, model_dir: Path,
         num_layers, decoder_layer_bytes(model_dir), link_gib_s * GIB,
         prefill=lambda batch, seq_len: profile.prefill_s(batch * seq_len) / num_layers,
         decode=lambda batch, context: profile.decode.step_s(batch, context) / num_layers)
-    prefill_at = (1, workload.prompt_tokens)
-    decode_at = (max_running, round(workload.mean_context_tokens))
-    ttft_slo_s, tpot_slo_s = model.ttft_slo_s, streaming.tpot_slo_s
-    prefill = smallest_interval(num_layers, costs.layer_transfer_s,
-                                costs.prefill_layer_s(*prefill_at), ttft_slo_s)
-    decode = smallest_interval(num_layers, costs.layer_transfer_s,
-                               costs.decode_layer_s(*decode_at), tpot_slo_s)
-    interval = _both(prefill, decode)
-    choice = IntervalChoice(
-        model.name, interval, tuple(offload_layers(num_layers, interval)), costs.layer_bytes,
-        costs.layer_transfer_s, costs.ttft_s(interval, *prefill_at),
-        costs.tpot_s(interval, *decode_at), ttft_slo_s, tpot_slo_s)
-    if interval == 0:
+    return _Sizing(costs, link_gib_s * GIB, (1, workload.prompt_tokens),
+                   (max_running, round(workload.mean_context_tokens)), model.ttft_slo_s,
+                   streaming.tpot_slo_s)
+
+
+def choose_interval(model: ModelConfig, profile: ModelProfile, model_dir: Path,
+                    device_kind: str, max_running: int) -> IntervalChoice:
+    """Equation (5) for `model` (an `interval: auto` selectn model) on a device of
+    `device_kind`, from its profile and checkpoint (module docstring)."""
+    return _choose(model, _sizing(model, profile, model_dir, device_kind, max_running))
+
+
+def _choose(model: ModelConfig, sizing: _Sizing) -> IntervalChoice:
+    costs = sizing.costs
+    prefill = smallest_interval(costs.num_layers, costs.layer_transfer_s,
+                                costs.prefill_layer_s(*sizing.prefill_at), sizing.ttft_slo_s)
+    decode = smallest_interval(costs.num_layers, costs.layer_transfer_s,
+                               costs.decode_layer_s(*sizing.decode_at), sizing.tpot_slo_s)
+    choice = sizing.choice(model.name, _both(prefill, decode))
+    if choice.interval == 0:
         logger.warning("%s: nothing streams (%s)", choice.describe(),
                        "no interval of 2..L meets both SLOs" if choice.meets_slo else
                        "the SLO is missed even with every layer resident")
     return choice
+
+
+def coordinate_link(choices: dict[str, IntervalChoice], sizings: dict[str, _Sizing]
+                    ) -> dict[str, IntervalChoice]:
+    """The intervals of models whose streams share one host link, by the per-link coordinator
+    (scheduler/selectn.py `LinkCoordinator`, paper 001 section 4.5, for n runtimes): each
+    model's interval no smaller than its own choice (its TTFT holds), their copies' bytes/s
+    within the link, host memory used the largest. Each alone predicts with the whole link;
+    together their streams must share it. Models streaming nothing stay out. When no set fits
+    (not expected: every model meets its TPOT with nothing streamed, or it would not stream),
+    every one of them streams nothing, with a warning."""
+    streaming = {name: c for name, c in choices.items() if c.interval >= 2}
+    if len(streaming) < 2:
+        return choices
+    link = min(sizings[name].link_bytes_per_s for name in streaming)
+    runtimes = [LinkRuntime(name, sizings[name].costs.num_layers, c.layer_bytes,
+                            sizings[name].costs.decode_layer_s(*sizings[name].decode_at),
+                            c.tpot_slo_s, min_interval=c.interval)
+                for name, c in streaming.items()]
+    coordinator = LinkCoordinator(link)
+    plan = coordinator.plan(runtimes)
+    intervals = plan.intervals if plan is not None else {name: 0 for name in streaming}
+    if plan is None:
+        logger.warning("select-n link: no intervals of %s fit the host link of %.3g GiB/s "
+                       "together; none of them streams", sorted(streaming), link / GIB)
+    else:
+        logger.info("select-n link: %s share %.3g GiB/s: intervals %s, their copies %.3g GiB/s,"
+                    " %d B in host memory", sorted(streaming), link / GIB, plan.intervals,
+                    plan.stream_bytes_per_s / GIB, plan.host_bytes)
+    out = dict(choices)
+    for name, interval in intervals.items():
+        if interval != choices[name].interval:
+            out[name] = sizings[name].choice(name, interval)
+    return out
 
 
 def _both(prefill: int | None, decode: int | None) -> int:
@@ -139,17 +199,26 @@ def resolve_intervals(config: FleetConfig, profiles: dict[str, ModelProfile],
                       model_dirs: dict[str, Path], device_kind: str
                       ) -> tuple[FleetConfig, dict[str, IntervalChoice]]:
     """`config` with every `interval: auto` replaced by the chosen interval, and the choices
-    by model name (logged at info)."""
+    by model name (logged at info). On CPU every runtime's copies cross one memory bus, so the
+    auto models' intervals are coordinated over it (`coordinate_link`); a GPU has a link of
+    its own, and which models share it is known only after placement (not coordinated yet)."""
     choices: dict[str, IntervalChoice] = {}
-    models = []
+    sizings: dict[str, _Sizing] = {}
     for model in config.models:
         streaming = model.layer_streaming
         if streaming is not None and streaming.auto:
             max_running = model.max_running_requests or config.router.max_running_requests
-            choice = choose_interval(model, profiles[model.name], model_dirs[model.name],
-                                     device_kind, max_running)
-            choices[model.name] = choice
-            logger.info("%s", choice.describe())
-            model = replace(model, layer_streaming=replace(streaming, interval=choice.interval))
+            sizings[model.name] = _sizing(model, profiles[model.name], model_dirs[model.name],
+                                          device_kind, max_running)
+            choices[model.name] = _choose(model, sizings[model.name])
+    if device_kind == "cpu":
+        choices = coordinate_link(choices, sizings)
+    models = []
+    for model in config.models:
+        streaming = model.layer_streaming
+        if model.name in choices and streaming is not None:
+            logger.info("%s", choices[model.name].describe())
+            model = replace(model, layer_streaming=replace(
+                streaming, interval=choices[model.name].interval))
         models.append(model)
     return replace(config, models=tuple(models)), choices

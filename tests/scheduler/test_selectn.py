@@ -291,3 +291,14 @@ def test_the_plan_equals_brute_force_over_every_interval_on_random_links() -> No
         assert (plan.host_bytes if plan else None) == best, "dedup lost the optimum"
         if plan is not None:
             assert plan.stream_bytes_per_s <= link.link_bytes_per_s * (1 + 1e-9)
+
+
+def test_a_runtimes_min_interval_bounds_its_candidates_from_below() -> None:
+    """`min_interval` (its TTFT's own choice): nothing below it is offered, 0 still is."""
+    coordinator = LinkCoordinator(1e9)
+    free = LinkRuntime("free", 8, 1_000_000, 1.0, 100.0)
+    bounded = LinkRuntime("bounded", 8, 1_000_000, 1.0, 100.0, min_interval=3)
+    assert coordinator.candidates(free)[0] == 2
+    assert coordinator.candidates(bounded)[0] == 3 and coordinator.candidates(bounded)[-1] == 0
+    with pytest.raises(ConfigError, match="min_interval"):
+        LinkRuntime("bad", 8, 1, 1.0, 1.0, min_interval=1)

@@ -119,3 +119,40 @@ def test_a_gpu_kind_has_no_default_link_and_must_name_it() -> None:
     with pytest.raises(ConfigError, match="host_link_gib_s"):
         choose_interval(model, plan.profiles[model.name],
                         Path(plan.runtimes_of(model.name)[0].model_dir), "h100", 8)
+
+
+def test_auto_models_sharing_the_cpu_link_get_intervals_whose_copies_fit_it_together(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Two auto models on a slow link: each alone picks interval 2 and its copies fill the
+    link; together the per-link coordinator keeps their copies within it (one streams less or
+    not at all), never below either one's own choice (its TTFT), and logs the decision."""
+    from fineslab.scheduler.selectn import LinkCoordinator, LinkRuntime
+
+    slow_link = 0.002  # GiB/s: every interval's step is copy-bound
+    data = _auto(100.0, host_link_gib_s=slow_link)
+    data["models"][2]["layer_streaming"] = dict(data["models"][0]["layer_streaming"])
+    config = fleet_from_dict(data, "test.yaml")
+    with caplog.at_level(logging.INFO, logger="fineslab.launch.selectn_interval"):
+        plan = make_plan(config)
+    assert "select-n link:" in caplog.text
+    coordinator = LinkCoordinator(slow_link * (1 << 30))
+    rate, changed = 0.0, 0
+    for model in (config.models[0], config.models[2]):
+        runtime = plan.runtimes_of(model.name)[0]
+        alone = choose_interval(model, plan.profiles[model.name], Path(runtime.model_dir), "cpu",
+                                model.max_running_requests or config.router.max_running_requests)
+        assert alone.interval == 2, f"alone, {model.name} streams every second layer"
+        streaming = runtime.model.layer_streaming
+        assert streaming is not None and streaming.interval is not None
+        together = streaming.interval
+        assert together == 0 or together >= alone.interval, "never below its own choice"
+        changed += together != alone.interval
+        decode_layer_s = plan.profiles[model.name].decode.step_s(
+            model.max_running_requests or config.router.max_running_requests,
+            round(plan.profiles[model.name].workload.mean_context_tokens)) / \
+            plan.profiles[model.name].shape.num_layers
+        rate += coordinator.stream_bytes_per_s(
+            LinkRuntime(model.name, plan.profiles[model.name].shape.num_layers,
+                        alone.layer_bytes, decode_layer_s, alone.tpot_slo_s), together)
+    assert changed >= 1, "two copy-bound streams cannot both keep the whole link"
+    assert rate <= slow_link * (1 << 30) * (1 + 1e-9), "their copies fit the link together"
