@@ -107,8 +107,12 @@ class ServerSpec:
     env: Mapping[str, str] = field(default_factory=dict)
 
     def argv(self) -> list[str]:
+        # On CPU, through `fineslab.cpu_mode.forked`: the scheduler and detokenizer forked,
+        # not spawned (two imports of SGLang fewer per start); the command line still names
+        # sglang.launch_server.
+        module = ["-m", "fineslab.cpu_mode.forked"] if self.cpu else ["-m"]
         argv = [
-            sys.executable, "-m", "sglang.launch_server",
+            sys.executable, *module, "sglang.launch_server",
             "--model-path", self.model_path, "--host", self.host, "--port", str(self.port),
         ]
         if self.cpu:

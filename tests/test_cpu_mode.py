@@ -118,3 +118,37 @@ def test_cpu_server_argv_parses_back_to_the_cpu_server_args() -> None:
         "ns = parser.parse_args(['--model-path', 'unused', *cpu_mode.cpu_server_argv()])\n"
         "args = ServerArgs.from_cli_args(ns)\n")
     assert parsed == cpu_mode.CPU_SERVER_ARGS
+
+
+def test_forked_switches_sglangs_start_method_to_fork_after_sglang_forces_spawn(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """`fineslab.cpu_mode.forked` wraps the function where SGLang forces `spawn`: after it runs,
+    the start method is `fork`; a seam that is gone leaves `spawn`, with a warning."""
+    import multiprocessing
+    import types
+
+    from fineslab.cpu_mode import forked
+
+    fake = types.ModuleType("fake_engine")
+    fake._set_envs_and_config = lambda: multiprocessing.set_start_method(  # type: ignore[attr-defined]
+        "spawn", force=True)
+    monkeypatch.setitem(sys.modules, "fake_engine", fake)
+    monkeypatch.setattr(forked, "FORK_TARGET", ("fake_engine", "_set_envs_and_config"))
+    previous = multiprocessing.get_start_method(allow_none=True)
+    try:
+        assert forked.fork_children()
+        fake._set_envs_and_config()  # type: ignore[attr-defined]
+        assert multiprocessing.get_start_method() == "fork"
+        del fake._set_envs_and_config  # type: ignore[attr-defined]
+        assert not forked.fork_children()
+        assert "children are spawned" in caplog.text
+    finally:
+        multiprocessing.set_start_method(previous, force=True)
+
+
+def test_a_cpu_server_is_started_through_the_forking_entry_and_a_gpu_one_is_not() -> None:
+    from fineslab.runtime import ServerSpec
+
+    assert ServerSpec("m", 1).argv()[1:4] == ["-m", "fineslab.cpu_mode.forked",
+                                              "sglang.launch_server"]
+    assert ServerSpec("m", 1, cpu=False).argv()[1:3] == ["-m", "sglang.launch_server"]
