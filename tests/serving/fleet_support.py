@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -149,8 +150,51 @@ def execute_notebook(name: str, environ: dict[str, str]) -> str:
     from nbclient import NotebookClient
 
     notebook = nbformat.read(REPO / "examples" / name, as_version=4)
-    with mock.patch.dict(os.environ, environ):
-        NotebookClient(notebook, timeout=1200, kernel_name="python3",
-                       resources={"metadata": {"path": str(REPO / "examples")}}).execute()
+    before = set(_launchers())
+    try:
+        with mock.patch.dict(os.environ, environ):
+            NotebookClient(notebook, timeout=1200, kernel_name="python3",
+                           resources={"metadata": {"path": str(REPO / "examples")}}).execute()
+    finally:
+        _stop_launchers({pid: group for pid, group in _launchers().items()
+                         if pid not in before})
     return "".join(o.get("text", "") for cell in notebook.cells
                    for o in cell.get("outputs", []))
+
+
+def _launchers() -> dict[int, int]:
+    """Running `python -m fineslab.launch` processes: pid -> process group."""
+    import psutil
+
+    found: dict[int, int] = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "fineslab.launch" in cmdline:
+            with contextlib.suppress(OSError):
+                found[proc.info["pid"]] = os.getpgid(proc.info["pid"])
+    return found
+
+
+def _stop_launchers(launchers: dict[int, int]) -> None:
+    """Stop the fleets a notebook started and left running (a cell failed before its stop
+    cell): a CI run's elastic notebook failed and its five runtimes, asleep, spun at 30% of a
+    core each for the rest of the suite, which ran 3-4 times slower."""
+    for group in set(launchers.values()):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGTERM)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and any(_alive(pid) for pid in launchers):
+        time.sleep(1)
+    for group in set(launchers.values()):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, exited but not yet reaped by its parent, is not)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
