@@ -41,7 +41,7 @@ from fineslab.bench.report import add_json_flag, emit
 REPEATS = 5
 
 
-def _best_s(step: Callable[[], object], sync: Callable[[], None]) -> float:
+def best_time_s(step: Callable[[], object], sync: Callable[[], None]) -> float:
     """Best of REPEATS timed calls of `step`, each to the device's completion."""
     step()  # warm-up: first-touch and first-call costs
     sync()
@@ -83,10 +83,10 @@ def _overlap(device: str, layer_bytes: int, layers: int) -> dict[str, float]:
         for _ in range(matmuls):
             torch.mm(a, a)
 
-    t_copy = _best_s(copies, sync)
+    t_copy = best_time_s(copies, sync)
     matmuls = 1
     while True:  # size the compute to about the copy chain's time
-        t_compute = _best_s(compute, sync)
+        t_compute = best_time_s(compute, sync)
         if t_compute >= t_copy or matmuls >= 4096:
             break
         matmuls = max(matmuls + 1, int(matmuls * t_copy / max(t_compute, 1e-6)))
@@ -95,7 +95,7 @@ def _overlap(device: str, layer_bytes: int, layers: int) -> dict[str, float]:
         copies()
         compute()
 
-    t_both = _best_s(both, sync)
+    t_both = best_time_s(both, sync)
     return {"copy_s": t_copy, "compute_s": t_compute, "both_s": t_both, "matmuls": matmuls,
             "overlap": (t_copy + t_compute - t_both) / min(t_copy, t_compute)}
 
@@ -116,35 +116,35 @@ def run(device: str, nbytes: int, layer_bytes: int) -> dict[str, Any]:
         dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
         if cuda:
             pinned = data.pin_memory()
-            memcpy_s = _best_s(lambda: dst.copy_(pinned, non_blocking=True), sync)
+            memcpy_s = best_time_s(lambda: dst.copy_(pinned, non_blocking=True), sync)
             del pinned
         else:
             resident = data.clone()
-            memcpy_s = _best_s(lambda: dst.copy_(resident), sync)
+            memcpy_s = best_time_s(lambda: dst.copy_(resident), sync)
             del resident
         result["memcpy_gib_s"] = gib / memcpy_s
 
         dst.zero_()
-        restore_s = _best_s(lambda: copy_file_into(path, dst), sync)
+        restore_s = best_time_s(lambda: copy_file_into(path, dst), sync)
         verified = bool(torch.equal(dst.cpu(), data))
         result["restore_gib_s"] = gib / restore_s
         result["restore_over_memcpy"] = result["restore_gib_s"] / result["memcpy_gib_s"]
 
         if cuda:
             dst.zero_()
-            result["pageable_restore_gib_s"] = gib / _best_s(
+            result["pageable_restore_gib_s"] = gib / best_time_s(
                 lambda: copy_file_into(path, dst, chunk_bytes=0), sync)
             verified = verified and bool(torch.equal(dst.cpu(), data))
             dst.zero_()
             start_s = time.perf_counter()
             with PinnedHostCopy(path, nbytes) as kept:
                 result["register_s"] = time.perf_counter() - start_s
-                pinned_s = _best_s(lambda: kept.copy_into(dst), sync)
+                pinned_s = best_time_s(lambda: kept.copy_into(dst), sync)
             verified = verified and bool(torch.equal(dst.cpu(), data))
             result["pinned_restore_gib_s"] = gib / pinned_s
             result["pinned_over_memcpy"] = result["pinned_restore_gib_s"] / result["memcpy_gib_s"]
             other = torch.empty_like(dst)
-            result["d2d_gib_s"] = gib / _best_s(lambda: other.copy_(dst), sync)
+            result["d2d_gib_s"] = gib / best_time_s(lambda: other.copy_(dst), sync)
             verified = verified and bool(torch.equal(other, dst))
             del other
             result.update(_overlap(device, layer_bytes, max(1, nbytes // layer_bytes)))

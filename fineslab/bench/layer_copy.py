@@ -7,7 +7,7 @@ set S of streamed layers (every second layer) held in `--slots` slot buffers and
 pinned host memory before each runs (`fineslab.slabs.layer_copy`: `StreamCopies` on a GPU, the
 copies ahead on a side stream; `SyncCopies` on CPU). In one run:
 
-    t_none_s          the pass with every layer resident (best of 5)
+    t_none_s          the pass with every layer resident (best of 5, `best_time_s`)
     t_copy_s          S's copies alone, one after another on the copy stream (best of 5)
     t_stream_s        the pass with S streamed (best of 5)
     overlap           (t_none + t_copy - t_stream) / min(t_none, t_copy): 1 when the copies hide
@@ -24,14 +24,13 @@ steps; docs/streaming.md). Results go in docs/streaming.md.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from fineslab.bench.hostlink import best_time_s
 from fineslab.bench.report import add_json_flag, emit
 from fineslab.slabs.layer_copy import LayerCopies, StreamCopies, SyncCopies, hook_layers
 
-REPEATS = 5
 ALIGN_BYTES = 256
 
 
@@ -99,18 +98,6 @@ class StreamedLayers:
             handle.remove()
 
 
-def _best_s(step: Callable[[], object], sync: Callable[[], None]) -> float:
-    step()
-    sync()
-    best = float("inf")
-    for _ in range(REPEATS):
-        start_s = time.perf_counter()
-        step()
-        sync()
-        best = min(best, time.perf_counter() - start_s)
-    return best
-
-
 def measure(device: str, hidden: int, num_layers: int, tokens: int, slots: int) -> dict[str, Any]:
     import torch
 
@@ -126,18 +113,18 @@ def measure(device: str, hidden: int, num_layers: int, tokens: int, slots: int) 
             return model(ids).logits
 
     reference = forward().float().cpu()
-    t_none = _best_s(forward, sync)
+    t_none = best_time_s(forward, sync)
     streamed = StreamedLayers(model.model.layers, range(1, num_layers, 2), slots, device,
                               stack=model.model)
     if cuda:
         torch.cuda.empty_cache()
     got = forward().float().cpu()
-    t_stream = _best_s(forward, sync)
+    t_stream = best_time_s(forward, sync)
     if cuda:
         with torch.cuda.stream(streamed.copies.copy_stream):  # type: ignore[attr-defined]
-            t_copy = _best_s(streamed.copy_all, sync)
+            t_copy = best_time_s(streamed.copy_all, sync)
     else:
-        t_copy = _best_s(streamed.copy_all, sync)
+        t_copy = best_time_s(streamed.copy_all, sync)
     s_bytes = len(streamed.order) * streamed.layer_bytes
     return {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
