@@ -24,7 +24,6 @@ and the launching process (the tokenizer's) reads only its slab table's header.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -264,22 +263,9 @@ class PluginSession:
         if isinstance(allocator, SlabAllocator) and running_batch is not None and \
                 allocator.admission_reopens(bool(running_batch.batch_is_full)):
             running_batch.batch_is_full = False
-        with self._arena_locked():
-            if self.engine is not None:
-                return self.engine.around(original, scheduler, *args, **kwargs)
-            return original(scheduler, *args, **kwargs)
-
-    def _arena_locked(self) -> contextlib.AbstractContextManager[object]:
-        """The arena's table lock, for one admission or decode step of SGLang: SGLang counts
-        the free memory (ours includes the arena's free slabs), then allocates, and raises
-        "Prefill out of memory" (the runtime dies) when the allocation finds less than it
-        counted. Another process carving a slab in between (a neighbour, a waking model's
-        weights, a lender taking its layers back) did that twice in one CI rehearsal; under the
-        lock nobody else carves until the step has its memory. The lock is reentrant in this
-        thread (the allocator takes it again); others wait for one admission (milliseconds)."""
-        if self.link is None:
-            return contextlib.nullcontext()
-        return self.link.source.table.lock()
+        if self.engine is not None:
+            return self.engine.around(original, scheduler, *args, **kwargs)
+        return original(scheduler, *args, **kwargs)
 
     def update_running_batch(self, original: Callable[..., Any], scheduler: Any, *args: Any,
                              **kwargs: Any) -> Any:
@@ -299,8 +285,7 @@ class PluginSession:
                 within_cap = allocator.cap_allows(num_tokens)
             if self.starvation.hold(DecodeShortfall(num_running, fits, within_cap)):
                 return None
-        with self._arena_locked():
-            return original(scheduler, *args, **kwargs)
+        return original(scheduler, *args, **kwargs)
 
     def check_full_pool(self, original: Callable[..., Any], checker: Any, ps: Any,
                         *args: Any, **kwargs: Any) -> Any:
