@@ -11,8 +11,8 @@ only CPU runtimes start this way (`ServerSpec.argv`).
 
 How: the module named first is run as `__main__` (so the process's command line still names
 `sglang.launch_server`), with SGLang's `_set_envs_and_config` (where it forces `spawn`)
-followed by `set_start_method("fork")`. That name is a contact (`FORK_CONTACT`); if it is gone
-the server starts with `spawn`, and says so.
+followed by `set_start_method("fork")`. That name (`FORK_TARGET`) is looked up when the server
+starts; if it is gone the server starts with `spawn`, and says so.
 """
 
 from __future__ import annotations

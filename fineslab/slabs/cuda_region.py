@@ -42,7 +42,7 @@ class CudaWeightRegion(WeightRegion):
         if position in self._mapped:  # aliasing over a mapped position: unmap it first
             self._unmap(position)
         driver().map(self.base + position * self.slab_bytes, self.slab_bytes,
-                     self.backing.physical_of(slab, self.slab_bytes), 0, self.backing.ordinal)
+                     self.backing.physical_of(slab, self.slab_bytes), self.backing.ordinal)
         self._mapped.add(position)
 
     def _unmap(self, position: int) -> None:

@@ -148,11 +148,12 @@ class Driver:
         self._check(self._lib.cuMemAddressFree(ctypes.c_uint64(ptr), ctypes.c_size_t(nbytes)),
                     "cuMemAddressFree")
 
-    def map(self, ptr: int, nbytes: int, handle: int, offset: int, ordinal: int) -> None:
-        """Map `nbytes` of allocation `handle` from `offset` at `ptr`, readable and writable."""
+    def map(self, ptr: int, nbytes: int, handle: int, ordinal: int) -> None:
+        """Map `nbytes` of allocation `handle`, from its start, at `ptr`, readable and writable
+        (from its start only: a non-zero offset answered 801 on an H200, VmmBacking's doc)."""
         self._check(self._lib.cuMemMap(ctypes.c_uint64(ptr), ctypes.c_size_t(nbytes),
-                                       ctypes.c_size_t(offset), ctypes.c_uint64(handle),
-                                       ctypes.c_uint64(0)), f"cuMemMap at offset {offset}")
+                                       ctypes.c_size_t(0), ctypes.c_uint64(handle),
+                                       ctypes.c_uint64(0)), "cuMemMap")
         access = _AccessDesc(_Location(CU_MEM_LOCATION_TYPE_DEVICE, ordinal),
                              CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
         self._check(self._lib.cuMemSetAccess(ctypes.c_uint64(ptr), ctypes.c_size_t(nbytes),
@@ -229,7 +230,7 @@ class VmmBacking:
         done = 0
         try:
             for handle in physical:
-                drv.map(base + done * chunk_bytes, chunk_bytes, handle, 0, ordinal)
+                drv.map(base + done * chunk_bytes, chunk_bytes, handle, ordinal)
                 done += 1
         except EnvironmentSetupError:
             for i in range(done):
