@@ -24,8 +24,11 @@ Invariants (`check_integrity`; SGLang's idle check calls it through verify_byte_
 Why a reservation: SGLang decides (admission, `check_decode_capacity`) and allocates later in
 the same step; with a neighbour allocating from the same free slabs in between, a plain
 "check available, then allocate" would fail the allocation, which SGLang treats as fatal. So
-the checks draw the pages they promise, the allocations consume them, and what an allocation
-did not need goes straight back. Between steps this runtime holds only the pages its requests
+the checks draw the pages they promise (`SlabPrefillBudget` on every admission path,
+`check_decode_capacity` for decode), the allocations consume them, and what an allocation did
+not need goes straight back. Pages this runtime's own prefix cache can free are not drawn at
+admission (nobody else can take them); an allocation that then finds the arena's free pages
+gone evicts its own cache before it gives up (`_evict_for`). Between steps this runtime holds only the pages its requests
 use: everything else is visible to its neighbours. A check that cannot be met says no at once
 (never waits: waiting is policy, `starvation.py`, and would block SGLang's scheduler loop).
 Cost: one call into the block source per check and per allocation (microseconds), plus a
@@ -111,19 +114,68 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 class SlabPrefillBudget(PrefillBudget):
-    """SGLang's prefill budget, reserving the pages of each admitted prefill as it admits it."""
+    """SGLang's prefill budget, drawing from the arena the pages of each prefill it admits.
+
+    SGLang counts free memory (`available_size`, the arena's free slabs included) when it admits
+    a prefill and allocates later in the step. A neighbour that carved a slab in between (a
+    waking model's weights, another runtime's prefill) made that allocation fail, which SGLang
+    treats as fatal ("Prefill out of memory"; two rehearsals of the suite lost a runtime so). So
+    every admission says yes only with the pages of the step's prefills held (`_hold`), on each
+    of SGLang's three admission paths: `check_prefill` (every request), `can_allocate_prefill`
+    (ignore-eos requests and request-slot reserves) and `available_chunk_tokens` (the next chunk
+    of a chunked prefill, which SGLang's single pool lets go ahead unchecked).
+    """
 
     allocator: SlabAllocator
 
+    def _evictable(self) -> int:
+        cache = self.tree_cache
+        return int(cache.full_evictable_size() if cache.supports_mamba()
+                   else cache.evictable_size())
+
+    def _hold(self, tokens: int) -> bool:
+        """Reserve the arena pages for `tokens` tokens of this step's prefills, less what this
+        runtime's own prefix cache can free (no neighbour can take those pages, and
+        `evict_to_free_tokens` keeps what it evicts); False at once when the arena is short."""
+        return self.allocator.reserve_tokens(max(0, tokens - self._evictable()))
+
+    def _step_tokens(self, extend_tokens: int) -> int:
+        # Everything admitted so far in this step plus this prefill (and the page it may open).
+        return self.current_offset + self.ceil_paged_tokens(extend_tokens) + self.page_size
+
+    def check_prefill(self, *, extend_input_len: int, total_tokens: int, max_new_tokens: int,
+                      input_tokens: int, swa_host_hit_length: int, chunk_limit: int | None,
+                      auxiliary_swa_host_hit_length: int = 0) -> tuple[bool, int | None]:
+        fits, limit = super().check_prefill(
+            extend_input_len=extend_input_len, total_tokens=total_tokens,
+            max_new_tokens=max_new_tokens, input_tokens=input_tokens,
+            swa_host_hit_length=swa_host_hit_length, chunk_limit=chunk_limit,
+            auxiliary_swa_host_hit_length=auxiliary_swa_host_hit_length)
+        first = extend_input_len if limit is None else min(extend_input_len, limit)
+        if fits and not self._hold(self._step_tokens(first)):
+            return False, None
+        return fits, limit
+
     def can_allocate_prefill(self, *, paged_input: int, extend_input_len: int,
                              max_new_tokens: int, chunk_limit: int | None) -> bool:
-        # Pages for everything admitted so far in this step plus this request (and the page
-        # each request may open), drawn now so the batch's alloc_extend cannot come up short.
-        tokens = self.current_offset + paged_input + self.page_size
-        self.allocator.reserve_tokens(tokens)
-        return super().can_allocate_prefill(
-            paged_input=paged_input, extend_input_len=extend_input_len,
-            max_new_tokens=max_new_tokens, chunk_limit=chunk_limit)
+        return self._hold(self.current_offset + paged_input + self.page_size) and \
+            super().can_allocate_prefill(
+                paged_input=paged_input, extend_input_len=extend_input_len,
+                max_new_tokens=max_new_tokens, chunk_limit=chunk_limit)
+
+    def available_chunk_tokens(self, chunk_limit: int) -> int | None:
+        """The next chunk of a chunked prefill: SGLang's size (up to `chunk_limit`, the whole
+        limit when its count is spent: its single pool's memory was promised at admission), else
+        what the arena and the prefix cache hold now, else None: the chunk waits a step (SGLang
+        parks it, as for hybrid SWA). A neighbour may hold the memory a single pool would have
+        kept for it."""
+        wanted = super().available_chunk_tokens(chunk_limit) or chunk_limit
+        now = self.allocator.available_size() + self._evictable() - self.current_offset
+        fallback = (now - self.page_size) // self.page_size * self.page_size
+        for tokens in (wanted, min(wanted, fallback)):
+            if tokens > 0 and self._hold(self._step_tokens(tokens)):
+                return tokens
+        return None
 
 
 class SlabAllocator(PagedTokenToKVPoolAllocator):
@@ -150,6 +202,7 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         self._reserved: list[int] = []
         self._parked: list[int] = []
         self._full_at_tokens: int | None = None  # see admission_reopens
+        self._tree_cache: Any = None  # SGLang's prefix cache, for _evict_for
         super().__init__(size, page_size, dtype, device, kvcache, need_sort=False)
         uses_triton: bool = self.use_triton_kernels  # type: ignore[has-type]
         self.use_triton_kernels = uses_triton and triton_pages_ok(page_size)
@@ -255,13 +308,30 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         """`num_pages` pages for SGLang, from the reserve first; None if the arena is short."""
         if num_pages <= 0:
             return self._empty
-        if not self._top_up(num_pages):
+        if not self._top_up(num_pages) and not self._evict_for(num_pages):
             return None
         ids, self._reserved = self._reserved[:num_pages], self._reserved[num_pages:]
         pages = torch.tensor(ids, dtype=torch.int64, device=self.device)
         if self._page_bytes is not None:
             self._page_bytes.index_fill_(0, pages.to(self._page_bytes.device), 0)
         return pages
+
+    def _evict_for(self, num_pages: int) -> bool:
+        """An allocation's last resort when the arena came up short: evict this runtime's own
+        prefix cache into the reserve and draw once more. The admission held only what the
+        prefix cache could not free (`SlabPrefillBudget._hold`), and SGLang's eviction right
+        before the allocation evicts nothing while the arena's free slabs cover it; a neighbour
+        that takes those slabs in between would otherwise fail the allocation, fatally."""
+        if self._tree_cache is None or not self._tree_cache.supports_prefix_sharing():
+            return False
+        logger.info("the arena's free pages went to a neighbour before this allocation of %d "
+                    "page(s); evicting this runtime's own prefix cache", num_pages)
+        self._keep_freed = True
+        try:
+            super().evict_to_free_tokens(self._tree_cache, num_pages * self.page_size)
+        finally:
+            self._keep_freed = False
+        return self._top_up(num_pages)
 
     def release_reserve(self) -> None:
         """Give the reserved pages back to the block source (after each allocation)."""
@@ -309,6 +379,7 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         asks for a page per request whether or not it opens one, and reserving that page every
         step would draw it from the shared table and give it back each time.
         """
+        self._tree_cache = tree_cache
         if self.available_size() >= num_tokens:
             return super().evict_to_free_tokens(tree_cache, num_tokens)
         self.reserve_tokens(num_tokens)  # what the arena has, before a neighbour takes it
@@ -324,6 +395,7 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
 
     def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0
                               ) -> SlabPrefillBudget:
+        self._tree_cache = tree_cache
         return SlabPrefillBudget(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
 
     def check_decode_capacity(self, *, num_tokens: int, tree_cache: Any, requests: Any = None,

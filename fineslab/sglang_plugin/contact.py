@@ -240,7 +240,21 @@ _ALLOCATOR_CONTACTS = (
     Contact(f"{_BUDGET}.can_allocate_prefill", _METHOD,
             "overridden: reserves the admitted prefill's pages",
             ("paged_input", "extend_input_len", "max_new_tokens", "chunk_limit")),
-    *_members(_BUDGET, _ATTRIBUTE, ("allocator", "current_offset", "page_size"),
+    Contact(f"{_BUDGET}.check_prefill", _METHOD,
+            "overridden: every admission holds its prefill's pages",
+            ("extend_input_len", "total_tokens", "max_new_tokens", "input_tokens",
+             "swa_host_hit_length", "chunk_limit", "auxiliary_swa_host_hit_length")),
+    Contact(f"{_BUDGET}.available_chunk_tokens", _METHOD,
+            "overridden: a chunk goes ahead with its pages held, or waits a step",
+            ("chunk_limit",)),
+    Contact(f"{_BUDGET}.remaining_total", _ATTRIBUTE,
+            "what SGLang's own chunk size starts from"),
+    Contact(f"{_BUDGET}.ceil_paged_tokens", _METHOD, "pages of a prefill", ("tokens",)),
+    *_members("sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache", _METHOD,
+              ("full_evictable_size", "supports_mamba", "supports_prefix_sharing"),
+              "what a held admission leaves to the prefix cache (SlabPrefillBudget._hold), "
+              "and an allocation's last resort (SlabAllocator._evict_for)"),
+    *_members(_BUDGET, _ATTRIBUTE, ("allocator", "current_offset", "page_size", "tree_cache"),
               "the tokens admitted so far in this step", in_source_of=("__init__",)),
 )
 

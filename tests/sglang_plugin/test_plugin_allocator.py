@@ -18,6 +18,8 @@ import pytest
 import torch
 from plugin_test_support import ScratchArena, slab_allocator
 
+from sglang.srt.mem_cache.prefill_budget import PrefillBudget
+
 from fineslab.sglang_plugin.allocator import SlabAllocator, needs_zeroed_pages, triton_pages_ok
 from fineslab.slabs import KVDtype, KVShape, RuntimeSlabs
 from fineslab.slabs.sizing import fit_format
@@ -264,6 +266,13 @@ class _EvictingCache:
         if pages.numel():
             self.allocator.free(pages)
 
+    # What SGLang's prefill budget asks of it.
+    def supports_mamba(self) -> bool:
+        return False
+
+    def evictable_size(self) -> int:
+        return int(self.cached.numel())
+
 
 def test_pages_an_eviction_frees_for_an_allocation_are_not_lost_to_a_neighbour(
         setup: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -375,3 +384,103 @@ def test_an_idle_key_pool_runtime_gives_back_its_block_cache(setup: tuple) -> No
     finally:
         mate.close()
         pooled.close()
+
+
+# SGLang admits a prefill on the memory it counts (the arena's free slabs included) and allocates
+# it later in the step. Two rehearsals of the suite lost a runtime to a neighbour that carved a
+# slab in between ("Prefill out of memory": a waking model's weights, a test's hog). Every
+# admission path now holds its pages; each test below has SGLang's own budget as the control.
+
+def _admit(budget: PrefillBudget, tokens: int) -> bool:
+    """One admission check as SGLang's `add_one_req` makes it (no max_new_tokens: all of
+    `tokens` are this step's prefill)."""
+    fits, _ = budget.check_prefill(extend_input_len=tokens, total_tokens=tokens,
+                                   max_new_tokens=0, input_tokens=tokens,
+                                   swa_host_hit_length=0, chunk_limit=None)
+    if fits:
+        budget.reserve(tokens, 0)  # what SGLang's _update_prefill_budget does on admission
+    return fits
+
+
+def _extend(allocator: SlabAllocator, cache: _EvictingCache, *lengths: int
+            ) -> torch.Tensor | None:
+    """SGLang's `alloc_for_extend` for a batch of new requests: evict, allocate."""
+    n, total = len(lengths), sum(lengths)
+    seq = torch.tensor(lengths)
+    allocator.evict_to_free_tokens(cache, total + n * PAGE)
+    return allocator.alloc_extend(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64),
+                                  seq, seq, torch.full((n,), -1), total)
+
+
+@pytest.mark.parametrize("budget_class", ["slab", "sglang"])
+def test_an_admitted_prefill_is_allocated_though_a_neighbour_takes_the_free_slabs(
+        setup: tuple, budget_class: str) -> None:
+    allocator, source, neighbour, _ = setup
+    cache = _EvictingCache(allocator, torch.zeros(0, dtype=torch.int64))
+    budget = (allocator.create_prefill_budget(cache) if budget_class == "slab"
+              else PrefillBudget(allocator, cache))
+    for _ in range(2):  # two requests of one slab each in the step
+        assert _admit(budget, BPS * PAGE - PAGE), "the arena has room for both"
+    grabbed = neighbour.alloc(neighbour.available_blocks())  # the neighbour takes the rest
+    out = _extend(allocator, cache, BPS * PAGE - PAGE, BPS * PAGE - PAGE)
+    if budget_class == "sglang":
+        assert out is None, "control: SGLang's own budget held nothing"
+    else:
+        assert out is not None, "an admitted prefill must be allocated"
+        allocator.free(out)
+    neighbour.free(grabbed)
+    allocator.release_reserve()
+    _check(allocator, source)
+
+
+@pytest.mark.parametrize("budget_class", ["slab", "sglang"])
+def test_a_chunk_goes_ahead_only_with_memory_held_and_waits_without(
+        setup: tuple, budget_class: str) -> None:
+    allocator, source, neighbour, _ = setup
+    cache = _EvictingCache(allocator, torch.zeros(0, dtype=torch.int64))
+    chunk = 2 * BPS * PAGE
+    grabbed = neighbour.alloc(neighbour.available_blocks())
+    budget = (allocator.create_prefill_budget(cache) if budget_class == "slab"
+              else PrefillBudget(allocator, cache))
+    tokens = budget.available_chunk_tokens(chunk)
+    if budget_class == "sglang":
+        # SGLang's single pool lets a chunk go ahead with nothing left: here that allocation
+        # would fail and kill the runtime.
+        assert tokens == chunk and _extend(allocator, cache, tokens) is None
+    else:
+        assert tokens is None, "with the arena full the chunk waits a step"
+        neighbour.free(grabbed[BPS:2 * BPS])  # one slab comes free
+        tokens = allocator.create_prefill_budget(cache).available_chunk_tokens(chunk)
+        assert tokens is not None and 0 < tokens < chunk, f"a smaller chunk, held: {tokens}"
+        grabbed = grabbed[:BPS] + grabbed[2 * BPS:] + neighbour.alloc(
+            neighbour.available_blocks())  # the neighbour takes whatever it can
+        out = _extend(allocator, cache, tokens)
+        assert out is not None, "the held chunk is allocated"
+        allocator.free(out)
+    neighbour.free(grabbed)
+    allocator.release_reserve()
+    _check(allocator, source)
+
+
+def test_an_allocation_evicts_its_own_cache_when_a_neighbour_took_the_free_slabs(
+        setup: tuple) -> None:
+    # The admission holds only what the prefix cache cannot free; SGLang's eviction right
+    # before the allocation evicts nothing while free slabs cover it. A neighbour taking those
+    # slabs in between leaves the allocation its own cache to evict.
+    allocator, source, neighbour, _ = setup
+    cached = allocator.alloc(BPS * PAGE)  # one slab of this runtime's cached prefixes
+    assert cached is not None
+    cache = _EvictingCache(allocator, cached)
+    assert _admit(allocator.create_prefill_budget(cache), BPS * PAGE - PAGE)
+    assert allocator.available_size() > BPS * PAGE, "the free slabs cover the allocation"
+    allocator.evict_to_free_tokens(cache, BPS * PAGE)
+    assert cache.cached.numel() == BPS * PAGE, "it fits: SGLang's check evicts nothing"
+    grabbed = neighbour.alloc(neighbour.available_blocks())
+    length = torch.tensor([BPS * PAGE - PAGE])
+    out = allocator.alloc_extend(torch.tensor([0]), torch.tensor([0]), length, length,
+                                 torch.tensor([-1]), BPS * PAGE - PAGE)
+    assert out is not None, "the allocation falls back on its own prefix cache"
+    assert cache.cached.numel() == 0, "the cache was evicted for it"
+    allocator.free(out)
+    neighbour.free(grabbed)
+    _check(allocator, source)
