@@ -139,6 +139,10 @@ _HOOKS = (
             "skips a decode step (SGLang's own 'None skips decode this step') while a lone "
             "request is starved by the neighbours, instead of letting SGLang abort it",
             ("batch",), hook="update_running_batch"),
+    Contact(f"{_SCHEDULER}._record_scheduler_state_for_paused_engine", _METHOD,
+            "each turn of a paused (asleep) scheduler's loop: ends it waiting on the "
+            "scheduler's sockets instead of spinning a core", hook="paused_engine_turn",
+            in_source_of=("event_loop_normal",)),
 )
 
 _REGISTRY_CONTACTS = (
@@ -250,6 +254,11 @@ _ALLOCATOR_CONTACTS = (
     Contact(f"{_BUDGET}.remaining_total", _ATTRIBUTE,
             "what SGLang's own chunk size starts from"),
     Contact(f"{_BUDGET}.ceil_paged_tokens", _METHOD, "pages of a prefill", ("tokens",)),
+    Contact(f"{_SCHEDULER}.idle_sleeper", _ATTRIBUTE,
+            "SGLang's socket poller (None without --sleep-on-idle), for a paused scheduler",
+            in_source_of=("init_idle_sleeper",)),
+    Contact(f"{_SCHEDULER}.maybe_sleep_on_idle", _METHOD,
+            "waits up to 1 s on the scheduler's sockets, woken at once by a request"),
     *_members("sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache", _METHOD,
               ("full_evictable_size", "supports_mamba", "supports_prefix_sharing"),
               "what a held admission leaves to the prefix cache (SlabPrefillBudget._hold), "

@@ -17,6 +17,8 @@ order:
                                  (`engine_policy.py`)
     update_running_batch (every decode step) -> skip the step while the neighbours starve a lone
                                  request (`starvation.py`), instead of SGLang aborting it
+    _record_scheduler_state_for_paused_engine (each turn while paused, asleep) -> wait on the
+                                 scheduler's sockets instead of spinning
 
 Processes that never build a pool never call the others: the detokenizer never opens the arena,
 and the launching process (the tokenizer's) reads only its slab table's header.
@@ -286,6 +288,19 @@ class PluginSession:
             if self.starvation.hold(DecodeShortfall(num_running, fits, within_cap)):
                 return None
         return original(scheduler, *args, **kwargs)
+
+    def paused_engine_turn(self, original: Callable[..., Any], scheduler: Any, *args: Any,
+                           **kwargs: Any) -> Any:
+        """One turn of a paused scheduler's loop (`/pause_generation`: an asleep model). SGLang
+        reads its sockets, records its state and turns again at once, so every asleep runtime
+        spun a core (five asleep runtimes of the elastic notebook took 30% of a core each and
+        slowed a rehearsal of the suite 3-4x). With SGLang's idle sleeper on (`--sleep-on-idle`,
+        set in CPU mode) the turn ends waiting on those same sockets: a request or a control
+        call (wake, continue) ends the wait at once, else it ends after 1 s."""
+        result = original(scheduler, *args, **kwargs)
+        if scheduler.idle_sleeper is not None:
+            scheduler.maybe_sleep_on_idle()
+        return result
 
     def check_full_pool(self, original: Callable[..., Any], checker: Any, ps: Any,
                         *args: Any, **kwargs: Any) -> Any:

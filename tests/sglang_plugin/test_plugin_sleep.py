@@ -10,10 +10,14 @@ before the sleep.
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from plugin_test_support import ScratchArena, arena_for, generate_http, kv_shape, prompts
 
@@ -82,3 +86,54 @@ def test_sleep_gives_weights_and_kv_back_and_wake_restores_identical_output(
     finally:
         neighbour.free(taken)
         neighbour.close()
+
+
+def _cpu_seconds(pid: int, window_s: float) -> float:
+    """CPU seconds that `pid` and its descendants used over `window_s` of wall time."""
+    def total() -> float:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+        seconds = 0.0
+        for proc in procs:
+            try:
+                times = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            seconds += times.user + times.system
+        return seconds
+    start = total()
+    time.sleep(window_s)
+    return total() - start
+
+
+def test_the_cpu_measure_sees_a_spinning_process() -> None:
+    """Control for the test below: a process that spins is seen spinning."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert _cpu_seconds(spinner.pid, 2.0) > 0.5, "a spinning process uses a core"
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def test_an_asleep_runtime_waits_on_its_sockets_instead_of_spinning(
+        runtime: tuple[ServerProcess, ScratchArena]) -> None:
+    # Found in a rehearsal of the suite: a paused SGLang scheduler turns its loop without
+    # waiting, and five asleep runtimes took 30% of a core each, which slowed every test
+    # after them 3-4x.
+    server, arena = runtime
+    _post(server, "/pause_generation", {"mode": "retract"})
+    _post(server, "/release_memory_occupation", TAGS)
+    try:
+        time.sleep(1.0)  # the sleep's own work is done
+        used = _cpu_seconds(server.proc.pid, 4.0)
+        assert used < 0.8, f"an asleep runtime used {used:.2f} CPU seconds in 4 s"
+    finally:
+        start = time.monotonic()
+        _post(server, "/resume_memory_occupation", TAGS)
+        _post(server, "/continue_generation", {})
+        woke = time.monotonic() - start
+    assert woke < 5.0, f"a waiting scheduler answers the wake at once ({woke:.2f} s)"
+    assert generate_http(server.spec.base_url, PROMPTS[0], NEW_TOKENS), "it serves again"
+    check_integrity(arena.arena.table)
