@@ -28,11 +28,11 @@ the checks draw the pages they promise (`SlabPrefillBudget` on every admission p
 `check_decode_capacity` for decode), the allocations consume them, and what an allocation did
 not need goes straight back. Pages this runtime's own prefix cache can free are not drawn at
 admission (nobody else can take them); an allocation that then finds the arena's free pages
-gone evicts its own cache before it gives up (`_evict_for`). Between steps this runtime holds only the pages its requests
-use: everything else is visible to its neighbours. A check that cannot be met says no at once
-(never waits: waiting is policy, `starvation.py`, and would block SGLang's scheduler loop).
-Cost: one call into the block source per check and per allocation (microseconds), plus a
-tensor of the drawn ids.
+gone evicts its own cache before it gives up (`_evict_for`). Between steps this runtime holds
+only the pages its requests use: everything else is visible to its neighbours. A check that
+cannot be met says no at once (never waits: waiting is policy, `starvation.py`, and would block
+SGLang's scheduler loop). Cost: one call into the block source per check and per allocation
+(microseconds), plus a tensor of the drawn ids.
 
 Why the whole padding slab is reserved (parked), not just page 0: SGLang writes every padded
 token to slot 0 of the writer's own view (CUDA-graph and CPU-graph batch padding, and graph

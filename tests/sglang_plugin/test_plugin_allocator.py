@@ -17,7 +17,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 from plugin_test_support import ScratchArena, slab_allocator
-
 from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 
 from fineslab.sglang_plugin.allocator import SlabAllocator, needs_zeroed_pages, triton_pages_ok
@@ -408,8 +407,8 @@ def _extend(allocator: SlabAllocator, cache: _EvictingCache, *lengths: int
     n, total = len(lengths), sum(lengths)
     seq = torch.tensor(lengths)
     allocator.evict_to_free_tokens(cache, total + n * PAGE)
-    return allocator.alloc_extend(torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64),
-                                  seq, seq, torch.full((n,), -1), total)
+    none = torch.zeros(n, dtype=torch.int64)
+    return allocator.alloc_extend(none, none, seq, seq, torch.full((n,), -1), total)
 
 
 @pytest.mark.parametrize("budget_class", ["slab", "sglang"])
