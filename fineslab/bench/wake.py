@@ -21,6 +21,9 @@ arena this benchmark creates. In one run, on this machine:
                    restore_gib_s = weights_gib / restore_s (the mechanism; wake_s adds SGLang's
                    control path: four HTTP calls through its tokenizer and scheduler loops)
     identical      greedy output after every wake equals the output before the first sleep
+    shm_huge       the huge-page setting of /dev/shm's mount ("never" by default; with
+                   "advise" the arena gets 2 MiB pages and a wake skips most page-table work:
+                   docs/elastic.md)
     cold_over_wake cold_start_s / wake_s
 
 Targets: cold_over_wake >= 20, wake_gib_s >= 0.5 * memcpy_gib_s, identical true.
@@ -51,6 +54,7 @@ from fineslab.models.generate import ensure_model
 from fineslab.runtime import ServerProcess, ServerSpec, free_port
 from fineslab.sglang_plugin.config import ArenaJoin
 from fineslab.slabs import ArenaSpec, SlabArena
+from fineslab.slabs.shm import shm_huge_pages
 from fineslab.slabs.streamctl import host_copy_path
 
 #: The `bench` model: hidden 1024, 12 layers, MLP 2816, vocab 8192: about 150 M parameters.
@@ -108,7 +112,7 @@ def run(size: str, cycles: int, corrupt: bool, logs: Path, cold: bool = True
     num_slabs = 2 * -(-weights_bytes // SLAB_BYTES) + KV_SLABS  # room for two copies
     spec = ArenaSpec(f"wake{uuid.uuid4().hex[:8]}", "cpu:0", num_slabs * SLAB_BYTES,
                      SLAB_BYTES, 4096)
-    result: dict[str, object] = {"model": model.name}
+    result: dict[str, object] = {"model": model.name, "shm_huge": shm_huge_pages()}
     memcpy_before = memcpy_gib_s(weights_bytes)
     with SlabArena.create(spec) as arena:
         join = ArenaJoin(spec.fleet_id, "m", weights_in_arena=True)
@@ -147,8 +151,8 @@ def run(size: str, cycles: int, corrupt: bool, logs: Path, cold: bool = True
     result.update(
         weights_gib=gib, sleep_first_s=sleeps[0],
         sleep_s=statistics.median(sleeps[1:] or sleeps), wake_s=wake_s,
-        wake_gib_s=gib / wake_s, memcpy_gib_s=max(memcpy_before, memcpy_gib_s(region_bytes)), identical=all(same),
-        identical_per_cycle=same, cycles=cycles,
+        wake_gib_s=gib / wake_s, memcpy_gib_s=max(memcpy_before, memcpy_gib_s(region_bytes)),
+        identical=all(same), identical_per_cycle=same, cycles=cycles,
         resume_call_s=statistics.median(resumes), continue_call_s=statistics.median(continues))
     if len(restores) == cycles:
         result["restore_s"] = statistics.median(restores)

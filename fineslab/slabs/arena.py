@@ -23,7 +23,9 @@ Invariant: arena_bytes == num_slabs * slab_bytes; slab s spans [s * slab_bytes, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 import os
 import re
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ from fineslab.slabs.shm import (
     default_shm_dir,
     map_fd,
     open_file,
+    shm_huge_pages,
 )
 from fineslab.slabs.table import SlabTable, TableDims, creator_of_header, read_header
 
@@ -106,6 +109,10 @@ class CpuBacking:
         self.path = path
         self._fd = create_file(path, arena_bytes) if create else open_file(path, True)
         self._mm = map_fd(self._fd, arena_bytes, writable=True)
+        # Huge pages where /dev/shm gives them: whichever process touches a page first decides
+        # its size, so every process's mapping asks (slabs/weights.py, HUGE_PAGE_BYTES).
+        with contextlib.suppress(AttributeError, OSError):
+            self._mm.madvise(mmap.MADV_HUGEPAGE)
         self._tensor: object | None = None
 
     def tensor(self) -> object:
@@ -151,7 +158,8 @@ class SlabArena:
             paths.data.unlink(missing_ok=True)
             raise
         logger.info("arena %s: %d slabs of %d B (%s)", paths.table.stem, spec.num_slabs,
-                    spec.slab_bytes, "cuda" if spec.is_cuda else "cpu shm")
+                    spec.slab_bytes, "cuda" if spec.is_cuda
+                    else f"cpu shm, huge pages: {shm_huge_pages(paths.data.parent)}")
         return cls(spec, paths, table, backing, is_creator=True)
 
     @classmethod

@@ -126,6 +126,34 @@ def create_file(path: Path, size_bytes: int) -> int:
     return fd
 
 
+def shm_huge_pages(folder: Path | None = None) -> str:
+    """The huge-page setting of the tmpfs holding `folder` (default: the arena's folder), from
+    /proc/mounts: "never" (tmpfs's default), "advise", "within_size" or "always"; "n/a" where
+    the folder is not on tmpfs or the mounts are unreadable. With anything but "never" the
+    arena's mappings get huge pages (slabs/weights.py, HUGE_PAGE_BYTES)."""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return "n/a"
+    return huge_setting_of(os.path.realpath(folder or default_shm_dir()), mounts)
+
+
+def huge_setting_of(target: str, mounts: list[str]) -> str:
+    """`shm_huge_pages` over /proc/mounts lines: the innermost mount holding `target`."""
+    best, setting = "", "n/a"
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        point = fields[1]
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best = point
+            options = dict(o.partition("=")[::2] for o in fields[3].split(","))
+            setting = options.get("huge", "never") if fields[2] == "tmpfs" else "n/a"
+    return setting
+
+
 def open_file(path: Path, writable: bool) -> int:
     return os.open(path, os.O_RDWR if writable else os.O_RDONLY)
 

@@ -24,9 +24,10 @@ same rule as its KV slabs (its process is gone).
     unback:  those slabs FREE again; the range faults on access
     the range's base address is the same for the region's whole life
 
-Cost: one mmap per slab on back (microseconds each), one on unback; the copy of the weights
-into a freshly backed range runs at memcpy speed because arena pages stay resident (tmpfs
-keeps them; see ../shared/SGLANG-ON-CPU.md).
+Cost: one mmap and two madvise calls per slab on back, one mmap on unback; the arena's pages
+stay resident (tmpfs keeps them; ../shared/SGLANG-ON-CPU.md), so a wake copies at memcpy speed
+into a range whose page tables are filled (`_map_slab`): in 4 KiB pages that filling costs as
+much as the copy, in huge pages (`HUGE_PAGE_BYTES`) next to nothing.
 """
 
 from __future__ import annotations
@@ -62,11 +63,27 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                        ctypes.c_int, ctypes.c_long)
 _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+#: Huge pages: where the OS gives them to shared memory (/dev/shm mounted with huge=advise,
+#: within_size or always; its default is never), a slab maps with one page-table entry per
+#: 2 MiB instead of 512 of 4 KiB. Filling those 512 entries per 2 MiB cost as much as copying
+#: the bytes (docs/elastic.md), so every mapping of the arena asks for huge pages
+#: (MADV_HUGEPAGE: the first touch of a page decides its size) and a region's range is aligned
+#: to them. Where the mount says never, the advice changes nothing.
+HUGE_PAGE_BYTES = 2 << 20
+_MADV_HUGEPAGE, _MADV_POPULATE_READ = 14, 22
 
 #: Suffix of the slab-table owner that holds a runtime's weights.
 WEIGHTS_SUFFIX = ":w"
 #: `WeightRegion.slab_ids` entry of a position whose slab is lent to the arena.
 LENT = -1
+
+
+def advise_huge_pages(addr: int, length: int) -> None:
+    """Ask for huge pages over [addr, addr + length) (best effort: an old kernel or a mount
+    that refuses them leaves the mapping as it was)."""
+    _libc.madvise(addr, length, _MADV_HUGEPAGE)
 
 
 def _mmap(addr: int | None, length: int, prot: int, flags: int, fd: int, offset: int) -> int:
@@ -85,8 +102,11 @@ class WeightRegion:
     def __init__(self, table: SlabTable, arena_path: Path, runtime_id: str, nbytes: int) -> None:
         self._setup(table, runtime_id, nbytes, mmap.PAGESIZE, "the page size")
         self._fd = os.open(arena_path, os.O_RDWR)
-        self.base = _mmap(None, self.span_bytes, _PROT_NONE,
-                          mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        # Aligned to huge pages where slabs are whole ones (the slack stays reserved with it).
+        align = HUGE_PAGE_BYTES if self.slab_bytes % HUGE_PAGE_BYTES == 0 else mmap.PAGESIZE
+        reserved = _mmap(None, self.span_bytes + align - mmap.PAGESIZE, _PROT_NONE,
+                         mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        self.base = -(-reserved // align) * align
 
     def _setup(self, table: SlabTable, runtime_id: str, nbytes: int, grain_bytes: int,
                grain: str) -> None:
@@ -205,8 +225,15 @@ class WeightRegion:
     # The backing's part (CPU here; CUDA in cuda_region.py): map one slab, cover positions.
 
     def _map_slab(self, position: int, slab: int) -> None:
-        _mmap(self.base + position * self.slab_bytes, self.slab_bytes, _PROT_RW,
-              mmap.MAP_SHARED | _MAP_FIXED | MAP_POPULATE, self._fd, slab * self.slab_bytes)
+        """Map `slab` at `position`, its page tables filled in bulk (no fault per page later):
+        mapped, advised huge pages, then populated; a kernel without MADV_POPULATE_READ (before
+        5.14) maps it again with MAP_POPULATE, in 4 KiB pages."""
+        addr, offset = self.base + position * self.slab_bytes, slab * self.slab_bytes
+        _mmap(addr, self.slab_bytes, _PROT_RW, mmap.MAP_SHARED | _MAP_FIXED, self._fd, offset)
+        advise_huge_pages(addr, self.slab_bytes)
+        if _libc.madvise(addr, self.slab_bytes, _MADV_POPULATE_READ) != 0:
+            _mmap(addr, self.slab_bytes, _PROT_RW, mmap.MAP_SHARED | _MAP_FIXED | MAP_POPULATE,
+                  self._fd, offset)
 
     def _close_backing(self) -> None:
         os.close(self._fd)

@@ -7,6 +7,8 @@ table shows the weights as an owner of their own.
 
 from __future__ import annotations
 
+import re
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,8 +20,9 @@ from slab_constants import FMT_A
 from fineslab.errors import ArenaExhausted, ConfigError
 from fineslab.slabs.arena import ArenaSpec, SlabArena
 from fineslab.slabs.integrity import check_integrity, snapshot
+from fineslab.slabs.shm import huge_setting_of, shm_huge_pages
 from fineslab.slabs.table import SlabState
-from fineslab.slabs.weights import WeightRegion, free_weight_slabs
+from fineslab.slabs.weights import HUGE_PAGE_BYTES, WeightRegion, free_weight_slabs
 
 SLAB = 16 * 1024
 SLABS = 8
@@ -129,3 +132,61 @@ def test_bad_sizes_are_refused(arena: SlabArena, tmp_path: Path) -> None:
     with SlabArena.create(odd, shm_dir=tmp_path) as other, \
             pytest.raises(ConfigError, match="page size"):
         WeightRegion(other.table, other.paths.data, "m-r0", 100)
+
+
+# Huge pages (2 MiB): filling 512 page-table entries per slab at each wake cost as much as
+# copying the weights on this machine (docs/elastic.md); where /dev/shm gives huge pages the
+# region maps each 2 MiB with one.
+
+def test_a_region_of_whole_huge_pages_starts_on_one(tmp_path: Path) -> None:
+    spec = ArenaSpec("h", "cpu0", 5 * HUGE_PAGE_BYTES, HUGE_PAGE_BYTES, 1, max_runtimes=8)
+    with SlabArena.create(spec, shm_dir=tmp_path) as arena:
+        regions = [WeightRegion(arena.table, arena.paths.data, f"m{i}", HUGE_PAGE_BYTES + i)
+                   for i in range(3)]
+        try:
+            assert all(r.base % HUGE_PAGE_BYTES == 0 for r in regions), [
+                hex(r.base) for r in regions]
+        finally:
+            for region in regions:
+                region.close()
+
+
+@pytest.mark.parametrize(("target", "mounts", "setting"), [
+    ("/dev/shm", ["tmpfs /dev/shm tmpfs rw,relatime,size=24683656k 0 0"], "never"),
+    ("/dev/shm", ["tmpfs /dev/shm tmpfs rw,size=1k,huge=advise 0 0"], "advise"),
+    ("/dev/shm/x", ["/dev/root / ext4 rw 0 0", "tmpfs /dev/shm tmpfs rw,huge=within_size 0 0"],
+     "within_size"),
+    ("/data/x", ["tmpfs / tmpfs rw,huge=always 0 0", "/dev/sda /data xfs rw 0 0"], "n/a"),
+    ("/dev/shmx", ["tmpfs /dev/shm tmpfs rw,huge=advise 0 0"], "n/a"),
+])
+def test_the_huge_page_setting_is_the_innermost_mounts(target: str, mounts: list[str],
+                                                      setting: str) -> None:
+    assert huge_setting_of(target, mounts) == setting
+
+
+def _pmd_mapped_kib(start: int, end: int) -> int:
+    """kB of [start, end) mapped with huge-page entries, from /proc/self/smaps."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if head:
+            inside = start <= int(head.group(1), 16) < end
+        elif inside and line.startswith(("ShmemPmdMapped:", "FilePmdMapped:")):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(shm_huge_pages() in ("never", "n/a"),
+                    reason="/dev/shm gives no huge pages (mount -o remount,huge=advise /dev/shm)")
+def test_where_shm_gives_huge_pages_a_backed_region_maps_them() -> None:
+    spec = ArenaSpec(f"h{uuid.uuid4().hex[:8]}", "cpu0", 6 * HUGE_PAGE_BYTES, HUGE_PAGE_BYTES, 1,
+                     max_runtimes=8)
+    with SlabArena.create(spec) as arena:
+        region = WeightRegion(arena.table, arena.paths.data, "m", 2 * HUGE_PAGE_BYTES)
+        try:
+            region.back()
+            region.tensor().fill_(7)
+            mapped = _pmd_mapped_kib(region.base, region.base + region.span_bytes)
+            assert mapped == 2 * HUGE_PAGE_BYTES // 1024, f"{mapped} kB in huge pages"
+        finally:
+            region.close()
