@@ -22,10 +22,11 @@ A runtime with `FINESLAB_LAYER_STREAMING=1` has each decoder layer on whole slab
 S changes only between forward passes: a pre-hook and a hook on the model bracket each pass
 with `lock`, and the watcher thread applies a new request (streamctl) under it. The same hooks
 time each decode pass, less the copies in it (`decode_compute_s`): the compute an active
-model's copies would have to hide under (launch/lending.py). On CPU the copy
-is synchronous (correctness; its cost is the `streamed_bytes` the state reports, timed by
-bench.streaming); on a GPU it would run on a copy stream with an event before the layer's
-kernels, the overlap bench.hostlink measures (not built here).
+model's copies would have to hide under (launch/lending.py). Which copies a pass makes is
+slabs/layer_copy.py's plan: here its `SyncCopies`, a synchronous copy (correctness; its cost is
+the `streamed_bytes` the state reports, timed by bench.streaming). On a GPU its `StreamCopies`
+runs the same plan on a copy stream with events (built and measured with torch on an H200,
+docs/streaming.md; the plugin does not drive it yet).
 
     arena gain == (lent layers' slabs - slot slabs) * slab_bytes    (StreamState.net_lent_bytes)
     S empty    <=> no lent slab, no slot: the runtime holds exactly its weights' slabs
@@ -51,6 +52,7 @@ import torch
 
 from fineslab.errors import ArenaExhausted, ConfigError
 from fineslab.sglang_plugin.weights import LayerSpan, decoder_layers, layers_owner
+from fineslab.slabs.layer_copy import SyncCopies
 from fineslab.slabs.streamctl import (
     POLL_S,
     StreamRequest,
@@ -99,7 +101,9 @@ class LayerStreamer:
                                  layer_bytes=self._slot_width * region.slab_bytes)
         self._state_file = state_file
         self._slots: list[list[int]] = []  # arena slab ids of each slot
-        self._slot_holds: list[int | None] = []  # the layer each slot is mapped under
+        # Which layer each slot holds, and the copies (slabs/layer_copy.py): while S and the
+        # slots stay mapped (`_map_lent`), else None.
+        self._copies: SyncCopies | None = None
         if not host_copy.exists():
             write_host_copy(region, host_copy)
         self._host_mapping = map_host_copy(host_copy, region.nbytes)
@@ -176,7 +180,6 @@ class LayerStreamer:
         the arena (ArenaExhausted); spare slabs left over go back to the arena."""
         spare = list(spare or [])
         while len(self._slots) > count:  # (nothing maps them: `_unmap_lent` first)
-            self._slot_holds.pop()
             self._release(self._slots.pop())
         try:
             while len(self._slots) < count:
@@ -186,30 +189,28 @@ class LayerStreamer:
                                                 self._slot_width - len(slabs)).tolist()
                 spare = spare[self._slot_width:]
                 self._slots.append(slabs)
-                self._slot_holds.append(None)
         finally:
             if spare:
                 self._release(spare)
-
-    def _slot_of(self, layer: int) -> int:
-        return self.state.layers.index(layer) % len(self._slots)
 
     def _map_lent(self) -> None:
         """Map each streamed layer's range onto its slot (slot k = its rank in S mod slots), for
         as long as S and the slots stay: layers sharing a slot share its memory, and the copy
         before a layer runs goes through the layer's own, already mapped, addresses. A slot's
-        content is unknown after a remap, so every slot is marked empty."""
+        content is unknown after a remap, so every slot starts empty."""
+        if not self.state.layers:
+            return
+        copies = SyncCopies(self.state.layers, len(self._slots), self._stream_in)
         for layer in self.state.layers:
             span = self.spans[layer]
-            self.region.alias(list(span.slabs), self._slots[self._slot_of(layer)]
-                              [:span.num_slabs])
-        self._slot_holds = [None] * len(self._slots)
+            self.region.alias(list(span.slabs), self._slots[copies.slot(layer)][:span.num_slabs])
+        self._copies = copies
 
     def _unmap_lent(self) -> None:
         """Make every streamed layer's range inaccessible again (before S or the slots change)."""
+        self._copies = None
         for layer in self.state.layers:
             self.region.cover(list(self.spans[layer].slabs))
-        self._slot_holds = [None] * len(self._slots)
 
     def _release(self, slabs: list[int]) -> None:
         release_weight_slabs(self.region.table, self.region.slot,
@@ -222,14 +223,13 @@ class LayerStreamer:
     # streaming, inside a forward pass
 
     def before_layer(self, layer: int) -> None:
-        """Put layer `layer`'s weights under its addresses if it is streamed."""
-        if layer not in self.spans or layer not in self.state.layers:
-            return
+        """Put layer `layer`'s weights under its addresses if it is streamed (and its slot
+        holds another layer)."""
+        if self._copies is not None:
+            self._copies.before_layer(layer)
+
+    def _stream_in(self, layer: int) -> None:
         span = self.spans[layer]
-        k = self._slot_of(layer)
-        if self._slot_holds[k] == layer:
-            return
-        self._slot_holds[k] = layer
         start_s = time.perf_counter()
         self._copy_in(span)
         took_s = time.perf_counter() - start_s

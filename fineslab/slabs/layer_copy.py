@@ -27,7 +27,6 @@ Events and streams are torch's; nothing here allocates device memory.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -71,7 +70,15 @@ class SyncCopies:
     def __init__(self, streamed: Sequence[int], slots: int, copy: CopyFn) -> None:
         self._plan, self._copy = _Plan(streamed, slots), copy
         self.copies = 0
-        self.copy_s = 0.0
+
+    def slot(self, layer: int) -> int:
+        """The slot streamed layer `layer` runs from: its rank in S mod the slots."""
+        return self._plan.slot(layer)
+
+    @property
+    def holds(self) -> tuple[int | None, ...]:
+        """The layer each slot holds now (None: nothing copied in yet)."""
+        return tuple(self._plan.holds)
 
     def begin_pass(self) -> None:
         return
@@ -79,9 +86,7 @@ class SyncCopies:
     def before_layer(self, layer: int) -> None:
         plan = self._plan
         if layer in plan.rank and plan.needs_copy(layer):
-            start = time.perf_counter()
             self._copy(layer)
-            self.copy_s += time.perf_counter() - start
             plan.holds[plan.slot(layer)] = layer
             self.copies += 1
 

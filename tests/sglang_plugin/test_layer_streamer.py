@@ -143,7 +143,8 @@ def test_without_the_copy_in_a_streamed_layer_computes_with_another_layers_weigh
         model(ids)  # the slot now holds layer 3's bytes, under layer 3
         monkeypatch.setattr(streamer, "_copy_in", lambda span: None)
         assert not torch.equal(model(ids), before)
-    assert streamer._slot_holds == [3], "the slot sits under the last streamed layer"
+    assert streamer._copies is not None and streamer._copies.holds == (3,), (
+        "the slot sits under the last streamed layer")
     streamer.close()
 
 
