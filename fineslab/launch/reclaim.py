@@ -94,6 +94,23 @@ class CacheReclaimer(Rounds):
         self.flushes += len(flushed)
         return flushed
 
+    def flush_idle(self, device: str, exclude: str = "") -> list[str]:
+        """Flush now, whatever the gap, every runtime on `device` (but `exclude`) that has no
+        work and holds blocks; returns those flushed. For a restart whose weights need room:
+        a runtime starting up has no requests, so the round's rule never sees it pressed."""
+        snap = self._snapshot_of(device)
+        if snap is None:
+            return []
+        demand = self._demand()
+        holding = {o.runtime_id for o in snap.owners if o.alive and o.used_blocks > 0}
+        flushed = [r for r in self.devices.get(device, ())
+                   if r != exclude and r in holding and demand.get(r, 0) == 0 and self._flush(r)]
+        now_s = self._clock()
+        for runtime_id in flushed:
+            self._last[runtime_id] = now_s
+        self.flushes += len(flushed)
+        return flushed
+
     def _stalled(self, runtime_id: str, owners: Mapping[str, OwnerUsage],
                  demand: Mapping[str, int], now_s: float) -> bool:
         """Whether the runtime has had work and the same block count for STALL_S."""

@@ -110,3 +110,22 @@ def test_nothing_is_flushed_without_work_or_from_a_busy_runtime(runtimes: tuple)
     reclaimer = _reclaimer(urls, snap, {"busy": 2, "idle": 1, "idle2": 0}, clock)
     assert reclaimer.run_once() == ["idle2"], "a runtime with requests keeps its cache"
     assert calls == ["idle2 /flush_cache"]
+
+
+def test_a_restart_flushes_every_idle_holder_at_once_but_itself(runtimes: tuple) -> None:
+    # A streaming fleet's lender, restarted after a SIGSTOP, found 8 free slabs for its 11: an
+    # idle neighbour's cache held them, and no round flushed it (a runtime starting up has no
+    # requests, so nothing is pressed). The restart now asks for the flush itself.
+    urls, calls = runtimes
+    clock, demand = Clock(), {"busy": 1, "idle": 0, "idle2": 0}
+    snap = [_snap(20, {"busy": 40, "idle": 300, "idle2": 8})]
+    reclaimer = _reclaimer(urls, snap, demand, clock)
+    assert reclaimer.flush_idle("cpu", exclude="idle2") == ["idle"], (
+        "busy has work and idle2 is the one restarting")
+    assert reclaimer.flush_idle("cpu") == ["idle", "idle2"], "no gap applies to a restart"
+    assert calls == ["idle /flush_cache", "idle /flush_cache", "idle2 /flush_cache"]
+    assert reclaimer.flush_idle("gpu") == [], "a device with no runtimes"
+    snap[0] = _snap(2, {"busy": 40, "idle": 300, "idle2": 8})  # pressed: few free slabs
+    assert reclaimer.run_once() == [], "the round's gap counts from the restart's flush"
+    clock.now_s += reclaim.MIN_GAP_S
+    assert reclaimer.run_once() == ["idle", "idle2"], "and ends like any other"
