@@ -2,7 +2,7 @@
 
 A model's tensors need contiguous memory, but the slabs free in an arena are scattered, and they
 differ from one wake to the next. So, as kvcached does with CUDA virtual memory, the region
-separates the address from the memory (CPU backing; the CUDA path is not built yet):
+separates the address from the memory (CPU backing here; the CUDA one is cuda_region.py):
 
     reserve   one range of virtual addresses, slab-aligned, inaccessible (PROT_NONE), for the
               life of the process: the tensors built over it never move
