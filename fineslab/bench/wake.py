@@ -123,25 +123,24 @@ def run(size: str, cycles: int, corrupt: bool, logs: Path, cold: bool = True
         try:
             server.wait_healthy(600)
             url = server.spec.base_url
-            # One connection for the control calls, as the router keeps one per runtime: a new
-            # client per call cost 34-39 ms here (a keep-alive call 1.4-2.3 ms), which the first
-            # runs of this benchmark counted as SGLang's control path.
-            client = httpx.Client(base_url=url)
             before = _greedy(url)
             region_bytes = _weight_bytes(arena)
             sleeps, wakes, same = [], [], []
             resumes: list[float] = []
             continues: list[float] = []
-            for cycle in range(cycles):
-                sleeps.append(_post(client, "/pause_generation", {"mode": "retract"})
-                              + _post(client, "/release_memory_occupation", TAGS))
-                if corrupt and cycle == cycles - 1:
-                    _corrupt(host_copy_path(spec.fleet_id, "m"))
-                resumes.append(_post(client, "/resume_memory_occupation", TAGS))
-                continues.append(_post(client, "/continue_generation", {}))
-                wakes.append(resumes[-1] + continues[-1])
-                same.append(_greedy(url) == before)
-            client.close()
+            # One connection for the control calls, as the router keeps one per runtime: a new
+            # client per call cost 34-39 ms here (a keep-alive call 1.4-2.3 ms), which the first
+            # runs of this benchmark counted as SGLang's control path.
+            with httpx.Client(base_url=url) as client:
+                for cycle in range(cycles):
+                    sleeps.append(_post(client, "/pause_generation", {"mode": "retract"})
+                                  + _post(client, "/release_memory_occupation", TAGS))
+                    if corrupt and cycle == cycles - 1:
+                        _corrupt(host_copy_path(spec.fleet_id, "m"))
+                    resumes.append(_post(client, "/resume_memory_occupation", TAGS))
+                    continues.append(_post(client, "/continue_generation", {}))
+                    wakes.append(resumes[-1] + continues[-1])
+                    same.append(_greedy(url) == before)
             restores = _restore_seconds(server.log_tail(100_000))
         finally:
             server.stop()

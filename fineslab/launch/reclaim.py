@@ -78,11 +78,8 @@ class CacheReclaimer(Rounds):
             self.stalled[device] = bool(stalled)
             if not self.pressed[device]:
                 continue
-            holding = {name: o for name, o in owners.items() if o.used_blocks > 0}
-            for runtime_id in runtime_ids:
-                owner = holding.get(runtime_id)
-                if owner is None or demand.get(runtime_id, 0) > 0 \
-                        or now_s - self._last.get(runtime_id, -MIN_GAP_S) < MIN_GAP_S:
+            for runtime_id, owner in _idle_holders(runtime_ids, owners, demand):
+                if now_s - self._last.get(runtime_id, -MIN_GAP_S) < MIN_GAP_S:
                     continue
                 self._last[runtime_id] = now_s
                 if self._flush(runtime_id):
@@ -101,10 +98,9 @@ class CacheReclaimer(Rounds):
         snap = self._snapshot_of(device)
         if snap is None:
             return []
-        demand = self._demand()
-        holding = {o.runtime_id for o in snap.owners if o.alive and o.used_blocks > 0}
-        flushed = [r for r in self.devices.get(device, ())
-                   if r != exclude and r in holding and demand.get(r, 0) == 0 and self._flush(r)]
+        owners = {o.runtime_id: o for o in snap.owners if o.alive}
+        idle = _idle_holders(self.devices.get(device, ()), owners, self._demand())
+        flushed = [r for r, _ in idle if r != exclude and self._flush(r)]
         now_s = self._clock()
         for runtime_id in flushed:
             self._last[runtime_id] = now_s
@@ -131,3 +127,10 @@ class CacheReclaimer(Rounds):
             logger.debug("flush of %s failed: %s", runtime_id, exc)
             return False
         return reply.status_code == 200
+
+
+def _idle_holders(runtime_ids: Sequence[str], owners: Mapping[str, OwnerUsage],
+                  demand: Mapping[str, int]) -> list[tuple[str, OwnerUsage]]:
+    """The runtimes of `runtime_ids` with no work that hold blocks: those a flush can empty."""
+    return [(r, owners[r]) for r in runtime_ids
+            if r in owners and owners[r].used_blocks > 0 and demand.get(r, 0) == 0]

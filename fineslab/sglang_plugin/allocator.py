@@ -172,7 +172,7 @@ class SlabPrefillBudget(PrefillBudget):
         wanted = super().available_chunk_tokens(chunk_limit) or chunk_limit
         now = self.allocator.available_size() + self._evictable() - self.current_offset
         fallback = (now - self.page_size) // self.page_size * self.page_size
-        for tokens in (wanted, min(wanted, fallback)):
+        for tokens in dict.fromkeys((wanted, min(wanted, fallback))):  # each size once
             if tokens > 0 and self._hold(self._step_tokens(tokens)):
                 return tokens
         return None
