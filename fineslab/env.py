@@ -47,6 +47,9 @@ PREFIX_LENDING_VAR = "FINESLAB_PREFIX_LENDING"
 #: "chunk_tokens", "prefill_s"} naming the local scheduler's batch policy and the model's TTFT
 #: predictor; the plugin then picks SGLang's prefill batches with it. Unset: SGLang's own.
 ENGINE_POLICY_VAR = "FINESLAB_ENGINE_POLICY"
+#: "0": every runtime starts as a fresh interpreter instead of a fork of the launcher's zygote
+#: (fineslab.zygote, warm starts; on by default).
+ZYGOTE_VAR = "FINESLAB_ZYGOTE"
 #: FP8 KV only: the per-layer scales file (SGLang's `--quantization-param-path` JSON).
 KV_SCALES_VAR = "FINESLAB_KV_SCALES"
 
@@ -83,6 +86,7 @@ class FineslabEnv:
     weights_in_arena: bool = False
     layer_streaming: bool = False
     prefix_lending: int | None = None
+    warm_starts: bool = True
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> FineslabEnv:
@@ -101,4 +105,5 @@ class FineslabEnv:
             layer_streaming=bool(_parse_tristate(LAYER_STREAMING_VAR,
                                                  env.get(LAYER_STREAMING_VAR))),
             prefix_lending=_parse_slabs(PREFIX_LENDING_VAR, env.get(PREFIX_LENDING_VAR)),
+            warm_starts=_parse_tristate(ZYGOTE_VAR, env.get(ZYGOTE_VAR)) is not False,
         )

@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Protocol
 
 from fineslab.proctree import (
     FLEET_MARKER,
@@ -64,8 +65,19 @@ def _exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+class Child(Protocol):
+    """The wrapped command: a `subprocess.Popen`, or a server forked by the zygote."""
+
+    def poll(self) -> int | None: ...
+
+
 def run(fd: int, command: list[str], grace_s: float) -> int:
-    child = subprocess.Popen(command)
+    return watch(fd, subprocess.Popen(command), " ".join(command[:4]), grace_s)
+
+
+def watch(fd: int, child: Child, what: str, grace_s: float) -> int:
+    """Wait for `child` (the group's server) while watching the lifeline `fd`; return the
+    status to exit with (see the module docstring)."""
     # SIGTERM to the group (the starter's normal stop) reaches COMMAND directly; the wrapper
     # outlives it only to report its status. Set after the fork: COMMAND keeps the defaults.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -76,7 +88,7 @@ def run(fd: int, command: list[str], grace_s: float) -> int:
         if polls % RECORD_EVERY_POLLS == 0 or readable:
             files |= tree_shm_files(_group_others())
         if readable and not os.read(fd, 1):  # EOF: the starter is gone
-            print(f"fineslab.lifeline: the process that started {' '.join(command[:4])} is "
+            print(f"fineslab.lifeline: the process that started {what} is "
                   "gone; stopping its process tree", file=sys.stderr, flush=True)
             stop_group(os.getpgid(0), grace_s, exclude=os.getpid(), reap=_reap)
             remove_files(files)

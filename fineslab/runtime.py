@@ -13,6 +13,13 @@ new session, so that:
 
 `proc` is the wrapper (pid == the process group id); it exits with the server's status.
 
+Starts are warm by default: both processes are forks of this process's zygote
+(`fineslab.zygote`, SGLang imported once), told everything after the fork, so the tree looks
+and behaves as a plain start's (same command lines, group, log, lifeline). Where a warm start
+cannot be had (`FINESLAB_ZYGOTE=0`, CUDA initialised, a variable that must be set before
+imports), the start is plain and the log says why; a warm start that exits during start-up is
+started again plainly. `start_kind` says which it was.
+
 In CPU mode the child gets the CPU stand-ins on its path and SGLang's CPU flags
 (`fineslab.cpu_mode`).
 
@@ -39,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fineslab import cpu_mode
+from fineslab.env import FineslabEnv
 from fineslab.errors import EnvironmentSetupError
 from fineslab.proctree import (
     descendant_pids,
@@ -48,6 +56,8 @@ from fineslab.proctree import (
     tree_pids_of_group,
     tree_shm_files,
 )
+from fineslab.zygote import ForkedProcess, ZygoteUnavailable, shared_zygote
+from fineslab.zygote.protocol import ForkRequest
 
 logger = logging.getLogger(__name__)
 
@@ -143,23 +153,60 @@ QUIET_EXIT = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFOR
 class ServerProcess:
     """A running SGLang server; use as a context manager or call `stop()`."""
 
-    def __init__(self, spec: ServerSpec, log_path: Path | None = None) -> None:
+    def __init__(self, spec: ServerSpec, log_path: Path | None = None,
+                 warm: bool = True) -> None:
         self.spec = spec
-        env = {**QUIET_EXIT, **os.environ}
+        base = {**QUIET_EXIT, **os.environ}
         if spec.cpu:
-            env = cpu_mode.child_environ(env)
-        env.update(spec.env)
+            base = cpu_mode.child_environ(base)
+        self.env = {**base, **spec.env}
         self.log_path = log_path
         self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
         self.shm_files: set[Path] = set()
         self.members: set[int] = set()  # the tree's processes once healthy (tree_intact)
+        self.proc: subprocess.Popen[bytes] | ForkedProcess
+        #: How this server was started: "warm" (forked from the zygote) or "plain".
+        self.start_kind = "plain"
         logger.info("starting SGLang server: %s", " ".join(spec.argv()))
+        if warm and FineslabEnv.from_environ().warm_starts:
+            try:
+                self.proc = self._fork(base)
+                self.start_kind = "warm"
+                return
+            except ZygoteUnavailable as exc:
+                logger.warning("starting %s plainly: %s", spec.model_path, exc)
+        self.proc = self._popen()
+
+    def _lifeline_argv(self) -> list[str]:
+        return [sys.executable, "-m", "fineslab.lifeline", "--fd", str(lifeline_read_fd()),
+                "--", *self.spec.argv()]
+
+    def _popen(self) -> subprocess.Popen[bytes]:
         fd = lifeline_read_fd()
-        argv = [sys.executable, "-m", "fineslab.lifeline", "--fd", str(fd), "--", *spec.argv()]
-        self.proc = subprocess.Popen(
-            argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True, pass_fds=(fd,),
-        )
+        return subprocess.Popen(self._lifeline_argv(), env=self.env, stdout=self._log,
+                                stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(fd,))
+
+    def _fork(self, base: Mapping[str, str]) -> ForkedProcess:
+        """A warm start: this server forked from this process's zygote (fineslab.zygote)."""
+        argv = self.spec.argv()
+        module_at = argv.index("sglang.launch_server")
+        zygote = shared_zygote(self.spec.cpu, base, lifeline_read_fd())
+        request = ForkRequest(
+            module="sglang.launch_server", args=argv[module_at + 1:], env=self.env,
+            cwd=os.getcwd(), title=argv, wrapper_title=self._lifeline_argv(),
+            fork_children=self.spec.cpu)
+        if self._log is subprocess.DEVNULL:
+            with open(os.devnull, "wb") as devnull:
+                return zygote.fork(request, devnull.fileno())
+        return zygote.fork(request, self._log.fileno())  # type: ignore[union-attr]
+
+    def _start_plainly_after(self, reason: str) -> None:
+        """A warm start failed: stop what is left of it and start the same server plainly."""
+        logger.warning("SGLang server %s %s during a warm start; starting it plainly",
+                       self.spec.model_path, reason)
+        stop_group(self.proc.pid, 2.0, reap=self.proc.poll)
+        self.proc = self._popen()
+        self.start_kind = "plain-after-warm"
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -178,6 +225,9 @@ class ServerProcess:
             if self.port_taken():
                 raise PortInUse(f"port {self.spec.port} was taken before the SGLang server "
                                 "could bind it.\n" + self.log_tail())
+            if self.proc.poll() is not None and self.start_kind == "warm":
+                self._start_plainly_after(f"exited with code {self.proc.returncode}")
+                continue
             if self.proc.poll() is not None:
                 raise EnvironmentSetupError(
                     f"SGLang server exited with code {self.proc.returncode} during start-up.\n"

@@ -409,7 +409,8 @@ class Fleet:
         supervisor, record = self.supervisor, self.record
         process = supervisor.runtimes[runtime_id].process if supervisor else None
         if record is not None and process is not None:
-            record.note_runtime(runtime_id, process.proc.pid, process.shm_files)
+            record.note_runtime(runtime_id, process.proc.pid, process.shm_files,
+                               process.members)
 
     def _room_for_restart(self, plan: RuntimePlan) -> None:
         """Before a runtime whose weights live in the arena restarts (a supervisor thread):

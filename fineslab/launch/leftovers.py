@@ -2,7 +2,8 @@
 
     /dev/shm/fineslab-<fleet_id>.run     {"launcher": [pid, start_ticks],
                                           "runtimes": {runtime_id: {"pgid": N,
-                                                                    "shm_files": [...]}},
+                                                                    "shm_files": [...],
+                                                                    "members": [[pid, ticks]]}},
                                           "folders": [the elastic models' host-copy folder]}
 
 The launcher writes the record at start and again whenever a runtime (re)starts, and removes it
@@ -14,8 +15,10 @@ together with the launcher, files of a tree SIGKILLed whole). At the next launch
 - a record whose launcher is alive means the fleet is already running: the launch is refused,
   naming its pid (a second set of runtimes beside the first is what an orphaned fleet did);
 - otherwise every process of a recorded group that carries this fleet's marker in its
-  environment (`FINESLAB_FLEET_ID=<fleet_id>`, which the launcher gives every runtime; a pgid
-  reused by an unrelated program is never touched) is stopped, the recorded SGLang shm files
+  environment (`FINESLAB_FLEET_ID=<fleet_id>`, which the launcher gives every runtime), or is
+  one of the runtime's recorded members (pid and start time: a runtime forked from the zygote
+  shows its title where /proc shows the environment), is stopped (a pgid reused by an
+  unrelated program is never touched), the recorded SGLang shm files
   are removed, the recorded folders (`$TMPDIR/fineslab-<fleet_id>-weights-*`) too, and the
   record goes.
 
@@ -28,7 +31,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,8 +62,14 @@ class RunRecord:
         self.folders.append(str(folder))
         self.write()
 
-    def note_runtime(self, runtime_id: str, pgid: int, shm_files: set[Path]) -> None:
-        self.runtimes[runtime_id] = {"pgid": pgid, "shm_files": sorted(map(str, shm_files))}
+    def note_runtime(self, runtime_id: str, pgid: int, shm_files: set[Path],
+                     members: Collection[int] = ()) -> None:
+        """`members`: the tree's pids once healthy, recorded with their start times: a
+        runtime forked from the zygote shows its title, not its environment, in /proc."""
+        identities = [ProcessIdentity.of(pid) for pid in sorted(members)]
+        self.runtimes[runtime_id] = {
+            "pgid": pgid, "shm_files": sorted(map(str, shm_files)),
+            "members": [[m.pid, m.start_ticks] for m in identities if m and m.start_ticks]}
         self.write()
 
     def write(self) -> None:
@@ -78,6 +87,11 @@ def _marked(pid: int, fleet_id: str) -> bool:
             return f"{FLEET_MARKER}={fleet_id}".encode() in f.read().split(b"\0")
     except OSError:
         return False
+
+
+def _known(pid: int, known: set[ProcessIdentity]) -> bool:
+    """Whether `pid` is a recorded member still running (same pid, same start time)."""
+    return any(m.pid == pid and m.is_alive() for m in known)
 
 
 def sweep(fleet_id: str, shm_dir: Path | None = None,
@@ -115,7 +129,10 @@ def _sweep_runtimes(fleet_id: str, runtimes: dict[str, dict[str, object]],
     num_processes, files = 0, []
     for entry in runtimes.values():
         pgid = int(entry.get("pgid", 0))  # type: ignore[call-overload]
-        members = [p for p in tree_pids_of_group(pgid) if _marked(p, fleet_id)] if pgid else []
+        known = {ProcessIdentity(int(pid), int(ticks))
+                 for pid, ticks in entry.get("members", [])}  # type: ignore[attr-defined]
+        members = [p for p in tree_pids_of_group(pgid)
+                   if _marked(p, fleet_id) or _known(p, known)] if pgid else []
         if members:
             num_processes += len(members)
             stop_group(pgid, grace_s=1.0)

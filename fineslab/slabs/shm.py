@@ -76,6 +76,12 @@ class ProcessIdentity:
         pid = os.getpid()
         return cls(pid, _start_ticks(pid) or 0)
 
+    @classmethod
+    def of(cls, pid: int) -> ProcessIdentity | None:
+        """`pid`'s identity now, None when it is gone or a zombie."""
+        start = _start_ticks(pid)
+        return None if start is None else cls(pid, start)
+
     def is_alive(self) -> bool:
         start = _start_ticks(self.pid)
         if start is None:

@@ -1,0 +1,36 @@
+"""Warm starts: SGLang imported once per launcher, each runtime forked from there.
+
+A plain start of a runtime is a fresh interpreter that imports torch and SGLang's server,
+scheduler and model code (16.5 s of CPU for the HTTP server's import alone on this project's
+2-core machines) before it reads its first argument. The zygote (`server.py`) pays that import
+once per launcher (and per node fleet); every runtime is then a fork of it (`child.py`), told
+its arguments, environment, log and lifeline after the fork (`protocol.py`), and seen by the
+launcher as `subprocess.Popen` shows a child (`client.ForkedProcess`).
+
+    launcher ──unix socket──> zygote (imported, no CUDA, no threads of its own)
+        │                       └─fork─> wrapper (lifeline) ─fork─> sglang server ─> scheduler
+        └── lifeline pipe ──────────────────┘ (every runtime and the zygote die with it)
+
+Guarantees:
+- a runtime forked here behaves as a plain start of the same command: same arguments,
+  environment, command line in `ps`, process group, log and lifeline (tests prove two runtimes
+  of different models and settings from one zygote each see only their own);
+- the zygote never initialises CUDA; if CUDA is initialised when a fork is asked for, or the
+  runtime's environment differs in a variable a module may read at import, or the zygote is
+  gone, that start is plain and the log says why (`ZygoteUnavailable`); a runtime that fails
+  during a warm start is started again plainly (`fineslab.runtime.ServerProcess`);
+- `FINESLAB_ZYGOTE=0` turns warm starts off.
+"""
+
+from __future__ import annotations
+
+from fineslab.zygote.client import (
+    ForkedProcess,
+    Zygote,
+    ZygoteUnavailable,
+    shared_zygote,
+    stop_shared_zygotes,
+)
+
+__all__ = ["ForkedProcess", "Zygote", "ZygoteUnavailable", "shared_zygote",
+           "stop_shared_zygotes"]

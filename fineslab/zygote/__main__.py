@@ -1,0 +1,5 @@
+import sys
+
+from fineslab.zygote.server import main
+
+sys.exit(main())

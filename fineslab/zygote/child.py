@@ -1,0 +1,144 @@
+"""What a process forked by the zygote does: become one runtime, exactly as a plain start would.
+
+    zygote ──fork──> wrapper (session leader; `fineslab.lifeline`'s watch)
+                        └──fork──> server (`module` run as __main__) ──> SGLang's children
+
+A plain start runs `python -m fineslab.lifeline --fd N -- python -m sglang.launch_server ...`;
+here both processes are forks instead of fresh interpreters, and everything that makes them
+this runtime is applied after the fork, before any of its code runs:
+
+- the descriptors: stdin is /dev/null, stdout and stderr go to the runtime's log, the lifeline
+  is the launcher's pipe, and every descriptor the zygote holds for itself or for its other
+  runtimes is closed;
+- the environment (`os.environ` is replaced whole, so `subprocess` and SGLang's own children
+  see it too), the working folder, `sys.argv`, the default signal handlers;
+- the command line `ps` shows (`setproctitle`, as SGLang titles its own children): the same as
+  a plain start's, so operators and tools find `sglang.launch_server` and `fineslab.lifeline`.
+
+Neither process returns into the zygote's code: each leaves with `os._exit`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import runpy
+import signal
+import sys
+import traceback
+from typing import NoReturn
+
+from fineslab.zygote.protocol import ForkRequest
+
+
+def become_runtime(request: ForkRequest, log_fd: int, lifeline_fd: int,
+                   zygote_fds: list[int]) -> NoReturn:
+    """The wrapper: set up the runtime's process, fork its server, watch both until it ends."""
+    code = 1
+    try:
+        for fd in zygote_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        os.setsid()
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_DFL)
+        _redirect(log_fd)
+        _forget_zygote_logging()
+        os.environ.clear()
+        os.environ.update(request.env)
+        os.chdir(request.cwd)
+        _set_title(request.wrapper_title)
+        from fineslab.lifeline import watch
+
+        server = _ForkedServer(os.fork())
+        if server.pid == 0:
+            _run_server(request)
+        code = watch(lifeline_fd, server, " ".join(request.title[:4]), request.grace_s)
+    except BaseException:  # whatever happens, never return into the zygote
+        traceback.print_exc()
+    _leave(code)
+
+
+class _ForkedServer:
+    """The server process, polled the way `fineslab.lifeline` polls a `subprocess.Popen`."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(ChildProcessError):
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid == self.pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+def _run_server(request: ForkRequest) -> NoReturn:
+    code: int = 1
+    try:
+        _set_title(request.title)
+        if request.fork_children:
+            from fineslab.cpu_mode.forked import fork_children
+
+            fork_children()
+        sys.argv = [request.module, *request.args]
+        sys.modules.pop(request.module, None)  # run as __main__, as `python -m` runs it
+        runpy.run_module(request.module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except BaseException:  # the traceback goes to the runtime log
+        traceback.print_exc()
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()  # what the interpreter's own exit would have run
+    _leave(code)
+
+
+def _exit_code(value: object) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    print(value, file=sys.stderr)
+    return 1
+
+
+def _redirect(log_fd: int) -> None:
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    if log_fd > 2:
+        os.close(log_fd)
+
+
+def _forget_zygote_logging() -> None:
+    """The zygote's log handlers are its own: the runtime configures logging as a fresh
+    interpreter would (SGLang's server does it once it starts)."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.setLevel(logging.WARNING)
+
+
+def _set_title(argv: list[str]) -> None:
+    try:
+        import setproctitle
+    except ImportError:  # an SGLang dependency; without it `ps` shows the zygote's line
+        return
+    setproctitle.setproctitle(" ".join(argv))
+
+
+def _leave(code: int) -> NoReturn:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code & 0xFF if code >= 0 else 128 - code)

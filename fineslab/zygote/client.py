@@ -1,0 +1,284 @@
+"""The launcher's side of the zygote: start it, fork runtimes from it, watch what it forked.
+
+`Zygote` is one zygote process; `shared_zygote(cpu)` is this process's own, started on the
+first warm start and restarted (at most `MAX_DEATHS` times) when it dies. `ForkedProcess` is a
+forked runtime as `subprocess.Popen` shows a child (`pid`, `poll`, `wait`, `returncode`,
+signals), so `ServerProcess` and the supervisor treat both kinds of start alike.
+
+Every failure here raises `ZygoteUnavailable` with the reason: the caller starts plainly and
+says why. Costs: the zygote's first start is one import of SGLang (what a plain start pays
+anyway); each fork then costs about 0.1 s of the zygote's time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from fineslab.errors import EnvironmentSetupError
+from fineslab.zygote.protocol import (
+    STATUS,
+    ForkRequest,
+    ProtocolError,
+    recv_frame,
+    request_body,
+    send_frame,
+)
+
+logger = logging.getLogger(__name__)
+
+#: How long the zygote may take to import SGLang (25-50 s while the test suite loads 2 cores).
+READY_TIMEOUT_S = 300.0
+#: How long one fork request may take before the start goes plain.
+FORK_TIMEOUT_S = 60.0
+#: A zygote that died this many times is not restarted again: starts go plain.
+MAX_DEATHS = 3
+#: Variables a runtime may set differently from its zygote: fineslab's own, which are read only
+#: after the fork. Any other difference (an SGLang or torch switch a module may read at import)
+#: makes that runtime start plainly.
+FORK_SAFE_PREFIXES = ("FINESLAB_",)
+
+
+class ZygoteUnavailable(EnvironmentSetupError):
+    """No warm start this time (disabled, failed, gone, or this runtime cannot fork): start
+    plainly. Transient: the next start asks again."""
+
+
+class ForkedProcess:
+    """A runtime the zygote forked (the lifeline wrapper, its session's leader).
+
+    Its exit status comes through a pipe the zygote writes when it reaps it; if the zygote is
+    gone first (the pipe closes empty), the process is watched by its pid and an exit is
+    reported as killed (-SIGKILL), its real status unknown.
+    """
+
+    def __init__(self, pid: int, status_fd: int, args: list[str]) -> None:
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+        self._status_fd = status_fd
+        os.set_blocking(status_fd, False)
+        self._pending = b""
+        self._zygote_gone = False
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        if not self._zygote_gone:
+            try:
+                data = os.read(self._status_fd, STATUS.size - len(self._pending))
+            except BlockingIOError:
+                return None
+            if data:
+                self._pending += data
+                if len(self._pending) == STATUS.size:
+                    self._finish(STATUS.unpack(self._pending)[0])
+                return self.returncode
+            self._zygote_gone = True
+            logger.warning("the zygote that forked pid %d is gone; watching it by its pid",
+                           self.pid)
+        if not _pid_alive(self.pid):
+            self._finish(-signal.SIGKILL)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            if self._zygote_gone:
+                time.sleep(0.05)
+            else:
+                select.select([self._status_fd], [], [], 0.5 if left is None else min(left, 0.5))
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def _finish(self, code: int) -> None:
+        self.returncode = code
+        with contextlib.suppress(OSError):
+            os.close(self._status_fd)
+
+    def __del__(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(OSError):
+                os.close(self._status_fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+class Zygote:
+    """One zygote process (`python -m fineslab.zygote`) and its socket."""
+
+    def __init__(self, env: Mapping[str, str], lifeline_fd: int, preload: bool = True) -> None:
+        self.env = dict(env)
+        self.lifeline_fd = lifeline_fd
+        self.preload = preload
+        self.folder = Path(tempfile.mkdtemp(prefix="fineslab-zygote-"))
+        self.socket_path = self.folder / "zygote.sock"
+        self.log_path = self.folder / "zygote.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ready_s: float | None = None
+
+    def start(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Start the zygote and wait until it has imported SGLang; ZygoteUnavailable if not."""
+        argv = [sys.executable, "-m", "fineslab.zygote", "--socket", str(self.socket_path),
+                "--lifeline-fd", str(self.lifeline_fd)]
+        if not self.preload:
+            argv.append("--no-preload")
+        started = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(argv, env=self.env, stdout=subprocess.PIPE, stderr=log,
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         pass_fds=(self.lifeline_fd,))
+        assert self.proc.stdout is not None
+        try:
+            line = _read_line(self.proc.stdout, timeout_s)
+        finally:
+            self.proc.stdout.close()
+        if line != "ready":
+            self.stop()
+            raise ZygoteUnavailable(f"the zygote did not start ({line or 'no answer'}); "
+                                    f"its log's end:\n{self.log_tail()}")
+        self.ready_s = time.monotonic() - started
+        logger.info("zygote pid %d ready in %.1f s (SGLang imported once for every runtime)",
+                    self.proc.pid, self.ready_s)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def unsafe_variables(self, env: Mapping[str, str]) -> list[str]:
+        """Variables `env` sets differently from the zygote's that are not safe to apply after
+        the fork (see `FORK_SAFE_PREFIXES`)."""
+        names = set(env) ^ set(self.env) | {k for k in env if self.env.get(k) != env[k]}
+        return sorted(n for n in names if not n.startswith(FORK_SAFE_PREFIXES))
+
+    def fork(self, request: ForkRequest, log_fd: int) -> ForkedProcess:
+        """Fork one runtime; ZygoteUnavailable (nothing started) if the zygote cannot."""
+        if not self.alive():
+            raise ZygoteUnavailable("the zygote is not running")
+        unsafe = self.unsafe_variables(request.env)
+        if unsafe:
+            raise ZygoteUnavailable("the runtime's environment differs from the zygote's in "
+                                    f"{', '.join(unsafe[:5])}, which a module may read at import")
+        status_r, status_w = os.pipe()
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(FORK_TIMEOUT_S)
+                sock.connect(str(self.socket_path))
+                send_frame(sock, request_body(request), [log_fd, self.lifeline_fd, status_w])
+                os.close(status_w)
+                status_w = -1
+                reply, _ = recv_frame(sock)
+        except (OSError, ProtocolError) as exc:
+            os.close(status_r)
+            raise ZygoteUnavailable(f"no answer from the zygote ({exc})") from None
+        finally:
+            if status_w >= 0:
+                os.close(status_w)
+        if "pid" not in reply:
+            os.close(status_r)
+            raise ZygoteUnavailable(f"the zygote refused: {reply.get('error', reply)}")
+        return ForkedProcess(int(reply["pid"]), status_r, request.title)  # type: ignore[call-overload]
+
+    def log_tail(self, num_lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """Stop the zygote (its runtimes keep running) and remove its folder."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _read_line(stream: object, timeout_s: float) -> str:
+    fd = stream.fileno()  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout_s
+    data = b""
+    while b"\n" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return "timed out"
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode(errors="replace").strip()
+
+
+_lock = threading.Lock()
+_zygotes: dict[bool, Zygote] = {}
+_deaths: dict[bool, int] = {}
+
+
+def shared_zygote(cpu: bool, env: Mapping[str, str], lifeline_fd: int) -> Zygote:
+    """This process's zygote for CPU (or GPU) runtimes, started on first use with `env`;
+    one that died is restarted (logged with its log's end), up to `MAX_DEATHS` times."""
+    with _lock:
+        zygote = _zygotes.get(cpu)
+        if zygote is not None and zygote.alive():
+            return zygote
+        if zygote is not None:
+            _deaths[cpu] = _deaths.get(cpu, 0) + 1
+            code = zygote.proc.poll() if zygote.proc is not None else None
+            logger.warning("the zygote (pid %s) died with status %s (%d of %d deaths); its "
+                           "log's end:\n%s", zygote.proc.pid if zygote.proc else "-", code,
+                           _deaths[cpu], MAX_DEATHS, zygote.log_tail())
+            zygote.stop()
+            del _zygotes[cpu]
+        if _deaths.get(cpu, 0) >= MAX_DEATHS:
+            raise ZygoteUnavailable(f"the zygote died {MAX_DEATHS} times; starting plainly")
+        zygote = Zygote(env, lifeline_fd)
+        try:
+            zygote.start()
+        except ZygoteUnavailable:
+            _deaths[cpu] = MAX_DEATHS  # one that cannot start will not start next time either
+            raise
+        _zygotes[cpu] = zygote
+        return zygote
+
+
+def stop_shared_zygotes() -> None:
+    """Stop this process's zygotes (their runtimes keep running); the next start makes new."""
+    with _lock:
+        for zygote in _zygotes.values():
+            zygote.stop()
+        _zygotes.clear()
+        _deaths.clear()

@@ -1,0 +1,203 @@
+"""The zygote process: SGLang imported once, each runtime forked from it.
+
+    python -m fineslab.zygote --socket PATH --lifeline-fd N [--no-preload]
+
+It imports `PRELOAD` (torch, SGLang's server, scheduler, detokenizer, tokenizer manager, model
+runner and model code, the fineslab plugin), prints `ready` on stdout, and then serves fork
+requests on its unix socket (`protocol.py`), one at a time. It never runs a torch operation
+and never touches CUDA: before each fork it checks that CUDA is still uninitialised (a CUDA
+context does not survive a fork) and answers an error instead, so the launcher starts that
+runtime plainly and says why. Nothing a runtime is told is read here: its arguments,
+environment and arena are applied in the forked child (`child.py`).
+
+It reaps its runtimes and writes each one's exit status to the pipe that came with its
+request. It exits when its launcher's lifeline closes (the launcher is gone, however it
+ended), on SIGTERM, or when its socket is removed; the runtimes it forked are not its to stop
+(each watches the same lifeline).
+
+Invariant: `tracked` holds exactly the status pipes of forked runtimes not yet reaped; every
+descriptor of the zygote's own (its socket, its lifeline, `tracked`) is closed in each child.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import sys
+import time
+
+from fineslab.zygote.protocol import (
+    NUM_FDS,
+    STATUS,
+    ForkRequest,
+    ProtocolError,
+    recv_frame,
+    send_frame,
+)
+
+logger = logging.getLogger("fineslab.zygote")
+
+#: What a runtime would import first: importing these once is what makes a warm start warm.
+PRELOAD = (
+    "torch",
+    "sglang.srt.entrypoints.http_server",
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.detokenizer_manager",
+    "sglang.srt.managers.tokenizer_manager",
+    "sglang.srt.model_executor.model_runner",
+    "sglang.srt.models.llama",
+    "sglang.srt.models.qwen2",
+    "sglang.launch_server",
+    "fineslab.sglang_plugin",
+    "fineslab.cpu_mode.forked",
+    "fineslab.lifeline",
+)
+#: How long the loop waits for a request before it reaps and looks at its lifeline again.
+TICK_S = 0.1
+
+
+def cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+class ZygoteServer:
+    def __init__(self, socket_path: str, lifeline_fd: int) -> None:
+        self.socket_path = socket_path
+        self.lifeline_fd = lifeline_fd
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(socket_path)
+        os.chmod(socket_path, 0o600)
+        self.listener.listen(16)
+        self.tracked: dict[int, int] = {}  # runtime pid -> its status pipe's write end
+
+    def serve(self) -> str:
+        """Serve until the launcher is gone ("lifeline") or the socket removed ("socket")."""
+        while True:
+            watched = [self.listener.fileno(), self.lifeline_fd]
+            readable, _, _ = select.select(watched, [], [], TICK_S)
+            if self.lifeline_fd in readable and not os.read(self.lifeline_fd, 1):
+                logger.info("fineslab zygote: its launcher is gone; exiting")
+                return "lifeline"
+            if self.listener.fileno() in readable:
+                self.accept()
+            self.reap()
+            if not os.path.exists(self.socket_path):
+                logger.info("fineslab zygote: its socket was removed; exiting")
+                return "socket"
+
+    def accept(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.settimeout(10.0)
+            try:
+                body, fds = recv_frame(conn, NUM_FDS)
+            except (ProtocolError, OSError) as exc:
+                logger.warning("fineslab zygote: a bad request (%s)", exc)
+                return
+            try:
+                reply = self.fork(body, fds)
+            finally:
+                for fd in fds[:2]:
+                    os.close(fd)
+            with contextlib.suppress(OSError):
+                send_frame(conn, reply)
+
+    def fork(self, body: dict[str, object], fds: list[int]) -> dict[str, object]:
+        """Fork one runtime; the status pipe (fds[2]) is kept until it is reaped."""
+        if len(fds) != NUM_FDS:
+            for fd in fds[2:]:
+                os.close(fd)
+            return {"error": f"expected {NUM_FDS} descriptors, got {len(fds)}"}
+        log_fd, lifeline_fd, status_fd = fds
+        try:
+            request = ForkRequest.from_json(body)
+        except ProtocolError as exc:
+            os.close(status_fd)
+            return {"error": str(exc)}
+        if cuda_initialized():
+            os.close(status_fd)
+            return {"error": "CUDA is initialised in the zygote (a fork would not inherit it)"}
+        own = [self.listener.fileno(), self.lifeline_fd, status_fd, *self.tracked.values()]
+        pid = os.fork()
+        if pid == 0:
+            from fineslab.zygote.child import become_runtime
+
+            become_runtime(request, log_fd, lifeline_fd, own)
+        self.tracked[pid] = status_fd
+        logger.info("fineslab zygote: forked %s as pid %d", " ".join(request.title[:8]), pid)
+        return {"pid": pid}
+
+    def reap(self) -> None:
+        while self.tracked:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            fd = self.tracked.pop(pid, None)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.write(fd, STATUS.pack(os.waitstatus_to_exitcode(status)))
+                os.close(fd)
+
+    def close(self) -> None:
+        self.listener.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.socket_path)
+        for fd in self.tracked.values():
+            os.close(fd)  # the launcher reads EOF: status unknown, it falls back on the pid
+
+
+def preload(modules: tuple[str, ...]) -> None:
+    for name in modules:
+        started = time.monotonic()
+        importlib.import_module(name)
+        logger.info("fineslab zygote: imported %s in %.2f s", name, time.monotonic() - started)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fineslab.zygote",
+        description="Import SGLang once and fork fineslab's runtimes from here (started by "
+                    "fineslab itself; see fineslab/zygote/__init__.py).")
+    parser.add_argument("--socket", required=True, help="unix socket to serve fork requests on")
+    parser.add_argument("--lifeline-fd", type=int, required=True,
+                        help="read end of the launcher's lifeline pipe (exit at its EOF)")
+    parser.add_argument("--no-preload", action="store_true",
+                        help="import nothing ahead (for tests of the protocol)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's Ctrl-C is the launcher's
+    try:
+        if not args.no_preload:
+            preload(PRELOAD)
+        if cuda_initialized():
+            print("error: importing SGLang initialised CUDA; runtimes start plainly", flush=True)
+            return 3
+        server = ZygoteServer(args.socket, args.lifeline_fd)
+    except Exception as exc:  # told to the launcher, which starts plainly
+        print(f"error: {type(exc).__name__}: {exc}", flush=True)
+        return 2
+    gc.freeze()  # the imported objects stay shared with every fork (no gc writes to them)
+    print("ready", flush=True)
+    reason = "error"
+    try:
+        reason = server.serve()
+    finally:
+        server.close()
+    folder = os.path.dirname(args.socket)
+    if reason == "lifeline" and os.path.basename(folder).startswith("fineslab-zygote-"):
+        shutil.rmtree(folder, ignore_errors=True)  # no launcher is left to remove it
+    return 0
