@@ -24,7 +24,7 @@ Figures (last line, with --json):
                                      every 5 ms (the lock wait stores add)
 
 Turn lengths: new input drawn from ShareGPT's prompt lengths divided by `LENGTH_SCALE` (the
-stats file of ../shared/traces when present, else a seeded log-normal of the same median),
+stats file in fineslab/workload/data when present, else a seeded log-normal of the same median),
 replies `REPLY_TOKENS` long (decode time on CPU is not what this measures).
 """
 

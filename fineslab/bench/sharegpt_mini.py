@@ -11,7 +11,7 @@ and one gpt turn, each turn English words drawn from `WORDS` by a seeded RNG, in
 at most `MAX_WORDS`), which keeps `--dataset-name sharegpt` inside the generated models' 4096
 token context. The text is not language: bench_serving uses only its tokens and lengths.
 
-Not derived from ../shared/traces/: its ShareGPT file holds token counts only, of whole
+Not derived from fineslab/workload/data/: its ShareGPT file holds token counts only, of whole
 multi-turn conversations (prompt median 1,730 Llama-2 tokens), no text.
 Deterministic: the same seed writes the same bytes; tests/serving/test_bench_serving.py checks
 the shipped file against `render()`. Cost: about 0.1 s and 150 kB.

@@ -1,7 +1,7 @@
 """Workloads shared by the load generator and the simulator: traces, arrivals, lengths.
 
     spec = WorkloadSpec(models=(ModelLoad("llama-3.1-8b-fp16", 0.5),), duration_s=60,
-                        trace_path=Path("shared/traces/sharegpt_...csv"), rate_scale=8, seed=0)
+                        trace_path=SHAREGPT_STATS, rate_scale=8, seed=0)
     requests = build_workload(spec)     # list[Request], sorted by arrival, deterministic
 
     sessions = build_sessions(SessionSpec("qwen3-14b", load_lengths(SHAREGPT_STATS),

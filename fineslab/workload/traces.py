@@ -26,11 +26,11 @@ logger = logging.getLogger(__name__)
 PROMPT_COLUMN = "num_prefill_tokens"
 OUTPUT_COLUMN = "num_decode_tokens"
 ARRIVAL_COLUMN = "arrived_at"
-#: The traces shipped beside a development checkout (`<checkout>/../shared/traces`); CLIs take
-#: their trace paths as arguments and only default to these files.
-DEV_TRACE_DIR = Path(__file__).resolve().parents[3] / "shared" / "traces"
-SHAREGPT_STATS = DEV_TRACE_DIR / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
-AZURE_CONV = DEV_TRACE_DIR / "splitwise_conv.csv"
+#: The traces shipped in the package (`data/README.md`: source and license); CLIs take their
+#: trace paths as arguments and only default to these files.
+TRACE_DIR = Path(__file__).resolve().parent / "data"
+SHAREGPT_STATS = TRACE_DIR / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
+AZURE_CONV = TRACE_DIR / "splitwise_conv.csv"
 
 
 @dataclass(frozen=True)
