@@ -56,7 +56,7 @@ from fineslab.proctree import (
     tree_pids_of_group,
     tree_shm_files,
 )
-from fineslab.zygote import ForkedProcess, ZygoteUnavailable, shared_zygote
+from fineslab.zygote import ForkedProcess, Zygote, ZygoteUnavailable, shared_zygote
 from fineslab.zygote.protocol import ForkRequest
 
 logger = logging.getLogger(__name__)
@@ -167,6 +167,8 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | ForkedProcess
         #: How this server was started: "warm" (forked from the zygote) or "plain".
         self.start_kind = "plain"
+        #: The zygote this server was forked from (None: a plain start).
+        self.zygote: Zygote | None = None
         logger.info("starting SGLang server: %s", " ".join(spec.argv()))
         if warm and FineslabEnv.from_environ().warm_starts:
             try:
@@ -190,7 +192,7 @@ class ServerProcess:
         """A warm start: this server forked from this process's zygote (fineslab.zygote)."""
         argv = self.spec.argv()
         module_at = argv.index("sglang.launch_server")
-        zygote = shared_zygote(self.spec.cpu, base, lifeline_read_fd())
+        zygote = self.zygote = shared_zygote(self.spec.cpu, base, lifeline_read_fd())
         request = ForkRequest(
             module="sglang.launch_server", args=argv[module_at + 1:], env=self.env,
             cwd=os.getcwd(), title=argv, wrapper_title=self._lifeline_argv(),
@@ -205,7 +207,7 @@ class ServerProcess:
         logger.warning("SGLang server %s %s during a warm start; starting it plainly",
                        self.spec.model_path, reason)
         stop_group(self.proc.pid, 2.0, reap=self.proc.poll)
-        self.proc = self._popen()
+        self.proc, self.zygote = self._popen(), None
         self.start_kind = "plain-after-warm"
 
     def __enter__(self) -> ServerProcess:

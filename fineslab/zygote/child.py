@@ -34,22 +34,24 @@ from fineslab.zygote.protocol import ForkRequest
 
 
 def become_runtime(request: ForkRequest, log_fd: int, lifeline_fd: int,
-                   zygote_fds: list[int]) -> NoReturn:
-    """The wrapper: set up the runtime's process, fork its server, watch both until it ends."""
+                   zygote_fds: list[int], settled_fd: int) -> NoReturn:
+    """The wrapper: set up the runtime's process, fork its server, watch both until it ends.
+    `settled_fd` is closed once this process leads its own session (the zygote then answers)."""
     code = 1
     try:
         for fd in zygote_fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
         os.setsid()
+        os.close(settled_fd)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_DFL)
         _redirect(log_fd)
         _forget_zygote_logging()
+        _set_title(request.wrapper_title)  # first: setproctitle finds its room in the environ
         os.environ.clear()
         os.environ.update(request.env)
         os.chdir(request.cwd)
-        _set_title(request.wrapper_title)
         from fineslab.lifeline import watch
 
         server = _ForkedServer(os.fork())

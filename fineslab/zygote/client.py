@@ -46,9 +46,9 @@ FORK_TIMEOUT_S = 60.0
 #: A zygote that died this many times is not restarted again: starts go plain.
 MAX_DEATHS = 3
 #: Variables a runtime may set differently from its zygote: fineslab's own, which are read only
-#: after the fork. Any other difference (an SGLang or torch switch a module may read at import)
-#: makes that runtime start plainly.
-FORK_SAFE_PREFIXES = ("FINESLAB_",)
+#: after the fork, and pytest's (which it changes per test). Any other difference (an SGLang or
+#: torch switch a module may read at import) makes that runtime start plainly.
+FORK_SAFE_PREFIXES = ("FINESLAB_", "PYTEST_")
 
 
 class ZygoteUnavailable(EnvironmentSetupError):
@@ -139,7 +139,9 @@ def _pid_alive(pid: int) -> bool:
 class Zygote:
     """One zygote process (`python -m fineslab.zygote`) and its socket."""
 
-    def __init__(self, env: Mapping[str, str], lifeline_fd: int, preload: bool = True) -> None:
+    def __init__(self, env: Mapping[str, str], lifeline_fd: int,
+                 preload: tuple[str, ...] | None = None) -> None:
+        """`preload`: the modules to import ahead (default: the zygote's `PRELOAD`)."""
         self.env = dict(env)
         self.lifeline_fd = lifeline_fd
         self.preload = preload
@@ -153,8 +155,8 @@ class Zygote:
         """Start the zygote and wait until it has imported SGLang; ZygoteUnavailable if not."""
         argv = [sys.executable, "-m", "fineslab.zygote", "--socket", str(self.socket_path),
                 "--lifeline-fd", str(self.lifeline_fd)]
-        if not self.preload:
-            argv.append("--no-preload")
+        if self.preload is not None:
+            argv += ["--preload", *self.preload]
         started = time.monotonic()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(argv, env=self.env, stdout=subprocess.PIPE, stderr=log,

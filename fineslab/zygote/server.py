@@ -1,6 +1,6 @@
 """The zygote process: SGLang imported once, each runtime forked from it.
 
-    python -m fineslab.zygote --socket PATH --lifeline-fd N [--no-preload]
+    python -m fineslab.zygote --socket PATH --lifeline-fd N [--preload MODULE ...]
 
 It imports `PRELOAD` (torch, SGLang's server, scheduler, detokenizer, tokenizer manager, model
 runner and model code, the fineslab plugin), prints `ready` on stdout, and then serves fork
@@ -60,6 +60,8 @@ PRELOAD = (
     "fineslab.cpu_mode.forked",
     "fineslab.lifeline",
 )
+#: How long a fork's answer waits for the child to lead its own session.
+SETTLE_TIMEOUT_S = 10.0
 #: How long the loop waits for a request before it reaps and looks at its lifeline again.
 TICK_S = 0.1
 
@@ -126,13 +128,20 @@ class ZygoteServer:
         if cuda_initialized():
             os.close(status_fd)
             return {"error": "CUDA is initialised in the zygote (a fork would not inherit it)"}
-        own = [self.listener.fileno(), self.lifeline_fd, status_fd, *self.tracked.values()]
+        settled_r, settled_w = os.pipe()
+        own = [self.listener.fileno(), self.lifeline_fd, status_fd, settled_r,
+               *self.tracked.values()]
         pid = os.fork()
         if pid == 0:
             from fineslab.zygote.child import become_runtime
 
-            become_runtime(request, log_fd, lifeline_fd, own)
+            become_runtime(request, log_fd, lifeline_fd, own, settled_w)
+        os.close(settled_w)
         self.tracked[pid] = status_fd
+        # Answer once the child leads its own session (as Popen(start_new_session=True) returns
+        # after the child's setsid): a signal to the group right after must reach it.
+        select.select([settled_r], [], [], SETTLE_TIMEOUT_S)
+        os.close(settled_r)
         logger.info("fineslab zygote: forked %s as pid %d", " ".join(request.title[:8]), pid)
         return {"pid": pid}
 
@@ -173,16 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", required=True, help="unix socket to serve fork requests on")
     parser.add_argument("--lifeline-fd", type=int, required=True,
                         help="read end of the launcher's lifeline pipe (exit at its EOF)")
-    parser.add_argument("--no-preload", action="store_true",
-                        help="import nothing ahead (for tests of the protocol)")
+    parser.add_argument("--preload", nargs="*", metavar="MODULE",
+                        help="modules to import ahead (default: torch, SGLang's server, "
+                             "scheduler and model code, the plugin; none given: none)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's Ctrl-C is the launcher's
     try:
-        if not args.no_preload:
-            preload(PRELOAD)
+        preload(PRELOAD if args.preload is None else tuple(args.preload))
         if cuda_initialized():
             print("error: importing SGLang initialised CUDA; runtimes start plainly", flush=True)
             return 3

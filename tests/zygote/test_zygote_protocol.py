@@ -1,0 +1,176 @@
+"""The zygote's mechanism with a stand-in runtime (no SGLang): what a fork is told, how its
+exit is seen, how it dies, and the refusals that send a start down the plain path.
+
+The zygote here preloads nothing (`preload=()`) and forks `echo_runtime` instead of
+`sglang.launch_server`; the same code forks SGLang in tests/zygote/test_zygote_sglang.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fineslab.proctree import stop_group, tree_pids_of_group
+from fineslab.zygote import ForkedProcess, Zygote, ZygoteUnavailable
+from fineslab.zygote.protocol import ForkRequest
+
+HERE = Path(__file__).resolve().parent
+BASE_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
+
+
+@pytest.fixture
+def lifeline() -> Iterator[tuple[int, int]]:
+    """A lifeline pipe of the test's own (read end, write end): closing the write end is what
+    the launcher's death looks like."""
+    read_fd, write_fd = os.pipe()
+    yield read_fd, write_fd
+    for fd in (read_fd, write_fd):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+@pytest.fixture
+def zygote(lifeline: tuple[int, int]) -> Iterator[Zygote]:
+    z = Zygote(BASE_ENV, lifeline[0], preload=())
+    z.start(timeout_s=60)
+    yield z
+    z.stop()
+
+
+def _request(out: Path, action: list[str], t: str, cwd: Path, **env: str) -> ForkRequest:
+    argv = [sys.executable, "-m", "echo_runtime", str(out), *action]
+    return ForkRequest(module="echo_runtime", args=[str(out), *action],
+                       env={**BASE_ENV, "FINESLAB_T": t, **env}, cwd=str(cwd), title=argv,
+                       wrapper_title=[sys.executable, "-m", "fineslab.lifeline", "--", *argv])
+
+
+def _fork(zygote: Zygote, request: ForkRequest, log: Path) -> ForkedProcess:
+    with open(log, "wb") as f:
+        return zygote.fork(request, f.fileno())
+
+
+def _report(path: Path, timeout_s: float = 30) -> dict[str, object]:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no report at {path}"
+        time.sleep(0.05)
+    return json.loads(path.read_text())
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def test_each_fork_sees_only_its_own_arguments_environment_folder_and_log(
+        zygote: Zygote, tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = _fork(zygote, _request(tmp_path / "a.json", ["exit", "7"], "a", tmp_path / "a"),
+              tmp_path / "a.log")
+    b = _fork(zygote, _request(tmp_path / "b.json", ["exit", "0"], "b", tmp_path / "b"),
+              tmp_path / "b.log")
+    assert a.wait(30) == 7, "the runtime's own exit status comes back through the zygote"
+    assert b.wait(30) == 0
+    ra, rb = _report(tmp_path / "a.json"), _report(tmp_path / "b.json")
+    assert (ra["t"], rb["t"]) == ("a", "b"), "each fork sees its own environment, set after it"
+    assert ra["argv"][1:] == [str(tmp_path / "a.json"), "exit", "7"], ra["argv"]
+    assert (ra["cwd"], rb["cwd"]) == (str(tmp_path / "a"), str(tmp_path / "b"))
+    assert ra["main"] == "__main__", "the module runs as __main__, as `python -m` runs it"
+    assert ra["pgid"] == ra["sid"] == a.pid == ra["ppid"], \
+        "the wrapper leads a new session and the server is its child, as in a plain start"
+    assert "echo runtime a up" in (tmp_path / "a.log").read_text()
+    assert "echo runtime b up" not in (tmp_path / "a.log").read_text()
+
+
+def test_forks_are_titled_as_a_plain_start_and_stopped_as_one_group(
+        zygote: Zygote, tmp_path: Path) -> None:
+    proc = _fork(zygote, _request(tmp_path / "r.json", ["sleep"], "r", tmp_path),
+                 tmp_path / "r.log")
+    server_pid = int(_report(tmp_path / "r.json")["pid"])  # type: ignore[call-overload]
+    try:
+        assert "fineslab.lifeline" in _cmdline(proc.pid)
+        assert "-m echo_runtime" in _cmdline(server_pid)
+        assert "fineslab.lifeline" not in _cmdline(server_pid)
+        assert set(tree_pids_of_group(proc.pid)) == {proc.pid, server_pid}
+    finally:
+        stop_group(proc.pid, 2.0, reap=proc.poll)
+    assert proc.wait(10) is not None
+    assert not tree_pids_of_group(proc.pid)
+
+
+def test_the_launchers_death_stops_its_forks_and_its_zygote(
+        zygote: Zygote, lifeline: tuple[int, int], tmp_path: Path) -> None:
+    proc = _fork(zygote, _request(tmp_path / "r.json", ["sleep"], "r", tmp_path),
+                 tmp_path / "r.log")
+    _report(tmp_path / "r.json")
+    os.close(lifeline[1])  # what the kernel does when the launcher dies, however it dies
+    assert proc.wait(30) != 0
+    assert zygote.proc is not None and zygote.proc.wait(30) == 0
+    assert not tree_pids_of_group(proc.pid)
+    assert not zygote.folder.exists(), "the zygote removes its folder when nobody else can"
+
+
+def test_a_dead_zygote_leaves_its_forks_running_and_their_end_is_still_seen(
+        zygote: Zygote, tmp_path: Path) -> None:
+    proc = _fork(zygote, _request(tmp_path / "r.json", ["sleep"], "r", tmp_path),
+                 tmp_path / "r.log")
+    _report(tmp_path / "r.json")
+    assert zygote.proc is not None
+    os.kill(zygote.proc.pid, signal.SIGKILL)
+    zygote.proc.wait(10)
+    time.sleep(0.3)
+    assert proc.poll() is None, "a runtime outlives the zygote that forked it"
+    assert not zygote.alive()
+    stop_group(proc.pid, 2.0)
+    assert proc.wait(10) == -signal.SIGKILL, "an end seen by pid alone reads as a kill"
+    with pytest.raises(ZygoteUnavailable, match="not running"):
+        _fork(zygote, _request(tmp_path / "s.json", ["sleep"], "s", tmp_path), tmp_path / "s")
+
+
+def test_a_variable_a_module_may_read_at_import_sends_the_start_down_the_plain_path(
+        zygote: Zygote, tmp_path: Path) -> None:
+    request = _request(tmp_path / "r.json", ["exit", "0"], "r", tmp_path, SGLANG_T="1")
+    with pytest.raises(ZygoteUnavailable, match="SGLANG_T"):
+        _fork(zygote, request, tmp_path / "r.log")
+    time.sleep(0.5)
+    assert not (tmp_path / "r.json").exists(), "nothing was forked"
+
+
+def test_a_malformed_request_is_refused_and_the_zygote_serves_on(
+        zygote: Zygote, tmp_path: Path) -> None:
+    for frame in (b"\xff\xff\xff\xff", struct.pack("!I", 5) + b"[1,2]", b"\x00\x00"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
+            sock.connect(str(zygote.socket_path))
+            sock.sendall(frame)
+            sock.shutdown(socket.SHUT_WR)
+            sock.recv(1024)
+    assert zygote.alive()
+    proc = _fork(zygote, _request(tmp_path / "r.json", ["exit", "3"], "r", tmp_path),
+                 tmp_path / "r.log")
+    assert proc.wait(30) == 3
+
+
+def test_a_zygote_whose_imports_initialise_cuda_refuses_to_serve(
+        lifeline: tuple[int, int], tmp_path: Path) -> None:
+    fake = tmp_path / "fake" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        "class cuda:\n    @staticmethod\n    def is_initialized():\n        return True\n")
+    env = {**BASE_ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"),
+                                                       BASE_ENV["PYTHONPATH"]])}
+    z = Zygote(env, lifeline[0], preload=("torch",))
+    with pytest.raises(ZygoteUnavailable, match="CUDA"):
+        z.start(timeout_s=60)
+    assert not z.alive()
