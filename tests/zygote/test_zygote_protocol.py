@@ -7,6 +7,7 @@ The zygote here preloads nothing (`preload=()`) and forks `echo_runtime` instead
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -34,10 +35,8 @@ def lifeline() -> Iterator[tuple[int, int]]:
     read_fd, write_fd = os.pipe()
     yield read_fd, write_fd
     for fd in (read_fd, write_fd):
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
 
 
 @pytest.fixture
