@@ -50,6 +50,9 @@ ENGINE_POLICY_VAR = "FINESLAB_ENGINE_POLICY"
 #: "0": every runtime starts as a fresh interpreter instead of a fork of the launcher's zygote
 #: (fineslab.zygote, warm starts; on by default).
 ZYGOTE_VAR = "FINESLAB_ZYGOTE"
+#: A file to append a JSON line to for each SGLang runtime, engine and Ray cluster started
+#: (fineslab.startlog; the test suite sets it to count its starts). Unset: nothing written.
+START_LOG_VAR = "FINESLAB_START_LOG"
 #: FP8 KV only: the per-layer scales file (SGLang's `--quantization-param-path` JSON).
 KV_SCALES_VAR = "FINESLAB_KV_SCALES"
 
@@ -87,6 +90,7 @@ class FineslabEnv:
     layer_streaming: bool = False
     prefix_lending: int | None = None
     warm_starts: bool = True
+    start_log: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> FineslabEnv:
@@ -106,4 +110,5 @@ class FineslabEnv:
                                                  env.get(LAYER_STREAMING_VAR))),
             prefix_lending=_parse_slabs(PREFIX_LENDING_VAR, env.get(PREFIX_LENDING_VAR)),
             warm_starts=_parse_tristate(ZYGOTE_VAR, env.get(ZYGOTE_VAR)) is not False,
+            start_log=env.get(START_LOG_VAR) or None,
         )

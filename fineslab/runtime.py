@@ -44,8 +44,9 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from fineslab import cpu_mode
+from fineslab import cpu_mode, startlog
 from fineslab.env import FineslabEnv
 from fineslab.errors import EnvironmentSetupError
 from fineslab.proctree import (
@@ -170,14 +171,16 @@ class ServerProcess:
         #: The zygote this server was forked from (None: a plain start).
         self.zygote: Zygote | None = None
         logger.info("starting SGLang server: %s", " ".join(spec.argv()))
+        self._begun_s = time.monotonic()
         if warm and FineslabEnv.from_environ().warm_starts:
             try:
                 self.proc = self._fork(base)
                 self.start_kind = "warm"
-                return
             except ZygoteUnavailable as exc:
                 logger.warning("starting %s plainly: %s", spec.model_path, exc)
-        self.proc = self._popen()
+        if self.start_kind == "plain":
+            self.proc = self._popen()
+        startlog.record("begin", "sglang-server", self.start_kind, detail=spec.model_path)
 
     def _lifeline_argv(self) -> list[str]:
         return [sys.executable, "-m", "fineslab.lifeline", "--fd", str(lifeline_read_fd()),
@@ -209,6 +212,7 @@ class ServerProcess:
         stop_group(self.proc.pid, 2.0, reap=self.proc.poll)
         self.proc, self.zygote = self._popen(), None
         self.start_kind = "plain-after-warm"
+        startlog.record("begin", "sglang-server", self.start_kind, detail=self.spec.model_path)
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -240,6 +244,8 @@ class ServerProcess:
                     if resp.status == 200:
                         self.record_shm()
                         self.members = set(self.tree_pids())
+                        startlog.record("ready", "sglang-server", self.start_kind,
+                                        time.monotonic() - self._begun_s, self.spec.model_path)
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
@@ -351,6 +357,19 @@ def wait_until_up(proc: subprocess.Popen[bytes], health_url: str, what: str,
     raise EnvironmentSetupError(f"{what} not up at {health_url} after {timeout_s} s")
 
 
+def start_engine(**kwargs: object) -> Any:
+    """`sglang.Engine(**kwargs)`, counted (fineslab.startlog): the one way fineslab and its
+    tests start an in-process engine."""
+    import sglang
+
+    started = time.monotonic()
+    startlog.record("begin", "sglang-engine", "in-process", detail=str(kwargs.get("model_path")))
+    engine = sglang.Engine(**kwargs)
+    startlog.record("ready", "sglang-engine", "in-process", time.monotonic() - started,
+                    str(kwargs.get("model_path")))
+    return engine
+
+
 def cpu_engine_kwargs(extra: Mapping[str, object] | None = None) -> dict[str, object]:
     """Keyword arguments for `sglang.Engine(...)` in CPU mode."""
     kwargs = dict(cpu_mode.CPU_SERVER_ARGS)
@@ -374,5 +393,5 @@ def shutdown_engine(engine: object) -> list[Path]:
 
 __all__: Sequence[str] = [
     "PortInUse", "ServerProcess", "ServerSpec", "cpu_engine_kwargs", "free_port",
-    "shutdown_engine", "start_server", "wait_until_up",
+    "shutdown_engine", "start_engine", "start_server", "wait_until_up",
 ]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from start_counting import StartCounter, check_phase
 
 from fineslab import cpu_mode
 from fineslab.models.generate import ensure_model
@@ -23,3 +25,19 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in ("llama-tiny", "qwen2-tiny"):
         ensure_model(name, cache)
     return cache
+
+
+# Counted starts: each SGLang runtime, engine and Ray cluster of the run (tests/start_counting.py).
+_starts = StartCounter()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    check_phase(_starts, item, outcome.get_result())
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    terminalreporter.section("SGLang and Ray starts")
+    for line in _starts.summary_lines():
+        terminalreporter.write_line(line)

@@ -23,6 +23,7 @@ from fineslab.runtime import (
     cpu_engine_kwargs,
     free_port,
     shutdown_engine,
+    start_engine,
     start_server,
 )
 
@@ -55,9 +56,8 @@ def _hf_greedy(model_dir: Path, dtype: str) -> tuple[list[list[int]], list[list[
 def _sglang_greedy(model_dir: Path, dtype: str, prompts_ids: list[list[int]],
                    removed: list[Path] | None = None) -> list[list[int]]:
     """Greedy outputs of an in-process engine; `removed` gets the shm files it left."""
-    import sglang
 
-    engine = sglang.Engine(**cpu_engine_kwargs({
+    engine = start_engine(**cpu_engine_kwargs({
         "model_path": str(model_dir), "dtype": dtype, "max_total_tokens": 4096,
         "log_level": "error",
     }))

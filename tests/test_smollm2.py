@@ -11,7 +11,7 @@ import pytest
 
 from fineslab.env import FineslabEnv
 from fineslab.models import smollm2
-from fineslab.runtime import cpu_engine_kwargs, shutdown_engine
+from fineslab.runtime import cpu_engine_kwargs, shutdown_engine, start_engine
 
 MODEL_DIR = smollm2.find(Path(FineslabEnv.from_environ().model_cache_dir))
 pytestmark = [
@@ -22,14 +22,13 @@ pytestmark = [
 
 
 def test_sglang_serves_smollm2_with_a_correct_answer() -> None:
-    import sglang
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         tokenize=False, add_generation_prompt=True)
-    engine = sglang.Engine(**cpu_engine_kwargs({
+    engine = start_engine(**cpu_engine_kwargs({
         "model_path": str(MODEL_DIR), "max_total_tokens": 2048, "log_level": "error"}))
     try:
         out = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 16})

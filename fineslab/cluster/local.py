@@ -29,6 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from fineslab import startlog
 from fineslab.errors import EnvironmentSetupError
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class LocalCluster:
         self.nodes: dict[str, Any] = {}
         self._cluster = Cluster()
         started = time.monotonic()
+        startlog.record("begin", "ray-cluster", f"{len(names)} nodes")
         try:
             for index, name in enumerate(names):
                 args: dict[str, Any] = {
@@ -89,6 +91,8 @@ class LocalCluster:
             raise
         logger.info("local Ray cluster of %d node(s) up in %.1f s", len(names),
                     time.monotonic() - started)
+        startlog.record("ready", "ray-cluster", f"{len(names)} nodes",
+                        time.monotonic() - started)
 
     def add(self, name: str) -> None:
         """Start one more node `name` (a node that joins the running cluster)."""

@@ -35,7 +35,7 @@ from typing import Any
 from fineslab import cpu_mode
 from fineslab.models.generate import ensure_model
 from fineslab.quant.verify import read_headers
-from fineslab.runtime import cpu_engine_kwargs, shutdown_engine
+from fineslab.runtime import cpu_engine_kwargs, shutdown_engine, start_engine
 from fineslab.scheduler.curves import PiecewiseLinear
 from fineslab.scheduler.kv_format import kv_token_bytes
 from fineslab.scheduler.profile_schema import (
@@ -150,7 +150,7 @@ def run_measure(config: MeasureConfig) -> Path:
     shape, kv_dtype = read_shape(model_dir)
     weights_bytes, num_params = safetensors_bytes_and_params(model_dir)
     shape = replace(shape, num_params=num_params)
-    engine = sglang.Engine(model_path=str(model_dir), **cpu_engine_kwargs({
+    engine = start_engine(model_path=str(model_dir), **cpu_engine_kwargs({
         "chunked_prefill_size": config.chunk_tokens, "disable_radix_cache": True,
         "log_level": "error", "random_seed": config.seed,
         # Without a cap SGLang sizes the KV pool from free host memory (17 GiB on the 24 GiB

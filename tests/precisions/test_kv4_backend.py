@@ -193,9 +193,8 @@ def _engine_greedy(model_dir: Path, backend: str, prompts: list[list[int]],
                    device: str) -> list[Greedy]:
     """Greedy tokens, with their logprobs and the top ones, of one in-process engine whose KV4
     lives in an arena of its own."""
-    import sglang
 
-    from fineslab.runtime import cpu_engine_kwargs, shutdown_engine
+    from fineslab.runtime import cpu_engine_kwargs, shutdown_engine, start_engine
     from fineslab.sglang_plugin import ArenaJoin
     from fineslab.slabs import ArenaSpec, KVDtype, KVShape, SlabArena
     from fineslab.slabs.sizing import fit_format
@@ -216,7 +215,7 @@ def _engine_greedy(model_dir: Path, backend: str, prompts: list[list[int]],
         kwargs["disable_cuda_graph"] = True  # the backend has no CUDA graph support
     os.environ.update(join.environ())  # read by the scheduler process the engine spawns
     try:
-        engine = sglang.Engine(**kwargs)
+        engine = start_engine(**kwargs)
     finally:
         for key in join.environ():
             os.environ.pop(key, None)

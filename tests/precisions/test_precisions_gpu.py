@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from fineslab.runtime import shutdown_engine
+from fineslab.runtime import shutdown_engine, start_engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -41,9 +41,8 @@ def test_triton_kv4_kernel_on_cuda() -> None:
 
 
 def _engine_logprobs(model: Path, **kwargs: Any) -> list[float]:
-    import sglang
 
-    engine = sglang.Engine(model_path=str(model), log_level="error", mem_fraction_static=0.3,
+    engine = start_engine(model_path=str(model), log_level="error", mem_fraction_static=0.3,
                            **kwargs)
     try:
         out = engine.generate(TEXT, {"max_new_tokens": 1, "temperature": 0},

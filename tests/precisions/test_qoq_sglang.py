@@ -28,7 +28,7 @@ from fineslab.errors import IntegrityError
 from fineslab.quant.checkpoint import LINEAR_SUFFIXES
 from fineslab.quant.qoq import QoQWeight, w4a8_linear
 from fineslab.quant.qoq_checkpoint import qoq_tensors, read_qoq_linear, write_qoq_checkpoint
-from fineslab.runtime import cpu_engine_kwargs, shutdown_engine
+from fineslab.runtime import cpu_engine_kwargs, shutdown_engine, start_engine
 
 PROMPT_LEN, NUM_PROMPTS, MAX_NEW_TOKENS = 12, 8, 16
 CONTROL_LAYER = "model.layers.0.mlp.down_proj"
@@ -74,10 +74,9 @@ def _engine_greedy(model_dirs: list[Path], prompts: list[list[int]]) -> list[lis
     """Greedy outputs of one engine started on `model_dirs[0]`, then given each further
     checkpoint through SGLang's `update_weights_from_disk` (a second engine start would cost
     15-45 s here)."""
-    import sglang
 
     # No --quantization: SGLang picks fineslab_qoq from config.json's quantization_config.
-    engine = sglang.Engine(**cpu_engine_kwargs({
+    engine = start_engine(**cpu_engine_kwargs({
         "model_path": str(model_dirs[0]), "dtype": "float32", "max_total_tokens": 4096,
         "log_level": "error"}))
     outputs = []

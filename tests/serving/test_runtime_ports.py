@@ -81,6 +81,7 @@ def _supervised(spec: ServerSpec, log_path: Path, progress: Callable[[str], None
 DIAGNOSTICS = "Sleeping 5 seconds before crash diagnostics"
 
 
+@pytest.mark.slow
 def test_a_runtime_whose_port_is_taken_at_start_up_comes_up_on_a_fresh_port(
         squatted: ServerSpec, tmp_path: Path) -> None:
     taken = squatted.port
@@ -104,6 +105,7 @@ def test_a_runtime_whose_port_is_taken_at_start_up_comes_up_on_a_fresh_port(
     assert DIAGNOSTICS in logs, "negative control: diagnostics asked for in the model's env run"
 
 
+@pytest.mark.slow
 def test_a_port_still_taken_after_the_last_retry_fails_the_start_with_the_log_named(
         squatted: ServerSpec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("fineslab.launch.supervisor.PORT_RETRIES", 0)  # no retry left
@@ -117,6 +119,7 @@ def test_a_port_still_taken_after_the_last_retry_fails_the_start_with_the_log_na
         supervisor.stop_all()
 
 
+@pytest.mark.slow
 def test_start_server_moves_to_a_fresh_port_when_its_port_is_taken(
         squatted: ServerSpec, tmp_path: Path) -> None:
     with start_server(squatted, tmp_path / "sglang.log", timeout_s=300) as server:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import httpx
 import torch
 
-from fineslab.runtime import cpu_engine_kwargs, shutdown_engine
+from fineslab.runtime import cpu_engine_kwargs, shutdown_engine, start_engine
 from fineslab.sglang_plugin import ArenaJoin
 from fineslab.slabs import ArenaSpec, KVDtype, KVShape, RuntimeSlabs, SlabArena, snapshot
 from fineslab.slabs.formats import BlockFormat
@@ -135,7 +135,6 @@ def engine_batches(model_path: Path, jobs: list[tuple[list[list[int]], int]], *,
     """`engine_outputs` of several (prompts, new tokens) batches, one after the other in one
     engine (an engine start costs more than most batches); the prefix cache is flushed between
     batches, so each is computed as by an engine of its own."""
-    import sglang
 
     kwargs: dict[str, object] = dict(model_path=str(model_path), dtype=dtype, log_level="error",
                                      page_size=page_size, **cpu_engine_kwargs())
@@ -143,7 +142,7 @@ def engine_batches(model_path: Path, jobs: list[tuple[list[list[int]], int]], *,
         kwargs["max_total_tokens"] = 4096
     kwargs.update(whole_page_chunk(page_size), **(extra or {}))
     with joined(join):
-        engine = sglang.Engine(**kwargs)
+        engine = start_engine(**kwargs)
     outputs = []
     try:
         for input_ids, max_new_tokens in jobs:

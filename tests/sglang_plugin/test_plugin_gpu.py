@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from plugin_test_support import joined, prompts, whole_page_chunk
 
-from fineslab.runtime import shutdown_engine
+from fineslab.runtime import shutdown_engine, start_engine
 from fineslab.sglang_plugin import ArenaJoin
 from fineslab.slabs import ArenaSpec, KVDtype, KVShape, SlabArena
 from fineslab.slabs.sizing import fit_format
@@ -26,7 +26,6 @@ PROMPTS = prompts(4, 40, seed=5)
 
 def _outputs(model_path: Path, backend: str, kv_cache_dtype: str, page_size: int,
              join: ArenaJoin | None, input_ids: list[list[int]] = PROMPTS) -> list[list[int]]:
-    import sglang
 
     kwargs: dict[str, object] = dict(
         model_path=str(model_path), dtype="bfloat16", log_level="error", page_size=page_size,
@@ -35,7 +34,7 @@ def _outputs(model_path: Path, backend: str, kv_cache_dtype: str, page_size: int
         kwargs["max_total_tokens"] = 8192
     kwargs.update(whole_page_chunk(page_size))
     with joined(join):
-        engine = sglang.Engine(**kwargs)
+        engine = start_engine(**kwargs)
     try:
         out = engine.generate(input_ids=input_ids, sampling_params={
             "temperature": 0, "max_new_tokens": 24, "ignore_eos": True})

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from plugin_test_support import Reference, arena_for, joined, kv_shape, prompts
 
-from fineslab.runtime import cpu_engine_kwargs, shutdown_engine
+from fineslab.runtime import cpu_engine_kwargs, shutdown_engine, start_engine
 from fineslab.slabs import check_integrity, snapshot
 
 PROMPTS = tuple(tuple(p) for p in prompts(3, 24, seed=11))
@@ -24,14 +24,13 @@ SLAB = 1 << 20
 @pytest.mark.slow
 def test_weights_move_into_the_arena_and_output_equals_stock(
         model_cache: Path, stock_outputs: Reference) -> None:
-    import sglang
 
     model = "qwen2-tiny"  # its qkv biases: more kinds of tensor than llama-tiny has
     arena = arena_for([kv_shape(model, "bfloat16", "m")], 16, SLAB, num_slabs=16)
     join = dataclasses.replace(arena.join("m"), weights_in_arena=True)
     try:
         with joined(join):
-            engine = sglang.Engine(**cpu_engine_kwargs({
+            engine = start_engine(**cpu_engine_kwargs({
                 "model_path": str(model_cache / model), "dtype": "bfloat16", "page_size": 16,
                 "log_level": "error"}))
         try:

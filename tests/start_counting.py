@@ -1,0 +1,63 @@
+"""The suite's counted starts (issue #34): how many SGLang runtimes, in-process engines and Ray
+clusters a run started, how long they took, and a failure for a test that starts one without
+the `slow` marker.
+
+conftest.py points `FINESLAB_START_LOG` at a file of the run's own before any test runs, so
+every process the suite starts (launchers, node fleets, benchmarks) appends to it
+(fineslab.startlog). After each phase of each test (setup, call, teardown) the new lines are
+read: they belong to that test (a module fixture's starts to the first test that uses it).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+from fineslab import startlog
+from fineslab.env import START_LOG_VAR
+
+
+class StartCounter:
+    def __init__(self) -> None:
+        folder = Path(tempfile.mkdtemp(prefix="fineslab-starts-"))
+        self.path = folder / "starts.jsonl"
+        self.offset = 0
+        self.begun: Counter[tuple[str, str]] = Counter()
+        self.seconds: defaultdict[tuple[str, str], float] = defaultdict(float)
+        self.by_test: Counter[str] = Counter()
+        os.environ[START_LOG_VAR] = str(self.path)
+
+    def new_begins(self, nodeid: str) -> list[startlog.StartRecord]:
+        records, self.offset = startlog.read(self.path, self.offset)
+        for r in records:
+            if r.event == "ready" and r.seconds is not None:
+                self.seconds[(r.what, r.how)] += float(r.seconds)
+        begins = [r for r in records if r.event == "begin"]
+        for r in begins:
+            self.begun[(r.what, r.how)] += 1
+        self.by_test[nodeid] += len(begins)
+        return begins
+
+    def summary_lines(self) -> list[str]:
+        self.new_begins("(after the last test)")
+        lines = [f"{n:4d} x {what} ({how}), {self.seconds[(what, how)]:.0f} s to ready in all"
+                 for (what, how), n in sorted(self.begun.items())]
+        total = sum(self.begun.values())
+        busiest = ", ".join(f"{nodeid} {n}" for nodeid, n in self.by_test.most_common(5) if n)
+        return [f"starts: {total} ({START_LOG_VAR}={self.path})", *lines,
+                f"most starts: {busiest or 'none'}"]
+
+
+def check_phase(counter: StartCounter, item: pytest.Item, report: pytest.TestReport) -> None:
+    """Fail the phase's report if the test started SGLang or Ray without the `slow` marker."""
+    begins = counter.new_begins(item.nodeid)
+    if not begins or item.get_closest_marker("slow") is not None or report.failed:
+        return
+    kinds = ", ".join(sorted({f"{r.what} ({r.how})" for r in begins}))
+    report.outcome = "failed"
+    report.longrepr = (f"{item.nodeid} started {len(begins)} of {kinds} in its {report.when} "
+                       "without the `slow` marker: mark it slow (tests/start_counting.py)")
