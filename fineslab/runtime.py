@@ -151,15 +151,32 @@ def lifeline_read_fd() -> int:
 QUIET_EXIT = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
 
 
+def _base_environ(cpu: bool) -> dict[str, str]:
+    """What every runtime's environment starts from (its spec's `env` goes on top)."""
+    base = {**QUIET_EXIT, **os.environ}
+    return cpu_mode.child_environ(base) if cpu else base
+
+
+def prestart_zygote(cpu: bool = True) -> Zygote | None:
+    """Start this process's zygote now (the first warm start would otherwise pay its import),
+    for a launcher to overlap with its planning and a benchmark to keep out of its timings;
+    None (logged) where warm starts are off or the zygote cannot start."""
+    if not FineslabEnv.from_environ().warm_starts:
+        return None
+    try:
+        return shared_zygote(cpu, _base_environ(cpu), lifeline_read_fd())
+    except ZygoteUnavailable as exc:
+        logger.warning("no zygote: runtimes start plainly (%s)", exc)
+        return None
+
+
 class ServerProcess:
     """A running SGLang server; use as a context manager or call `stop()`."""
 
     def __init__(self, spec: ServerSpec, log_path: Path | None = None,
                  warm: bool = True) -> None:
         self.spec = spec
-        base = {**QUIET_EXIT, **os.environ}
-        if spec.cpu:
-            base = cpu_mode.child_environ(base)
+        base = _base_environ(spec.cpu)
         self.env = {**base, **spec.env}
         self.log_path = log_path
         self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
@@ -170,6 +187,7 @@ class ServerProcess:
         self.start_kind = "plain"
         #: The zygote this server was forked from (None: a plain start).
         self.zygote: Zygote | None = None
+        self.stopping = False  # set by stop(): an exit then is no failed start to retry
         logger.info("starting SGLang server: %s", " ".join(spec.argv()))
         self._begun_s = time.monotonic()
         if warm and FineslabEnv.from_environ().warm_starts:
@@ -231,6 +249,8 @@ class ServerProcess:
             if self.port_taken():
                 raise PortInUse(f"port {self.spec.port} was taken before the SGLang server "
                                 "could bind it.\n" + self.log_tail())
+            if self.proc.poll() is not None and self.stopping:
+                raise EnvironmentSetupError("SGLang server stopped during start-up")
             if self.proc.poll() is not None and self.start_kind == "warm":
                 self._start_plainly_after(f"exited with code {self.proc.returncode}")
                 continue
@@ -298,6 +318,7 @@ class ServerProcess:
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the process group, wait up to `grace_s`, then SIGKILL what is left; then
         remove the tree's SGLang shm files."""
+        self.stopping = True
         pgid = self.proc.pid
         self.record_shm()
         if self.proc.poll() is None or tree_pids_of_group(pgid):
@@ -393,5 +414,6 @@ def shutdown_engine(engine: object) -> list[Path]:
 
 __all__: Sequence[str] = [
     "PortInUse", "ServerProcess", "ServerSpec", "cpu_engine_kwargs", "free_port",
+    "prestart_zygote",
     "shutdown_engine", "start_engine", "start_server", "wait_until_up",
 ]

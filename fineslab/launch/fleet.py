@@ -53,7 +53,7 @@ from fineslab.router import ModelRoute, ReplicaRoute, Router, RouterServer, Rout
 from fineslab.router.admin import KVLimits
 from fineslab.router.elastic import CONTROL_TIMEOUT_S, SLEEP_CALLS, ArenaView, Elastic, ElasticSpec
 from fineslab.router.server import bind_router_socket
-from fineslab.runtime import ServerSpec
+from fineslab.runtime import ServerSpec, prestart_zygote
 from fineslab.scheduler.local import TtftPredictor
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
 from fineslab.scheduler.refreshed import FollowedPredictor
@@ -63,6 +63,7 @@ from fineslab.slabs.shm import arena_device
 from fineslab.slabs.streamctl import StreamState
 from fineslab.slabs.table import SlabTable
 from fineslab.slabs.weights import free_weight_slabs
+from fineslab.zygote import stop_shared_zygotes
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,11 @@ class Fleet:
         self._router_socket = bind_router_socket(config.router.host, self.port)
         self.port = self._router_socket.getsockname()[1]
         self.record = sweep(config.fleet_id, progress=self.progress)
+        # The zygote imports SGLang while the checkpoints and arenas are prepared: the first
+        # runtime then starts warm without waiting for a whole import (fineslab.zygote).
+        zygote = threading.Thread(target=prestart_zygote, name="zygote-start", daemon=True,
+                                  args=(all(r.device.is_cpu for r in self.plan.runtimes),))
+        zygote.start()
         self.prepare()
         for arena_plan in self.plan.arenas:
             spec = ArenaSpec.fit(config.fleet_id, arena_device(arena_plan.device.name),
@@ -478,6 +484,7 @@ class Fleet:
             self.supervisor.stop_all()
             troubled = any(r.restarts for r in self.supervisor.runtimes.values())
             self.supervisor = None
+        stop_shared_zygotes()  # it would go with this process anyway; now, and logged
         for device, arena in self.arenas.items():
             try:
                 arena.close()

@@ -55,6 +55,7 @@ PRELOAD = (
     "sglang.srt.model_executor.model_runner",
     "sglang.srt.models.llama",
     "sglang.srt.models.qwen2",
+    "sglang.srt.models.registry",  # imports every model module SGLang knows (about 1 s)
     "sglang.launch_server",
     "fineslab.sglang_plugin",
     "fineslab.cpu_mode.forked",

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fineslab.errors import EnvironmentSetupError
 from fineslab.runtime import ServerProcess, ServerSpec, free_port
 from fineslab.sglang_plugin import ArenaJoin
 from fineslab.slabs import ArenaSpec, KVDtype, KVShape, SlabArena, snapshot
@@ -134,3 +135,17 @@ def test_a_killed_zygote_is_replaced_and_its_runtimes_serve_on(
         assert len(_greedy(fresh)) == 8
     finally:
         fresh.stop()
+
+
+def test_a_server_stopped_during_its_warm_start_is_not_started_again_plainly(
+        model_cache: Path, tmp_path: Path) -> None:
+    """Regression: a supervisor's stop while a restart waited made the warm start's fallback
+    open a plain start on the closed log (ValueError in the restart thread)."""
+    server = ServerProcess(ServerSpec(str(model_cache / "llama-tiny"), free_port(), extra_args=(
+        "--max-total-tokens", "1024", "--log-level", "warning")), tmp_path / "s.log")
+    assert server.start_kind == "warm"
+    server.stop(grace_s=1)
+    with pytest.raises(EnvironmentSetupError, match="stopped during start-up"):
+        server.wait_healthy(60)
+    assert server.start_kind == "warm", "no plain start after a stop"
+    assert not server.tree_pids()
