@@ -50,6 +50,7 @@ from fineslab import cpu_mode, startlog
 from fineslab.env import FineslabEnv
 from fineslab.errors import EnvironmentSetupError
 from fineslab.proctree import (
+    FLEET_MARKER,
     descendant_pids,
     remove_files,
     stat_fields,
@@ -157,14 +158,16 @@ def _base_environ(cpu: bool) -> dict[str, str]:
     return cpu_mode.child_environ(base) if cpu else base
 
 
-def prestart_zygote(cpu: bool = True) -> Zygote | None:
+def prestart_zygote(cpu: bool = True, fleet_id: str | None = None) -> Zygote | None:
     """Start this process's zygote now (the first warm start would otherwise pay its import),
     for a launcher to overlap with its planning and a benchmark to keep out of its timings;
+    `fleet_id`: the fleet whose runtimes it forks (its marker shows in their environment);
     None (logged) where warm starts are off or the zygote cannot start."""
     if not FineslabEnv.from_environ().warm_starts:
         return None
     try:
-        return shared_zygote(cpu, _base_environ(cpu), lifeline_read_fd())
+        marker = {FLEET_MARKER: fleet_id} if fleet_id else {}
+        return shared_zygote(cpu, {**_base_environ(cpu), **marker}, lifeline_read_fd())
     except ZygoteUnavailable as exc:
         logger.warning("no zygote: runtimes start plainly (%s)", exc)
         return None
@@ -213,7 +216,9 @@ class ServerProcess:
         """A warm start: this server forked from this process's zygote (fineslab.zygote)."""
         argv = self.spec.argv()
         module_at = argv.index("sglang.launch_server")
-        zygote = self.zygote = shared_zygote(self.spec.cpu, base, lifeline_read_fd())
+        marker = {FLEET_MARKER: self.env[FLEET_MARKER]} if FLEET_MARKER in self.env else {}
+        zygote = self.zygote = shared_zygote(self.spec.cpu, {**base, **marker},
+                                             lifeline_read_fd())
         request = ForkRequest(
             module="sglang.launch_server", args=argv[module_at + 1:], env=self.env,
             cwd=os.getcwd(), title=argv, wrapper_title=self._lifeline_argv(),

@@ -127,7 +127,8 @@ class Fleet:
         # The zygote imports SGLang while the checkpoints and arenas are prepared: the first
         # runtime then starts warm without waiting for a whole import (fineslab.zygote).
         zygote = threading.Thread(target=prestart_zygote, name="zygote-start", daemon=True,
-                                  args=(all(r.device.is_cpu for r in self.plan.runtimes),))
+                                  args=(all(r.device.is_cpu for r in self.plan.runtimes),
+                                        config.fleet_id))
         zygote.start()
         self.prepare()
         for arena_plan in self.plan.arenas:

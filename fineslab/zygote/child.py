@@ -48,7 +48,7 @@ def become_runtime(request: ForkRequest, log_fd: int, lifeline_fd: int,
             signal.signal(sig, signal.SIG_DFL)
         _redirect(log_fd)
         _forget_zygote_logging()
-        _set_title(request.wrapper_title)  # first: setproctitle finds its room in the environ
+        set_title(request.wrapper_title)  # first: setproctitle reads SPT_NOENV once, here
         os.environ.clear()
         os.environ.update(request.env)
         os.chdir(request.cwd)
@@ -82,7 +82,7 @@ class _ForkedServer:
 def _run_server(request: ForkRequest) -> NoReturn:
     code: int = 1
     try:
-        _set_title(request.title)
+        set_title(request.title)
         if request.fork_children:
             from fineslab.cpu_mode.forked import fork_children
 
@@ -131,7 +131,8 @@ def _forget_zygote_logging() -> None:
     root.setLevel(logging.WARNING)
 
 
-def _set_title(argv: list[str]) -> None:
+def set_title(argv: list[str]) -> None:
+    """What `ps` shows for this process (within the zygote's command line's room)."""
     try:
         import setproctitle
     except ImportError:  # an SGLang dependency; without it `ps` shows the zygote's line

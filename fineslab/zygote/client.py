@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from fineslab.errors import EnvironmentSetupError
+from fineslab.proctree import FLEET_MARKER
 from fineslab.zygote.protocol import (
     STATUS,
     ForkRequest,
@@ -49,6 +50,15 @@ MAX_DEATHS = 3
 #: after the fork, and pytest's (which it changes per test). Any other difference (an SGLang or
 #: torch switch a module may read at import) makes that runtime start plainly.
 FORK_SAFE_PREFIXES = ("FINESLAB_", "PYTEST_")
+
+
+#: Room in the zygote's command line for its forks' titles (setproctitle writes them there):
+#: a runtime's command line is 300-800 characters; a longer one is cut at this length.
+TITLE_ROOM_CHARS = 4096
+#: setproctitle keeps to the command line's room and leaves the environment block alone, so
+#: /proc/<pid>/environ of every fork still shows the zygote's environment, fleet marker
+#: included (the launcher's sweep and the chaos benchmark find a fleet's processes by it).
+TITLE_ENV = {"SPT_NOENV": "1"}
 
 
 class ZygoteUnavailable(EnvironmentSetupError):
@@ -157,9 +167,11 @@ class Zygote:
                 "--lifeline-fd", str(self.lifeline_fd)]
         if self.preload is not None:
             argv += ["--preload", *self.preload]
+        argv += ["--title-room", "." * TITLE_ROOM_CHARS]
         started = time.monotonic()
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(argv, env=self.env, stdout=subprocess.PIPE, stderr=log,
+            self.proc = subprocess.Popen(argv, env={**self.env, **TITLE_ENV},
+                                         stdout=subprocess.PIPE, stderr=log,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
                                          pass_fds=(self.lifeline_fd,))
         assert self.proc.stdout is not None
@@ -246,34 +258,38 @@ def _read_line(stream: object, timeout_s: float) -> str:
 
 
 _lock = threading.Lock()
-_zygotes: dict[bool, Zygote] = {}
-_deaths: dict[bool, int] = {}
+#: (cpu, fleet marker or "") -> the zygote; a fleet's runtimes fork from a zygote whose own
+#: environment carries the fleet's marker, which /proc shows for every fork.
+_zygotes: dict[tuple[bool, str], Zygote] = {}
+_deaths: dict[tuple[bool, str], int] = {}
 
 
 def shared_zygote(cpu: bool, env: Mapping[str, str], lifeline_fd: int) -> Zygote:
-    """This process's zygote for CPU (or GPU) runtimes, started on first use with `env`;
-    one that died is restarted (logged with its log's end), up to `MAX_DEATHS` times."""
+    """This process's zygote for CPU (or GPU) runtimes of the fleet `env` marks (if any),
+    started on first use with `env`; one that died is restarted (logged with its log's end),
+    up to `MAX_DEATHS` times."""
+    key = (cpu, env.get(FLEET_MARKER, ""))
     with _lock:
-        zygote = _zygotes.get(cpu)
+        zygote = _zygotes.get(key)
         if zygote is not None and zygote.alive():
             return zygote
         if zygote is not None:
-            _deaths[cpu] = _deaths.get(cpu, 0) + 1
+            _deaths[key] = _deaths.get(key, 0) + 1
             code = zygote.proc.poll() if zygote.proc is not None else None
             logger.warning("the zygote (pid %s) died with status %s (%d of %d deaths); its "
                            "log's end:\n%s", zygote.proc.pid if zygote.proc else "-", code,
-                           _deaths[cpu], MAX_DEATHS, zygote.log_tail())
+                           _deaths[key], MAX_DEATHS, zygote.log_tail())
             zygote.stop()
-            del _zygotes[cpu]
-        if _deaths.get(cpu, 0) >= MAX_DEATHS:
+            del _zygotes[key]
+        if _deaths.get(key, 0) >= MAX_DEATHS:
             raise ZygoteUnavailable(f"the zygote died {MAX_DEATHS} times; starting plainly")
         zygote = Zygote(env, lifeline_fd)
         try:
             zygote.start()
         except ZygoteUnavailable:
-            _deaths[cpu] = MAX_DEATHS  # one that cannot start will not start next time either
+            _deaths[key] = MAX_DEATHS  # one that cannot start will not start next time either
             raise
-        _zygotes[cpu] = zygote
+        _zygotes[key] = zygote
         return zygote
 
 

@@ -168,11 +168,20 @@ class ZygoteServer:
             os.close(fd)  # the launcher reads EOF: status unknown, it falls back on the pid
 
 
-def preload(modules: tuple[str, ...]) -> None:
+def preload(modules: tuple[str, ...], lifeline_fd: int) -> bool:
+    """Import `modules`; False as soon as the launcher is found gone between two of them."""
     for name in modules:
+        if _gone(lifeline_fd):
+            return False
         started = time.monotonic()
         importlib.import_module(name)
         logger.info("fineslab zygote: imported %s in %.2f s", name, time.monotonic() - started)
+    return True
+
+
+def _gone(lifeline_fd: int) -> bool:
+    readable, _, _ = select.select([lifeline_fd], [], [], 0)
+    return bool(readable) and not os.read(lifeline_fd, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", required=True, help="unix socket to serve fork requests on")
     parser.add_argument("--lifeline-fd", type=int, required=True,
                         help="read end of the launcher's lifeline pipe (exit at its EOF)")
+    parser.add_argument("--title-room", default="",
+                        help="filler that makes room in this command line for the titles "
+                             "of the forks (setproctitle writes there)")
     parser.add_argument("--preload", nargs="*", metavar="MODULE",
                         help="modules to import ahead (default: torch, SGLang's server, "
                              "scheduler and model code, the plugin; none given: none)")
@@ -192,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's Ctrl-C is the launcher's
     try:
-        preload(PRELOAD if args.preload is None else tuple(args.preload))
+        if not preload(PRELOAD if args.preload is None else tuple(args.preload),
+                       args.lifeline_fd):
+            print("error: the launcher went away during the imports", flush=True)
+            return 0
         if cuda_initialized():
             print("error: importing SGLang initialised CUDA; runtimes start plainly", flush=True)
             return 3
@@ -200,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # told to the launcher, which starts plainly
         print(f"error: {type(exc).__name__}: {exc}", flush=True)
         return 2
+    from fineslab.zygote.child import set_title
+
+    set_title([sys.executable, "-m", "fineslab.zygote", "--socket", args.socket])
     gc.freeze()  # the imported objects stay shared with every fork (no gc writes to them)
     print("ready", flush=True)
     reason = "error"

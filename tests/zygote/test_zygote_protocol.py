@@ -20,12 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from fineslab.proctree import stop_group, tree_pids_of_group
+from fineslab.proctree import FLEET_MARKER, stop_group, tree_pids_of_group
 from fineslab.zygote import ForkedProcess, Zygote, ZygoteUnavailable
 from fineslab.zygote.protocol import ForkRequest
 
 HERE = Path(__file__).resolve().parent
-BASE_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
+BASE_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path]),
+            FLEET_MARKER: "ztest"}
 
 
 @pytest.fixture
@@ -101,6 +102,10 @@ def test_forks_are_titled_as_a_plain_start_and_stopped_as_one_group(
         assert "fineslab.lifeline" in _cmdline(proc.pid)
         assert "-m echo_runtime" in _cmdline(server_pid)
         assert "fineslab.lifeline" not in _cmdline(server_pid)
+        for pid in (proc.pid, server_pid):  # what the launcher's sweep and the benches read
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert f"{FLEET_MARKER}=ztest".encode() in environ, \
+                "the title leaves the environment block (and its fleet marker) alone"
         assert set(tree_pids_of_group(proc.pid)) == {proc.pid, server_pid}
     finally:
         stop_group(proc.pid, 2.0, reap=proc.poll)
