@@ -1,7 +1,7 @@
 """The one-model fleet that the HTTP profile and the fidelity check measure.
 
 `serve_one_model(model_dir, ...)` starts the full stack the way a user does: the launcher
-(`python -m fineslab.launch`, through `fineslab.bench.chaos_fleet.ChaosFleet`), one runtime of
+(`python -m fineslab.launch`, through `fineslab.fleet.FleetHandle`), one runtime of
 the model with the SGLang plugin in a CPU slab arena (`kv_pool: arena`), and the router in
 front with the FCFS batch policy (the simulator's `SGLANG_FCFS` system). Clients talk to the
 router. Both tools start the same fleet, so a profile stored by `fineslab.profile measure
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fineslab.bench.chaos_fleet import ChaosFleet
+from fineslab.fleet import FleetHandle, FleetStartError
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +85,8 @@ def serve_one_model(spec: FleetSpec) -> Iterator[str]:
     fleet_id = f"measure-{os.getpid()}"
     logger.info("starting fleet %s (logs in %s)", fleet_id, folder)
     try:
-        fleet = ChaosFleet.launch(spec.config(fleet_id), folder, "fleet")
-    except RuntimeError:
+        fleet = FleetHandle.launch(spec.config(fleet_id), folder, "fleet")
+    except FleetStartError:
         logger.error("fleet %s did not start; its logs are in %s", fleet_id, folder)
         raise
     except BaseException:  # interrupted while starting: the lifeline stops the launcher
@@ -96,8 +96,10 @@ def serve_one_model(spec: FleetSpec) -> Iterator[str]:
         yield fleet.base_url
     finally:
         try:  # SIGINT: the launcher stops runtimes and router and removes the arena files
-            left = fleet.interrupt()
-            if left["orphans"] or left["shm_files_left"]:
+            files = fleet.sglang_files()
+            fleet.stop()
+            left = fleet.leftovers(files, wait_s=10.0)
+            if left:
                 logger.warning("fleet %s left %s after its stop", fleet_id, left)
         finally:
             fleet.cleanup()  # only what the stop left: SIGKILL to the launcher and the rest

@@ -1,9 +1,9 @@
 """Launching a fleet YAML with `python -m fineslab.launch` as a real subprocess, for the tests.
 
 `launch(example, folder, model_cache)` copies an example config with its own fleet id and a
-free router port, starts the launcher in a new session (so the test can signal the whole
-group), and waits for its `ready` line; `LaunchedFleet` reads the router's /health and
-/metrics. `group_alive` and `shm_files` check that a stopped fleet left nothing behind; `Hog`
+free router port and starts it through `fineslab.fleet.FleetHandle` (a new session, so the
+test can signal the whole group; stopped if pytest dies); `LaunchedFleet` adds /metrics.
+`group_alive` and `shm_files` check that a stopped fleet left nothing behind; `Hog`
 fills a fleet's arena; `execute_notebook` runs one of examples/*.ipynb top to bottom.
 """
 
@@ -12,42 +12,28 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
-import httpx
 import yaml
 
+from fineslab.fleet import FleetHandle
 from fineslab.proctree import tree_pids_of_group
-from fineslab.runtime import free_port, lifeline_read_fd
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 900.0
 
 
-@dataclass
-class LaunchedFleet:
-    proc: subprocess.Popen[bytes]
-    base_url: str
-    fleet_id: str
-    output: Path
+class LaunchedFleet(FleetHandle):
+    """A fleet of one of examples/*.yaml, launched for a test (`launch`)."""
+
     model_cache: Path
 
-    def health(self) -> httpx.Response:
-        return httpx.get(self.base_url + "/health", timeout=10)
-
-    def runtime_pids(self) -> dict[str, int]:
-        models = self.health().json()["models"]
-        return {r["runtime_id"]: r["pid"] for rs in models.values() for r in rs}
-
     def metrics(self) -> str:
-        return httpx.get(self.base_url + "/metrics", timeout=10).text
+        return self.get("/metrics").text
 
 
 def group_alive(pgid: int) -> bool:
@@ -67,34 +53,21 @@ def launch(example: str, folder: Path, model_cache: Path, fleet_id: str,
            ) -> tuple[LaunchedFleet, float]:
     """Start `examples/<example>` under `fleet_id` (only `models`, when given; runtime logs in
     `folder/logs`, or without `log_dir` in the launcher's own temporary folder); return the
-    fleet and its start seconds. `edit` may change the config first."""
+    fleet and its start seconds (fineslab.fleet.FleetHandle; config and output in
+    `folder/<name>.yaml|out`). `edit` may change the config first."""
     config = yaml.safe_load((REPO / "examples" / example).read_text())
     config["fleet_id"] = fleet_id
-    port = port or free_port()
-    config["router"]["port"] = port
     if models is not None:
         config["models"] = [m for m in config["models"] if m["name"] in models]
     if edit is not None:
         edit(config)
-    (folder / "fleet.yaml").write_text(yaml.safe_dump(config))
-    output = folder / f"{name}.out"
     env = dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache))
-    start_s = time.monotonic()
-    with open(output, "wb") as out:
-        logs = ["--log-dir", str(folder / "logs")] if log_dir else []
-        # --stop-with-fd: the fleet stops when pytest dies, even by kill -9.
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "fineslab.launch", "--config", str(folder / "fleet.yaml"),
-             *logs, "--stop-with-fd", str(lifeline_read_fd())], stdout=out,
-            stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
-            pass_fds=(lifeline_read_fd(),))
-    fleet = LaunchedFleet(proc, f"http://127.0.0.1:{port}", fleet_id, output, model_cache)
-    deadline = start_s + timeout_s
-    while b"\nready\n" not in output.read_bytes():
-        assert proc.poll() is None, "launcher died:\n" + output.read_text()[-4000:]
-        assert time.monotonic() < deadline, "fleet not ready:\n" + output.read_text()[-4000:]
-        time.sleep(1)
-    return fleet, time.monotonic() - start_s
+    fleet = LaunchedFleet.launch(config, folder, name, port=port, env=env, cwd=REPO,
+                                 log_dir=folder / "logs", own_log_dir=not log_dir,
+                                 timeout_s=timeout_s)
+    fleet.model_cache = model_cache
+    assert fleet.ready_s is not None
+    return fleet, fleet.ready_s
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +52,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterat
 def test_launch_reports_progress_and_every_runtime_up(fleet: LaunchedFleet) -> None:
     out = fleet.output.read_text()
     assert "placement by mme" in out and re.search(r"\[3/3\] runtime .* healthy", out), out
-    health = fleet.health()
+    health = fleet.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert sorted(health.json()["models"]) == sorted(MODELS)
 
@@ -133,7 +134,7 @@ def test_bad_requests_get_their_status_and_the_fleet_stays_healthy(
     error = reply.json()["error"]
     assert set(error) == {"message", "type", "code", "param"}, error
     assert not re.search(r"/[\w.-]+/[\w.-]+/", error["message"]), "no file path leaks"
-    health = fleet.health()
+    health = fleet.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok", health.text
 
 
@@ -146,14 +147,17 @@ def test_metrics_report_queues_ttft_slo_and_slabs(fleet: LaunchedFleet) -> None:
     assert 'fineslab_arena_free_bytes{device="cpu"}' in metrics
 
 
-def _stream_until_error(base_url: str, model: str) -> str:
+def _stream_until_error(base_url: str, model: str,
+                        streaming: threading.Event | None = None) -> str:
+    """Stream a long completion; `streaming` is set once its first chunk came."""
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=300,
                            max_retries=0)
     try:
         stream = client.completions.create(model=model, prompt="Tell a long story",
                                            max_tokens=400, temperature=0, stream=True)
         for _ in stream:
-            pass
+            if streaming is not None:
+                streaming.set()
     except openai.APIError as exc:
         return f"error: {exc}"
     return "completed"
@@ -163,10 +167,14 @@ def test_killing_a_runtime_mid_load_errors_its_requests_restarts_it_and_others_a
         fleet: LaunchedFleet) -> None:
     victim = "llama-bf16-r0"
     pid = fleet.runtime_pids()[victim]
+    streaming = [threading.Event() for _ in range(3)]
     with ThreadPoolExecutor(4) as pool:
-        doomed = [pool.submit(_stream_until_error, fleet.base_url, "llama-bf16")
-                  for _ in range(3)]
-        time.sleep(3.0)  # the streams are running
+        doomed = [pool.submit(_stream_until_error, fleet.base_url, "llama-bf16", s)
+                  for s in streaming]
+        # Kill once every stream has its first chunk: after a fixed 3 s sleep a run found all
+        # three streams finished (about 300 tokens to EOS) before the kill.
+        for s in streaming:
+            assert s.wait(120), "a stream never started"
         os.killpg(pid, signal.SIGKILL)
         results = [f.result(timeout=120) for f in doomed]
     assert all(r.startswith("error") for r in results), results
@@ -176,7 +184,7 @@ def test_killing_a_runtime_mid_load_errors_its_requests_restarts_it_and_others_a
         assert client.completions.create(model=model, prompt="still", max_tokens=2).choices
     deadline = time.monotonic() + START_TIMEOUT_S
     # Until the launcher notices the death, /health still lists the old pid as up.
-    while fleet.runtime_pids()[victim] == pid or fleet.health().json()["status"] != "ok":
+    while fleet.runtime_pids()[victim] == pid or fleet.health()["status"] != "ok":
         assert time.monotonic() < deadline, "the killed runtime never came back"
         time.sleep(2)
     out = fleet.output.read_text()
@@ -201,7 +209,7 @@ def test_the_demo_notebook_drives_this_fleet(fleet: LaunchedFleet) -> None:
     ttft = ast.literal_eval(outputs.split("TTFT measured for ")[1].split(" owners")[0])
     assert sorted(ttft) == sorted(MODELS) and all(ttft.values()), outputs[-2000:]
     assert f"the fleet at {fleet.base_url} keeps running" in outputs, outputs[-2000:]
-    assert fleet.health().status_code == 200
+    assert fleet.get("/health").status_code == 200
 
 
 def test_shutdown_leaves_no_process_and_no_shared_memory(fleet: LaunchedFleet) -> None:

@@ -280,7 +280,7 @@ def test_a_runtime_that_dies_asleep_in_a_full_arena_makes_room_for_its_restart(
         assert _ctl(fleet, "sleep", "llama-a").returncode == 0
     evictions = _states(fleet)["qwen-b"]["evictions"]
     for model in ("qwen-b", "llama-pinned"):  # no cached KV for the reclaimer to flush
-        for replica in fleet.health().json()["models"][model]:
+        for replica in fleet.health()["models"][model]:
             assert httpx.post(replica["url"] + "/flush_cache", timeout=30).status_code == 200
     # qwen-b's 6 weight slabs + these 2: llama-a's 7 and one of KV, besides slab 0 (never
     # weights: a KV runtime parks it whole, so it is no KV room to count on)
@@ -291,7 +291,7 @@ def test_a_runtime_that_dies_asleep_in_a_full_arena_makes_room_for_its_restart(
         deadline = time.monotonic() + 300
         # Requests only once the supervisor has seen the death: one before would try a wake,
         # whose own eviction would make the room (a path the wake tests cover).
-        while fleet.health().json()["models"]["llama-a"][0]["state"] == "up":
+        while fleet.health()["models"]["llama-a"][0]["state"] == "up":
             assert time.monotonic() < deadline, "the supervisor did not see the death"
             time.sleep(0.1)
         _serves_again(fleet, "llama-a")

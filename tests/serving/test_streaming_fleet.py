@@ -85,7 +85,7 @@ def _flush_caches(fleet: LaunchedFleet) -> None:
     """Every runtime's prefix cache dropped (SGLang's /flush_cache), so the slabs they held are
     free for the hog: an idle neighbour's cache is the launcher's first source of room, before
     any layer is lent (a CI run's burst found 3 cached slabs of llama-busy and lent nothing)."""
-    for replicas in fleet.health().json()["models"].values():
+    for replicas in fleet.health()["models"].values():
         for replica in replicas:
             deadline = time.monotonic() + 30
             # 400 while the runtime has work: the supervisor's liveness probe is a request too
