@@ -42,6 +42,7 @@ from fineslab.errors import EnvironmentSetupError
 from fineslab.launch.config import SupervisionPolicy
 from fineslab.launch.plan import RuntimePlan
 from fineslab.runtime import PortInUse, ServerProcess, ServerSpec, free_port
+from fineslab.zygote import dead_zygotes, revive_dead_zygotes
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +168,14 @@ class Supervisor:
         thread.start()
 
     def _watch_loop(self) -> None:
+        reviver: threading.Thread | None = None
         while not self._stopping.wait(self.poll_s):
+            if (reviver is None or not reviver.is_alive()) and dead_zygotes():
+                # The zygote is supervised too: a dead one is replaced at once, in the
+                # background (an import), so the next restart is warm (fineslab.zygote).
+                reviver = threading.Thread(target=revive_dead_zygotes, daemon=True,
+                                           name="fineslab-zygote-revive")
+                reviver.start()
             for r in list(self.runtimes.values()):
                 if r.restarting or r.process is None:
                     continue

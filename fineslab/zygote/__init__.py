@@ -28,9 +28,11 @@ from fineslab.zygote.client import (
     ForkedProcess,
     Zygote,
     ZygoteUnavailable,
+    dead_zygotes,
+    revive_dead_zygotes,
     shared_zygote,
     stop_shared_zygotes,
 )
 
-__all__ = ["ForkedProcess", "Zygote", "ZygoteUnavailable", "shared_zygote",
-           "stop_shared_zygotes"]
+__all__ = ["ForkedProcess", "Zygote", "ZygoteUnavailable", "dead_zygotes",
+           "revive_dead_zygotes", "shared_zygote", "stop_shared_zygotes"]

@@ -293,6 +293,25 @@ def shared_zygote(cpu: bool, env: Mapping[str, str], lifeline_fd: int) -> Zygote
         return zygote
 
 
+def dead_zygotes() -> bool:
+    """Whether one of this process's zygotes died (and may still be restarted)."""
+    with _lock:
+        return any(not z.alive() and _deaths.get(key, 0) < MAX_DEATHS - 1
+                   for key, z in _zygotes.items())
+
+
+def revive_dead_zygotes() -> None:
+    """Restart this process's zygotes that died, now rather than at the next start (which
+    would pay the import); the fleet's supervisor calls this from a thread of its own."""
+    with _lock:
+        dead = [(key, z) for key, z in _zygotes.items() if not z.alive()]
+    for (cpu, _), zygote in dead:
+        try:
+            shared_zygote(cpu, zygote.env, zygote.lifeline_fd)
+        except ZygoteUnavailable as exc:
+            logger.warning("the zygote is not restarted: %s", exc)
+
+
 def stop_shared_zygotes() -> None:
     """Stop this process's zygotes (their runtimes keep running); the next start makes new."""
     with _lock:
