@@ -34,6 +34,8 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import httpx
+
 from fineslab.env import WEIGHTS_DIR_VAR
 from fineslab.errors import ConfigError, EnvironmentSetupError
 from fineslab.launch.leftovers import RunRecord, sweep
@@ -222,6 +224,7 @@ class Fleet:
         slabs: dict[str, int] = {}
         waiting = list(plans)
         while waiting:
+            self._flush_started_caches()
             wave: list[RuntimePlan] = []
             free = {d: self._free_weight_slabs(d) or 0 for d in self.arenas}
             for r in waiting:
@@ -238,6 +241,21 @@ class Fleet:
             for r in wave:
                 slabs[r.runtime_id] = self._put_to_sleep(r.runtime_id)
         return slabs
+
+    def _flush_started_caches(self) -> None:
+        """Empty the prefix caches of the runtimes up so far (all idle: the router is not up
+        yet), so that the next wave's warmups find KV. A wave's first member starts even when
+        the free slabs do not cover it: an elastic notebook's fleet once had every slab taken,
+        its awake neighbours' warmup caches holding the KV slabs, and the asleep model's warmup
+        waited for a slab that nothing would free."""
+        assert self.supervisor is not None
+        for runtime_id, r in self.supervisor.runtimes.items():
+            if r.process is None or r.process.proc.poll() is not None:
+                continue
+            try:
+                httpx.post(self.runtime_url(runtime_id) + "/flush_cache", timeout=10)
+            except httpx.HTTPError as exc:
+                logger.warning("could not flush %s's prefix cache: %s", runtime_id, exc)
 
     def _put_to_sleep(self, runtime_id: str) -> int:
         """SGLang's safe order (fineslab.router.elastic): pause, then release; the weight slabs

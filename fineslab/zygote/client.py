@@ -177,6 +177,9 @@ class Zygote:
         assert self.proc.stdout is not None
         try:
             line = _read_line(self.proc.stdout, timeout_s)
+        except BaseException:  # interrupted (the launcher stopping): no zygote left behind
+            self.stop()
+            raise
         finally:
             self.proc.stdout.close()
         if line != "ready":
