@@ -1,40 +1,24 @@
-"""Fixtures of the SGLang plugin tests: stand-alone reference outputs, cached per session."""
+"""Fixtures of the SGLang plugin tests: stand-alone reference outputs, cached on disk.
+
+Stock SGLang's greedy outputs depend only on SGLang's version, the model's files, the page
+size, the dtype, the prompts and the number of new tokens, never on fineslab's code: each is
+computed once (one in-process engine per model and settings) and kept in
+`~/.cache/fineslab/stock-outputs/` under a key of exactly those (`FINESLAB_STOCK_CACHE`
+names another folder; an empty value keeps them in memory only).
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
-from plugin_test_support import engine_batches
-
-
-class StockOutputs:
-    """Greedy outputs of SGLang's own pool for (model, page size, dtype, prompts, new tokens),
-    cached for the session: the identity and co-location tests compare against the same runs.
-    `prefetch` computes several batches of one model in one engine."""
-
-    def __init__(self, model_cache: Path) -> None:
-        self.model_cache = model_cache
-        self.cache: dict[tuple[object, ...], list[list[int]]] = {}
-
-    def __call__(self, model: str, page_size: int, dtype: str,
-                 input_ids: tuple[tuple[int, ...], ...], max_new_tokens: int) -> list[list[int]]:
-        self.prefetch(model, page_size, dtype, [(input_ids, max_new_tokens)])
-        return self.cache[(model, page_size, dtype, input_ids, max_new_tokens)]
-
-    def prefetch(self, model: str, page_size: int, dtype: str,
-                 jobs: list[tuple[tuple[tuple[int, ...], ...], int]]) -> None:
-        missing = [(ids, n) for ids, n in jobs
-                   if (model, page_size, dtype, ids, n) not in self.cache]
-        if not missing:
-            return
-        outputs = engine_batches(self.model_cache / model,
-                                 [([list(p) for p in ids], n) for ids, n in missing],
-                                 page_size=page_size, dtype=dtype)
-        for (ids, n), out in zip(missing, outputs, strict=True):
-            self.cache[(model, page_size, dtype, ids, n)] = out
+from plugin_test_support import STOCK_CACHE_VAR, StockOutputs
 
 
 @pytest.fixture(scope="session")
 def stock_outputs(model_cache: Path) -> StockOutputs:
-    return StockOutputs(model_cache)
+    raw = os.environ.get(STOCK_CACHE_VAR)
+    default = Path.home() / ".cache" / "fineslab" / "stock-outputs"
+    folder = default if raw is None else (Path(raw) if raw else None)
+    return StockOutputs(model_cache, folder)

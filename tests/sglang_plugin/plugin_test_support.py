@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import random
 import threading
@@ -10,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -267,3 +270,83 @@ class UsageSampler:
 
     def peak_fraction(self, runtime_id: str, arena_bytes: int | None = None) -> float:
         return self.peaks.get(runtime_id, 0) / (arena_bytes or self.arena.arena_bytes)
+
+
+#: Stock outputs' folder on disk (see StockOutputs); empty: memory only.
+STOCK_CACHE_VAR = "FINESLAB_STOCK_CACHE"
+
+
+def model_checksum(model_dir: Path) -> str:
+    """A digest of the model's files (weights, config, tokenizer)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in model_dir.iterdir() if p.is_file()):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+class StockOutputs:
+    """Greedy outputs of SGLang's own pool for (model, page size, dtype, prompts, new tokens):
+    the identity and co-location tests compare against the same runs. `prefetch` computes
+    several batches of one model in one engine."""
+
+    def __init__(self, model_cache: Path, folder: Path | None,
+                 compute: Callable[..., list[list[list[int]]]] | None = None) -> None:
+        self.model_cache = model_cache
+        self.compute = compute or engine_batches
+        self.folder = folder
+        self.cache: dict[tuple[object, ...], list[list[int]]] = {}
+        self._checksums: dict[str, str] = {}
+        self.computed = 0  # batches computed by an engine (not read from disk)
+
+    def __call__(self, model: str, page_size: int, dtype: str,
+                 input_ids: tuple[tuple[int, ...], ...], max_new_tokens: int) -> list[list[int]]:
+        self.prefetch(model, page_size, dtype, [(input_ids, max_new_tokens)])
+        return self.cache[(model, page_size, dtype, input_ids, max_new_tokens)]
+
+    def prefetch(self, model: str, page_size: int, dtype: str,
+                 jobs: list[tuple[tuple[tuple[int, ...], ...], int]]) -> None:
+        missing = [(ids, n) for ids, n in jobs
+                   if (model, page_size, dtype, ids, n) not in self.cache
+                   and not self._load(model, page_size, dtype, ids, n)]
+        if not missing:
+            return
+        outputs = self.compute(self.model_cache / model,
+                                 [([list(p) for p in ids], n) for ids, n in missing],
+                                 page_size=page_size, dtype=dtype)
+        self.computed += len(missing)
+        for (ids, n), out in zip(missing, outputs, strict=True):
+            self.cache[(model, page_size, dtype, ids, n)] = out
+            self._store(model, page_size, dtype, ids, n, out)
+
+    def _path(self, model: str, page_size: int, dtype: str, ids: tuple[tuple[int, ...], ...],
+              n: int) -> Path | None:
+        if self.folder is None:
+            return None
+        if model not in self._checksums:
+            self._checksums[model] = model_checksum(self.model_cache / model)
+        key = json.dumps([metadata.version("sglang"), self._checksums[model], page_size, dtype,
+                          ids, n])
+        return self.folder / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+    def _load(self, model: str, page_size: int, dtype: str, ids: tuple[tuple[int, ...], ...],
+              n: int) -> bool:
+        path = self._path(model, page_size, dtype, ids, n)
+        try:
+            outputs = json.loads(path.read_text()) if path is not None else None
+        except (OSError, ValueError):
+            return False
+        if not isinstance(outputs, list) or len(outputs) != len(ids):
+            return False
+        self.cache[(model, page_size, dtype, ids, n)] = outputs
+        return True
+
+    def _store(self, model: str, page_size: int, dtype: str, ids: tuple[tuple[int, ...], ...],
+               n: int, outputs: list[list[int]]) -> None:
+        path = self._path(model, page_size, dtype, ids, n)
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(outputs))
+        tmp.replace(path)
