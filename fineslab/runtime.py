@@ -16,8 +16,8 @@ new session, so that:
 Starts are warm by default: both processes are forks of this process's zygote
 (`fineslab.zygote`, SGLang imported once), told everything after the fork, so the tree looks
 and behaves as a plain start's (same command lines, group, log, lifeline). Where a warm start
-cannot be had (`FINESLAB_ZYGOTE=0`, CUDA initialised, a variable that must be set before
-imports), the start is plain and the log says why; a warm start that exits during start-up is
+cannot be had (`FINESLAB_ZYGOTE=0`, CUDA initialised, no zygote), the start is plain and
+the log says why; a warm start that exits during start-up is
 started again plainly. `start_kind` says which it was.
 
 In CPU mode the child gets the CPU stand-ins on its path and SGLang's CPU flags
@@ -195,7 +195,7 @@ class ServerProcess:
         self._begun_s = time.monotonic()
         if warm and FineslabEnv.from_environ().warm_starts:
             try:
-                self.proc = self._fork(base)
+                self.proc = self._fork()
                 self.start_kind = "warm"
             except ZygoteUnavailable as exc:
                 logger.warning("starting %s plainly: %s", spec.model_path, exc)
@@ -212,13 +212,11 @@ class ServerProcess:
         return subprocess.Popen(self._lifeline_argv(), env=self.env, stdout=self._log,
                                 stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(fd,))
 
-    def _fork(self, base: Mapping[str, str]) -> ForkedProcess:
+    def _fork(self) -> ForkedProcess:
         """A warm start: this server forked from this process's zygote (fineslab.zygote)."""
         argv = self.spec.argv()
         module_at = argv.index("sglang.launch_server")
-        marker = {FLEET_MARKER: self.env[FLEET_MARKER]} if FLEET_MARKER in self.env else {}
-        zygote = self.zygote = shared_zygote(self.spec.cpu, {**base, **marker},
-                                             lifeline_read_fd())
+        zygote = self.zygote = shared_zygote(self.spec.cpu, self.env, lifeline_read_fd())
         request = ForkRequest(
             module="sglang.launch_server", args=argv[module_at + 1:], env=self.env,
             cwd=os.getcwd(), title=argv, wrapper_title=self._lifeline_argv(),

@@ -222,7 +222,7 @@ def run(model_name: str, repeats: int, logs: Path,
     progress(f"restarts (warm): {[round(r, 1) for r in restart_warm]}")
     restart_plain = restarts(model, logs, repeats, warm=False)
     progress(f"restarts (plain): {[round(r, 1) for r in restart_plain]}")
-    zygote_rss, zygote_pss = memory_mib([zygote.proc.pid] if zygote.proc else [])
+    zygote_rss, zygote_pss = memory_mib([zygote.pid] if zygote.pid else [])
     by_time = sorted(warm, key=lambda r: r.seconds)
     cold_by_time = sorted(cold, key=lambda r: r.seconds)
     return {

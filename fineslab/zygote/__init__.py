@@ -16,9 +16,13 @@ Guarantees:
   environment, command line in `ps`, process group, log and lifeline (tests prove two runtimes
   of different models and settings from one zygote each see only their own);
 - the zygote never initialises CUDA; if CUDA is initialised when a fork is asked for, or the
-  runtime's environment differs in a variable a module may read at import, or the zygote is
-  gone, that start is plain and the log says why (`ZygoteUnavailable`); a runtime that fails
-  during a warm start is started again plainly (`fineslab.runtime.ServerProcess`);
+  zygote cannot start, that start is plain and the log says why (`ZygoteUnavailable`); a
+  runtime that fails during a warm start is started again plainly
+  (`fineslab.runtime.ServerProcess`);
+- a runtime whose environment differs from the zygote's in a variable a module may read at
+  import gets a zygote started with its environment (`shared_zygote`);
+- the zygote is not in its launcher's process tree (an in-process SGLang engine's shutdown
+  kills every descendant of its process); the lifeline ties it to the launcher;
 - `FINESLAB_ZYGOTE=0` turns warm starts off.
 """
 

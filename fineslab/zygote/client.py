@@ -29,6 +29,7 @@ from pathlib import Path
 
 from fineslab.errors import EnvironmentSetupError
 from fineslab.proctree import FLEET_MARKER
+from fineslab.slabs.shm import ProcessIdentity
 from fineslab.zygote.protocol import (
     STATUS,
     ForkRequest,
@@ -158,7 +159,8 @@ class Zygote:
         self.folder = Path(tempfile.mkdtemp(prefix="fineslab-zygote-"))
         self.socket_path = self.folder / "zygote.sock"
         self.log_path = self.folder / "zygote.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        #: The zygote process (not a child: it leaves its starter's tree), once ready.
+        self.identity: ProcessIdentity | None = None
         self.ready_s: float | None = None
 
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -170,28 +172,35 @@ class Zygote:
         argv += ["--title-room", "." * TITLE_ROOM_CHARS]
         started = time.monotonic()
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(argv, env={**self.env, **TITLE_ENV},
-                                         stdout=subprocess.PIPE, stderr=log,
-                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                         pass_fds=(self.lifeline_fd,))
-        assert self.proc.stdout is not None
+            starter = subprocess.Popen(argv, env={**self.env, **TITLE_ENV},
+                                       stdout=subprocess.PIPE, stderr=log,
+                                       stdin=subprocess.DEVNULL, start_new_session=True,
+                                       pass_fds=(self.lifeline_fd,))
+        assert starter.stdout is not None
         try:
-            line = _read_line(self.proc.stdout, timeout_s)
+            line = _read_line(starter.stdout, timeout_s)
         except BaseException:  # interrupted (the launcher stopping): no zygote left behind
-            self.stop()
+            self._stop_group(starter.pid)
             raise
         finally:
-            self.proc.stdout.close()
-        if line != "ready":
-            self.stop()
+            starter.stdout.close()
+            starter.wait()  # it exits at once; the zygote is its fork
+        word, _, pid = line.partition(" ")
+        if word != "ready" or not pid.isdigit():
+            self._stop_group(starter.pid)
             raise ZygoteUnavailable(f"the zygote did not start ({line or 'no answer'}); "
                                     f"its log's end:\n{self.log_tail()}")
+        self.identity = ProcessIdentity.of(int(pid))
         self.ready_s = time.monotonic() - started
-        logger.info("zygote pid %d ready in %.1f s (SGLang imported once for every runtime)",
-                    self.proc.pid, self.ready_s)
+        logger.info("zygote pid %s ready in %.1f s (SGLang imported once for every runtime)",
+                    pid, self.ready_s)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.identity is None else self.identity.pid
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.identity is not None and self.identity.is_alive()
 
     def unsafe_variables(self, env: Mapping[str, str]) -> list[str]:
         """Variables `env` sets differently from the zygote's that are not safe to apply after
@@ -235,14 +244,30 @@ class Zygote:
 
     def stop(self) -> None:
         """Stop the zygote (its runtimes keep running) and remove its folder."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        if self.alive():
+            assert self.identity is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.identity.pid, signal.SIGTERM)
+            if not self.wait_gone(10.0):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.identity.pid, signal.SIGKILL)
+                self.wait_gone(10.0)
         shutil.rmtree(self.folder, ignore_errors=True)
+
+    def wait_gone(self, timeout_s: float) -> bool:
+        """Whether the zygote is gone within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self.alive():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    @staticmethod
+    def _stop_group(pgid: int) -> None:
+        """A zygote that never got ready: its whole session (the starter and its fork)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
 
 
 def _read_line(stream: object, timeout_s: float) -> str:
@@ -267,26 +292,42 @@ _zygotes: dict[tuple[bool, str], Zygote] = {}
 _deaths: dict[tuple[bool, str], int] = {}
 
 
+def zygote_environ(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment a zygote for a runtime of environment `env` starts with: all of it but
+    what is applied after the fork (`FORK_SAFE_PREFIXES`), the fleet's marker kept."""
+    kept = {k: v for k, v in env.items() if not k.startswith(FORK_SAFE_PREFIXES)}
+    if FLEET_MARKER in env:
+        kept[FLEET_MARKER] = env[FLEET_MARKER]
+    return kept
+
+
 def shared_zygote(cpu: bool, env: Mapping[str, str], lifeline_fd: int) -> Zygote:
-    """This process's zygote for CPU (or GPU) runtimes of the fleet `env` marks (if any),
-    started on first use with `env`; one that died is restarted (logged with its log's end),
-    up to `MAX_DEATHS` times."""
+    """This process's zygote for CPU (or GPU) runtimes of environment `env` (of the fleet it
+    marks, if any), started on first use; one that died is restarted (logged with its log's
+    end), up to `MAX_DEATHS` times. A runtime whose environment differs from the zygote's in
+    a variable a module may read at import (an in-process SGLang engine sets a dozen in its
+    process) gets a zygote started with its environment, which replaces the old one (whose
+    runtimes serve on)."""
     key = (cpu, env.get(FLEET_MARKER, ""))
+    wanted = zygote_environ(env)
     with _lock:
         zygote = _zygotes.get(key)
-        if zygote is not None and zygote.alive():
+        if zygote is not None and zygote.alive() and zygote.env == wanted:
             return zygote
-        if zygote is not None:
+        if zygote is not None and zygote.alive():
+            logger.info("the environment changed in %s: a new zygote replaces pid %s",
+                        ", ".join(zygote.unsafe_variables(wanted)[:5]), zygote.pid)
+            zygote.stop()
+            del _zygotes[key]
+        elif zygote is not None:
             _deaths[key] = _deaths.get(key, 0) + 1
-            code = zygote.proc.poll() if zygote.proc is not None else None
-            logger.warning("the zygote (pid %s) died with status %s (%d of %d deaths); its "
-                           "log's end:\n%s", zygote.proc.pid if zygote.proc else "-", code,
-                           _deaths[key], MAX_DEATHS, zygote.log_tail())
+            logger.warning("the zygote (pid %s) died (%d of %d deaths); its log's end:\n%s",
+                           zygote.pid, _deaths[key], MAX_DEATHS, zygote.log_tail())
             zygote.stop()
             del _zygotes[key]
         if _deaths.get(key, 0) >= MAX_DEATHS:
             raise ZygoteUnavailable(f"the zygote died {MAX_DEATHS} times; starting plainly")
-        zygote = Zygote(env, lifeline_fd)
+        zygote = Zygote(wanted, lifeline_fd)
         try:
             zygote.start()
         except ZygoteUnavailable:

@@ -2,8 +2,9 @@
 
     python -m fineslab.zygote --socket PATH --lifeline-fd N [--preload MODULE ...]
 
-It imports `PRELOAD` (torch, SGLang's server, scheduler, detokenizer, tokenizer manager, model
-runner and model code, the fineslab plugin), prints `ready` on stdout, and then serves fork
+It leaves its launcher's process tree at once (`_detach`), imports `PRELOAD` (torch, SGLang's
+server, scheduler, detokenizer, tokenizer manager, model runner and model code, the fineslab
+plugin), prints `ready <pid>` on stdout, and then serves fork
 requests on its unix socket (`protocol.py`), one at a time. It never runs a torch operation
 and never touches CUDA: before each fork it checks that CUDA is still uninitialised (a CUDA
 context does not survive a fork) and answers an error instead, so the launcher starts that
@@ -168,6 +169,15 @@ class ZygoteServer:
             os.close(fd)  # the launcher reads EOF: status unknown, it falls back on the pid
 
 
+def _detach() -> None:
+    """Leave the launcher's process tree (the first process exits at once, the zygote goes on
+    in a fork of it): SGLang's in-process `Engine.shutdown()` kills every descendant of its
+    process, and a test run of 22 engines killed the test process's zygote each time. The
+    lifeline, not the tree, ties the zygote to its launcher."""
+    if os.fork() > 0:
+        os._exit(0)
+
+
 def preload(modules: tuple[str, ...], lifeline_fd: int) -> bool:
     """Import `modules`; False as soon as the launcher is found gone between two of them."""
     for name in modules:
@@ -203,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's Ctrl-C is the launcher's
+    _detach()
     try:
         if not preload(PRELOAD if args.preload is None else tuple(args.preload),
                        args.lifeline_fd):
@@ -219,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
     set_title([sys.executable, "-m", "fineslab.zygote", "--socket", args.socket])
     gc.freeze()  # the imported objects stay shared with every fork (no gc writes to them)
-    print("ready", flush=True)
+    print(f"ready {os.getpid()}", flush=True)
     reason = "error"
     try:
         reason = server.serve()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from fineslab.proctree import FLEET_MARKER, stop_group, tree_pids_of_group
+from fineslab.proctree import FLEET_MARKER, descendant_pids, stop_group, tree_pids_of_group
 from fineslab.zygote import ForkedProcess, Zygote, ZygoteUnavailable
 from fineslab.zygote.protocol import ForkRequest
 
@@ -120,7 +120,7 @@ def test_the_launchers_death_stops_its_forks_and_its_zygote(
     _report(tmp_path / "r.json")
     os.close(lifeline[1])  # what the kernel does when the launcher dies, however it dies
     assert proc.wait(30) != 0
-    assert zygote.proc is not None and zygote.proc.wait(30) == 0
+    assert zygote.wait_gone(30)
     assert not tree_pids_of_group(proc.pid)
     assert not zygote.folder.exists(), "the zygote removes its folder when nobody else can"
 
@@ -130,9 +130,9 @@ def test_a_dead_zygote_leaves_its_forks_running_and_their_end_is_still_seen(
     proc = _fork(zygote, _request(tmp_path / "r.json", ["sleep"], "r", tmp_path),
                  tmp_path / "r.log")
     _report(tmp_path / "r.json")
-    assert zygote.proc is not None
-    os.kill(zygote.proc.pid, signal.SIGKILL)
-    zygote.proc.wait(10)
+    assert zygote.pid is not None
+    os.kill(zygote.pid, signal.SIGKILL)
+    assert zygote.wait_gone(10)
     time.sleep(0.3)
     assert proc.poll() is None, "a runtime outlives the zygote that forked it"
     assert not zygote.alive()
@@ -178,3 +178,11 @@ def test_a_zygote_whose_imports_initialise_cuda_refuses_to_serve(
     with pytest.raises(ZygoteUnavailable, match="CUDA"):
         z.start(timeout_s=60)
     assert not z.alive()
+
+
+def test_the_zygote_leaves_its_starters_process_tree(zygote: Zygote) -> None:
+    """Regression: SGLang's in-process `Engine.shutdown()` kills every descendant of its
+    process; a test run's 22 engines killed the test process's zygote until it was given up
+    and every later start was plain."""
+    assert zygote.alive() and zygote.pid is not None
+    assert zygote.pid not in descendant_pids(os.getpid())

@@ -73,8 +73,8 @@ def test_two_runtimes_from_one_zygote_each_see_only_their_own_model_settings_and
         two: tuple[ServerProcess, ServerProcess, SlabArena]) -> None:
     a, b, arena = two
     assert (a.start_kind, b.start_kind) == ("warm", "warm")
-    assert a.zygote is not None and a.zygote is b.zygote and a.zygote.proc is not None
-    assert _parent(a.proc.pid) == _parent(b.proc.pid) == a.zygote.proc.pid, \
+    assert a.zygote is not None and a.zygote is b.zygote and a.zygote.pid is not None
+    assert _parent(a.proc.pid) == _parent(b.proc.pid) == a.zygote.pid, \
         "both wrappers are forks of the one zygote"
     info_a, info_b = _info(a), _info(b)
     assert str(info_a["model_path"]).endswith("llama-tiny")
@@ -121,9 +121,9 @@ def test_a_killed_zygote_is_replaced_and_its_runtimes_serve_on(
         two: tuple[ServerProcess, ServerProcess, SlabArena], model_cache: Path,
         tmp_path: Path) -> None:
     a, _, _ = two
-    assert a.zygote is not None and a.zygote.proc is not None
-    os.kill(a.zygote.proc.pid, signal.SIGKILL)
-    a.zygote.proc.wait(10)
+    assert a.zygote is not None and a.zygote.pid is not None
+    os.kill(a.zygote.pid, signal.SIGKILL)
+    assert a.zygote.wait_gone(10)
     assert len(_greedy(a)) == 8, "a runtime serves on without its zygote"
     assert a.proc.poll() is None
     fresh = ServerProcess(ServerSpec(str(model_cache / "llama-tiny"), free_port(), extra_args=(
