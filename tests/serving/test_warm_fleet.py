@@ -38,12 +38,14 @@ def test_a_killed_zygote_is_replaced_and_the_next_restart_forks_from_the_new_one
         while not [z for z in _zygotes(fleet_id) if z != zygote]:
             assert time.monotonic() < deadline, "the zygote was not replaced"
             time.sleep(0.5)
-        [revived] = [z for z in _zygotes(fleet_id) if z != zygote]
         assert fleet.health()["status"] == "ok", "the runtime served on without its zygote"
         os.killpg(wrapper, signal.SIGKILL)
         while fleet.runtime_pids().get(runtime) == wrapper or fleet.health()["status"] != "ok":
             assert time.monotonic() < deadline, "the killed runtime never came back"
             time.sleep(0.5)
-        assert _parent(fleet.runtime_pids()[runtime]) == revived, \
-            "the restart forked from the replacement zygote"
+        # The replacement, found once settled: a zygote's first process exits at once (it
+        # leaves the launcher's tree) and showed as a second one in a run of the suite.
+        revived = [z for z in _zygotes(fleet_id) if z != zygote]
+        assert _parent(fleet.runtime_pids()[runtime]) in revived, \
+            f"the restart forked from the replacement zygote ({revived})"
     assert not fleet_processes(fleet_id), "nothing of the fleet, zygote included, is left"

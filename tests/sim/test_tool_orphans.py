@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from fineslab.fleet import fleet_processes
 from fineslab.proctree import stat_fields
 from fineslab.slabs.shm import default_shm_dir
 
@@ -53,6 +54,19 @@ def _descendants(root: int) -> dict[int, str]:
     return found
 
 
+def _fleet_tree(tool_pid: int) -> dict[int, str]:
+    """The tool's descendants and its fleet's processes: runtimes are forks of the launcher's
+    zygote, which leaves the launcher's tree (fineslab.zygote); they carry the fleet's marker."""
+    tree = _descendants(tool_pid)
+    for pid in fleet_processes(f"measure-{tool_pid}"):  # fineslab.profile.fleet's fleet id
+        try:
+            tree[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+                errors="replace")
+        except OSError:
+            continue
+    return tree
+
+
 def test_fidelity_killed_by_sigterm_leaves_no_sglang_process(tmp_path: Path) -> None:
     tool = subprocess.Popen(
         [sys.executable, "-m", "fineslab.sim", "fidelity", "--quick", "--out", str(tmp_path)],
@@ -63,7 +77,7 @@ def test_fidelity_killed_by_sigterm_leaves_no_sglang_process(tmp_path: Path) -> 
         while not any("sglang::scheduler" in c for c in tree.values()):
             assert tool.poll() is None, "the tool ended before its server spawned a scheduler"
             assert time.monotonic() < deadline, "no SGLang scheduler started"
-            tree = _descendants(tool.pid)
+            tree = _fleet_tree(tool.pid)
             time.sleep(0.5)
         assert any("sglang.launch_server" in c for c in tree.values()), tree
         assert any("fineslab.launch" in c for c in tree.values()), "the full stack, launched"
