@@ -41,3 +41,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.section("SGLang and Ray starts")
     for line in _starts.summary_lines():
         terminalreporter.write_line(line)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _starts.remove()

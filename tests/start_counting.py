@@ -11,6 +11,7 @@ read: they belong to that test (a module fixture's starts to the first test that
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -41,6 +42,10 @@ class StartCounter:
             self.begun[(r.what, r.how)] += 1
         self.by_test[nodeid] += len(begins)
         return begins
+
+    def remove(self) -> None:
+        """The run's start log goes with the run (its counts were printed)."""
+        shutil.rmtree(self.path.parent, ignore_errors=True)
 
     def summary_lines(self) -> list[str]:
         self.new_begins("(after the last test)")
