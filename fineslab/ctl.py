@@ -25,6 +25,7 @@ from typing import Any
 
 from fineslab.bench.report import format_table
 from fineslab.slabs.inspector import human_bytes
+from fineslab.slabs.limits import MAX_KV_LIMIT
 
 TIMEOUT_S = 300.0
 
@@ -49,7 +50,11 @@ def parse_size(text: str) -> int | None:
         raise CtlError(f"size {text!r} is not a size: try 512M, 1.5G, 2GiB or none") from None
     if not value >= 0 or value == float("inf"):
         raise CtlError(f"size {text!r} must be a finite size >= 0")
-    return int(value * _UNITS[unit])
+    size = int(value * _UNITS[unit])
+    if size > MAX_KV_LIMIT:
+        raise CtlError(f"size {text!r} is over {human_bytes(MAX_KV_LIMIT)}: no arena is that "
+                       "large (none for no limit)")
+    return size
 
 
 def _size_argument(text: str) -> int | None:

@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 from fineslab.router.elastic import CannotWake, NotElastic
 from fineslab.router.proxy import error_body
 from fineslab.slabs.inspector import as_dict
+from fineslab.slabs.limits import MAX_KV_LIMIT
 
 if TYPE_CHECKING:
     from fineslab.router.app import Router
@@ -74,6 +75,9 @@ def parse_limit(raw: bytes) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise BadLimit(f"kv_bytes must be a whole number of bytes >= 0 or null, not {value!r:.40}")
+    if value > MAX_KV_LIMIT:
+        raise BadLimit(f"kv_bytes must be at most {MAX_KV_LIMIT} (2^63 - 1), not {value!r:.40}: "
+                       "send null for no limit")
     return value
 
 

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from fineslab.slabs.table import TableDims
 
 RUNTIME_ID_BYTES = 64
+#: The largest limit the table holds (an int64 field); a larger one is no limit a machine has.
+MAX_KV_LIMIT = (1 << 63) - 1
 
 
 def id_bytes(runtime_id: str) -> bytes:
@@ -59,8 +61,9 @@ class KVLimitRows:
     def set_kv_limit(self, runtime_id: str, limit_bytes: int | None) -> None:
         """Cap the KV bytes `runtime_id` may hold (None: no cap), now and after its restarts."""
         name = id_bytes(runtime_id)
-        if limit_bytes is not None and limit_bytes < 0:
-            raise ConfigError(f"KV limit of {runtime_id!r} must be >= 0 bytes")
+        if limit_bytes is not None and not 0 <= limit_bytes <= MAX_KV_LIMIT:
+            raise ConfigError(f"KV limit of {runtime_id!r} must be 0 to {MAX_KV_LIMIT} bytes, "
+                              f"not {limit_bytes}")
         with self.lock():
             row = self._limit_row(name)
             if limit_bytes is None:

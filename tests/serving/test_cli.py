@@ -80,7 +80,7 @@ def test_ctl_limit_sizes_parse_in_binary_units(text: str, expected: int | None) 
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["12x", "-1M", "nanG", "infG", "", "M"])
+@pytest.mark.parametrize("bad", ["12x", "-1M", "nanG", "infG", "", "M", "1e30", "8388608T"])
 def test_ctl_limit_refuses_what_is_not_a_size_with_usage_exit_2(
         bad: str, capsys: pytest.CaptureFixture[str]) -> None:
     from fineslab.ctl import main as ctl_main
@@ -89,3 +89,14 @@ def test_ctl_limit_refuses_what_is_not_a_size_with_usage_exit_2(
         ctl_main(["limit", "some-model", bad])
     assert exit_info.value.code == 2
     assert "size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("body", [b'{"kv_bytes": 9223372036854775808}',
+                                  b'{"kv_bytes": 1000000000000000000000000000000}'])
+def test_a_limit_over_int64_is_refused_in_words_not_a_500(body: bytes) -> None:
+    # It was an OverflowError in the slab table: 500 text/plain (`ctl limit llama-a 1e30`).
+    from fineslab.router.admin import BadLimit, parse_limit
+
+    with pytest.raises(BadLimit, match="at most 9223372036854775807"):
+        parse_limit(body)
+    assert parse_limit(b'{"kv_bytes": 9223372036854775807}') == (1 << 63) - 1

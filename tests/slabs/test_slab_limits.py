@@ -110,8 +110,8 @@ def test_the_snapshot_and_the_inspector_show_the_limit(arena: SlabArena) -> None
     assert "KV limit" in render(arena.table.path, snapshot(arena.table))
 
 
-@pytest.mark.parametrize("bad", [-1])
-def test_a_negative_limit_is_refused(arena: SlabArena, bad: int) -> None:
+@pytest.mark.parametrize("bad", [-1, 1 << 63, 10 ** 30])
+def test_a_negative_or_over_int64_limit_is_refused(arena: SlabArena, bad: int) -> None:
     with pytest.raises(ConfigError):
         arena.table.set_kv_limit("r0", bad)
     assert arena.table.kv_limits() == {}
