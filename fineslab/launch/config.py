@@ -497,8 +497,24 @@ def _flags_among(args: Sequence[str], flags: Sequence[str]) -> list[str]:
     return sorted({a.split("=", 1)[0] for a in args} & set(flags))
 
 
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value the last `--flag value` or `--flag=value` of `args` gives (SGLang's parser
+    keeps the last), None when `args` do not set it."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
 def _model_problems(model: ModelConfig, config: FleetConfig) -> list[str]:
     problems = []
+    budget = flag_value(model.extra_args, "--max-total-tokens")
+    if budget is not None and not (budget.isdigit() and int(budget) > 0):
+        problems.append(f"extra_args: --max-total-tokens must be a positive number of tokens, "
+                        f"not {budget!r:.40}")
     kv, act = model.resolved_kv_dtype, model.activation_dtype
     if kv in ("bf16", "fp16") and kv != act:
         problems.append(f"kv_dtype {kv} needs activations in {kv}, but precision "

@@ -48,7 +48,7 @@ from fineslab.launch.plan import (
 )
 from fineslab.launch.prefix_lending import BorrowerSpec, PrefixLending, start_prefix_lending
 from fineslab.launch.reclaim import CacheReclaimer
-from fineslab.launch.runtimes import server_spec
+from fineslab.launch.runtimes import server_spec, token_budget
 from fineslab.launch.supervisor import SupervisedRuntime, Supervisor
 from fineslab.quant.fleet import PrecisionRuntime, prepare_served_model, verify_runtime
 from fineslab.router import ModelRoute, ReplicaRoute, Router, RouterServer, RouterSettings
@@ -395,7 +395,8 @@ class Fleet:
                 max_running_requests=(model.max_running_requests
                                       or self.plan.config.router.max_running_requests),
                 kv_free_tokens=self.kv_free_tokens if self.plan.arenas else None,
-                engine_deadlines=self.plan.config.local_scheduler == "engine"))
+                engine_deadlines=self.plan.config.local_scheduler == "engine",
+                token_budget=token_budget(mine[0].plan, config.kv_pool == "arena")))
         return routes
 
     # -- slab table views (router thread) and reclaim (supervisor thread) -----------------------

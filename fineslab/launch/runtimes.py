@@ -18,9 +18,11 @@ from __future__ import annotations
 import logging
 
 from fineslab.errors import EnvironmentSetupError
+from fineslab.launch.config import flag_value
 from fineslab.launch.leftovers import FLEET_MARKER
 from fineslab.launch.plan import RuntimePlan, prefill_chunk_args
 from fineslab.quant.fleet import PrecisionRuntime
+from fineslab.router.config import TokenBudget
 from fineslab.runtime import ServerSpec, free_port
 from fineslab.sglang_plugin import ArenaJoin
 from fineslab.sglang_plugin.config import LENT_RADIX_BACKEND, EngineSchedule
@@ -29,6 +31,19 @@ logger = logging.getLogger(__name__)
 
 #: KV tokens for a runtime on SGLang's own pool (no arena to size it): enough for the demo.
 OWN_POOL_MAX_TOTAL_TOKENS = 16384
+
+
+def token_budget(plan: RuntimePlan, use_arena: bool) -> TokenBudget | None:
+    """The KV token budget `server_spec` gives the runtime (`--max-total-tokens`: the model's
+    `extra_args`, else the own pool's default), for the router to refuse what it cannot hold;
+    None in the arena without one (the arena's capacity, far above a request). SGLang's own
+    pool at its default page size (1; some GPU attention backends page more, which the router's
+    check then slightly underestimates)."""
+    given = flag_value(plan.model.extra_args, "--max-total-tokens")  # checked by the config
+    tokens = int(given) if given is not None else None if use_arena else OWN_POOL_MAX_TOTAL_TOKENS
+    if tokens is None:
+        return None
+    return TokenBudget(tokens, (plan.page_size or 1) if use_arena else 1)
 
 
 def server_spec(plan: RuntimePlan, prepared: PrecisionRuntime, fleet_id: str, use_arena: bool,

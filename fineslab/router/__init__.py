@@ -15,11 +15,11 @@ in a thread). See docs/serving.md.
 from __future__ import annotations
 
 from fineslab.router.app import Router, create_app
-from fineslab.router.config import ModelRoute, ReplicaRoute, RouterSettings
+from fineslab.router.config import ModelRoute, ReplicaRoute, RouterSettings, TokenBudget
 from fineslab.router.queues import RequestDropped
 from fineslab.router.server import RouterServer
 
 __all__ = [
     "ModelRoute", "ReplicaRoute", "RequestDropped", "Router", "RouterServer", "RouterSettings",
-    "create_app",
+    "TokenBudget", "create_app",
 ]

@@ -25,6 +25,32 @@ class ReplicaRoute:
 
 
 @dataclass(frozen=True)
+class TokenBudget:
+    """The KV tokens each runtime of a route holds (SGLang's `max_total_num_tokens`, set by
+    `--max-total-tokens`) and its page size: SGLang refuses a prompt over `total_tokens` - 6
+    and clips a request's new tokens to what the budget holds once the prompt's pages and one
+    more are taken; a request clipped to none waits in its queue for ever (SGLang's own pool
+    too). The router refuses both at once (`requests.read_request`)."""
+
+    total_tokens: int
+    page_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.total_tokens < 1 or self.page_size < 1:
+            raise ConfigError(f"a token budget must be positive: {self}")
+
+    @property
+    def longest_prompt(self) -> int:
+        return self.total_tokens - 6
+
+    def most_new_tokens(self, prompt_tokens: int) -> int:
+        """The new tokens SGLang lets a prompt of `prompt_tokens` ask for (< 1: none)."""
+        paged = -(-prompt_tokens // self.page_size) * self.page_size
+        return min(self.total_tokens - prompt_tokens - 2,
+                   self.total_tokens - paged - self.page_size - 1)
+
+
+@dataclass(frozen=True)
 class ModelRoute:
     """A model the router serves.
 
@@ -47,6 +73,9 @@ class ModelRoute:
     #: The runtimes pick their prefill batches with the same policy (`FINESLAB_ENGINE_POLICY`):
     #: each request goes to them with its deadline in SGLang's `priority` field.
     engine_deadlines: bool = False
+    #: Each runtime's KV token budget where it is smaller than a request may be (None: the
+    #: context binds first).
+    token_budget: TokenBudget | None = None
 
     def __post_init__(self) -> None:
         if not self.replicas:

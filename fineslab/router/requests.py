@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fineslab.router.config import TokenBudget
 from fineslab.router.validation import (
     BadRequest,
     check_logit_bias,
@@ -137,8 +138,23 @@ def _max_tokens(body: dict[str, Any], chat: bool) -> int:
     return value
 
 
+def check_budget(budget: TokenBudget, prompt_tokens: int, max_tokens: int) -> None:
+    """BadRequest where a runtime's token budget cannot hold the request: SGLang would refuse
+    the prompt, clip the completion short of `max_tokens` (at least one token when it is 0,
+    the runtime's choice), or queue a request clipped to nothing for ever."""
+    room = budget.most_new_tokens(prompt_tokens)
+    if prompt_tokens > budget.longest_prompt or (max_tokens or 1) > room:
+        raise BadRequest(
+            f"this model's runtimes hold {budget.total_tokens} KV tokens a request "
+            f"(--max-total-tokens, pages of {budget.page_size}); the prompt has {prompt_tokens}"
+            + (f" and max_tokens asks for {max_tokens} more" if max_tokens else "")
+            + (f": at most {room} more fit" if room > 0 else ": no token more fits"),
+            code="context_length_exceeded")
+
+
 def read_request(body: dict[str, Any], counter: PromptCounter, chat: bool,
-                 context_tokens: int, vocab_size: int | None = None) -> ParsedRequest:
+                 context_tokens: int, vocab_size: int | None = None,
+                 budget: TokenBudget | None = None) -> ParsedRequest:
     """Validate the fields the router relies on; BadRequest (400) on anything malformed."""
     check_sampling(body, chat)
     check_logit_bias(body.get("logit_bias"), vocab_size)
@@ -156,6 +172,8 @@ def read_request(body: dict[str, Any], counter: PromptCounter, chat: bool,
             f"this model's context is {context_tokens} tokens; the prompt has "
             f"{prompt_tokens if prompt_tokens <= context_tokens else 'more than that'} and "
             f"max_tokens asks for {max_tokens} more", code="context_length_exceeded")
+    if budget is not None:
+        check_budget(budget, prompt_tokens, max_tokens)
     min_tokens = body.get("min_tokens")
     if min_tokens is not None and (not isinstance(min_tokens, int) or isinstance(min_tokens, bool)
                                    or not 0 <= min_tokens <= (max_tokens or context_tokens)):

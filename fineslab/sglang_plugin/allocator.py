@@ -140,8 +140,12 @@ class SlabPrefillBudget(PrefillBudget):
         return self.allocator.reserve_tokens(max(0, tokens - self._evictable()))
 
     def _step_tokens(self, extend_tokens: int) -> int:
-        # Everything admitted so far in this step plus this prefill (and the page it may open).
-        return self.current_offset + self.ceil_paged_tokens(extend_tokens) + self.page_size
+        """Everything admitted so far in this step plus this prefill, and the page it may open
+        where this runtime's capacity leaves one: a prompt SGLang admits that fills the
+        capacity to its last page (1,010 tokens under --max-total-tokens 1024, page 16) asked
+        for a page past it and was never admitted, a request that hung for ever."""
+        needed = self.current_offset + self.ceil_paged_tokens(extend_tokens)
+        return max(needed, min(needed + self.page_size, self.allocator.room_tokens()))
 
     def check_prefill(self, *, extend_input_len: int, total_tokens: int, max_new_tokens: int,
                       input_tokens: int, swa_host_hit_length: int, chunk_limit: int | None,
@@ -229,6 +233,10 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
     def used_tokens(self) -> int:
         """Slots SGLang owns (requests and its prefix cache)."""
         return self._num_used() * self.page_size
+
+    def room_tokens(self) -> int:
+        """Tokens this runtime may still hold within its capacity (`size`), wherever they are."""
+        return (self._max_pages - self._num_used()) * self.page_size
 
     def admission_reopens(self, batch_is_full: bool) -> bool:
         """Whether to clear SGLang's `batch_is_full` before its next admission attempt.

@@ -200,7 +200,8 @@ def test_ctl_limit_caps_a_models_kv_in_the_slab_table_and_refuses_what_cannot_be
     unknown = _ctl(fleet, "limit", "no-such-model", "1G")
     assert unknown.returncode == 1 and "404" in unknown.stderr, unknown
     for body in (b"{", b'{"kv_bytes": -5}', b'{"kv_bytes": true}', b'{"kv": 1}', b"[]",
-                 b'{"kv_bytes": 1000000000000000000000000000000}', b'{"kv_bytes": 9223372036854775808}'):
+                 b'{"kv_bytes": 1000000000000000000000000000000}',
+                 b'{"kv_bytes": 9223372036854775808}'):
         reply = httpx.post(fleet.base_url + "/admin/models/llama-pinned/limit", content=body,
                            timeout=30)
         assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_limit", \

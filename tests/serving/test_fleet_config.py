@@ -335,3 +335,26 @@ def test_a_streaming_runtime_gets_room_for_its_layer_padding_and_its_plan_says_s
     assert env.get("FINESLAB_WEIGHTS_IN_ARENA") == "1"
     assert env.get("FINESLAB_LAYER_STREAMING") == "1"
     assert "selectn i=2: layers [1, 3]" in plan.describe()
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "1.5"])
+def test_a_max_total_tokens_that_is_not_a_positive_count_is_refused(value: str) -> None:
+    data = _demo()
+    data["models"][0]["extra_args"] = ["--max-total-tokens", value]
+    assert "--max-total-tokens must be a positive number" in _error_of(data)
+
+
+def test_the_routers_token_budget_is_the_runtimes_max_total_tokens_and_page() -> None:
+    from fineslab.launch.runtimes import OWN_POOL_MAX_TOTAL_TOKENS, token_budget
+
+    data = _demo()
+    data["models"][0]["extra_args"] = ["--max-total-tokens", "900", "--max-total-tokens=1024"]
+    plan = make_plan(fleet_from_dict(data, "test.yaml"))
+    by_model = {r.model.name: r for r in plan.runtimes}
+    capped = by_model["llama-bf16"]
+    budget = token_budget(capped, use_arena=True)
+    assert budget is not None and (budget.total_tokens, budget.page_size) == (
+        1024, capped.page_size), "the last flag wins, as in SGLang's parser"
+    assert token_budget(by_model["qwen2-bf16"], use_arena=True) is None, "the arena's capacity"
+    own = token_budget(by_model["qwen2-bf16"], use_arena=False)
+    assert own is not None and (own.total_tokens, own.page_size) == (OWN_POOL_MAX_TOTAL_TOKENS, 1)

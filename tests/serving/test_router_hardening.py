@@ -15,7 +15,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fineslab.router import ModelRoute, ReplicaRoute, Router, RouterServer, RouterSettings
+from fineslab.errors import ConfigError
+from fineslab.router import (
+    ModelRoute,
+    ReplicaRoute,
+    Router,
+    RouterServer,
+    RouterSettings,
+    TokenBudget,
+)
 from fineslab.router.app import INLINE_PARSE_BYTES
 from fineslab.router.testing import FixedTtftPredictor, start_echo_backend
 from fineslab.runtime import free_port
@@ -34,10 +42,10 @@ def backend_url() -> Iterator[str]:
 
 
 def _route(name: str, url: str, tokenizer_dir: str | None = None,
-           context_tokens: int = 256) -> ModelRoute:
+           context_tokens: int = 256, budget: TokenBudget | None = None) -> ModelRoute:
     return ModelRoute(name, (ReplicaRoute(f"{name}-r0", url),), 30.0, FixedTtftPredictor(),
                       tokenizer_dir=tokenizer_dir, context_tokens=context_tokens,
-                      vocab_size=VOCAB)
+                      vocab_size=VOCAB, token_budget=budget)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +53,9 @@ def router(backend_url: str, model_cache: Path) -> Iterator[RouterServer]:
     routes = [_route("m", backend_url),
               # a real tokenizer and a context too long for any prompt here to be refused
               _route("big", backend_url, str(model_cache / "llama-tiny"), 10**9),
-              _route("dead", "http://127.0.0.1:9")]
+              _route("dead", "http://127.0.0.1:9"),
+              # runtimes of --max-total-tokens 256, page 16, under a longer context
+              _route("budget", backend_url, context_tokens=4096, budget=TokenBudget(256, 16))]
     server = RouterServer(Router(routes, RouterSettings(max_body_bytes=4 * ONE_MIB)))
     server.start()
     server.router.mark_down("dead-r0")
@@ -185,8 +195,41 @@ def test_health_is_degraded_not_503_while_any_model_serves(router: RouterServer)
     # Defect 4: one dead model turned the whole fleet's /health 503 while others served.
     reply = httpx.get(router.base_url + "/health", timeout=10)
     assert reply.status_code == 200 and reply.json()["status"] == "degraded", reply.text
-    assert reply.json()["model_status"] == {"m": "serving", "big": "serving", "dead": "down"}
+    assert reply.json()["model_status"] == {"m": "serving", "big": "serving", "dead": "down",
+                                            "budget": "serving"}
     assert httpx.get(router.base_url + "/health/m", timeout=10).status_code == 200
     dead = httpx.get(router.base_url + "/health/dead", timeout=10)
     assert dead.status_code == 503 and dead.json()["status"] == "down"
     _assert_error(httpx.get(router.base_url + "/health/nope", timeout=10), 404)
+
+
+@pytest.mark.parametrize(("prompt_tokens", "max_tokens", "status", "said"), [
+    (224, 15, 200, None),
+    (224, 16, 400, "at most 15 more fit"),
+    (240, 1, 400, "no token more fits"),  # SGLang would clip it to none and queue it for ever
+    (241, 1, 400, "no token more fits"),  # its pages fill the budget: SGLang never admits it
+    (251, 1, 400, "no token more fits"),  # SGLang's own 400, in SGLang's words
+    (100, 200, 400, "at most 127 more fit"),  # pages: 256 - 112 - 16 - 1
+])
+def test_a_request_over_the_runtimes_token_budget_is_400_at_once(
+        router: RouterServer, prompt_tokens: int, max_tokens: int, status: int,
+        said: str | None) -> None:
+    # Issue #35, finding 1: under --max-total-tokens 1024 a 1,010-token prompt was forwarded
+    # (the context was 4,096) and never answered.
+    reply = _post(router, {"model": "budget", "prompt": list(range(1, prompt_tokens + 1)),
+                           "max_tokens": max_tokens})
+    if status == 200:
+        assert reply.status_code == 200, reply.text
+        return
+    message = _assert_error(reply, 400, "context_length_exceeded")
+    assert said in message and "256 KV tokens" in message, message
+
+
+def test_the_token_budget_follows_sglangs_clip() -> None:
+    budget = TokenBudget(1024, 16)
+    # SGLang: min(max_req_len - n - 1, capacity - pages(n) - page - 1), max_req_len = 1023
+    assert [budget.most_new_tokens(n) for n in (1000, 992, 500)] == [-1, 15, 495]
+    assert budget.longest_prompt == 1018, "SGLang's own refusal: over 1018 input tokens"
+    assert TokenBudget(1024, 1).most_new_tokens(1010) == 12, "page 1: SGLang's own pool"
+    with pytest.raises(ConfigError):
+        TokenBudget(0)

@@ -483,3 +483,25 @@ def test_an_allocation_evicts_its_own_cache_when_a_neighbour_took_the_free_slabs
     allocator.free(out)
     neighbour.free(grabbed)
     _check(allocator, source)
+
+
+@pytest.mark.parametrize("budget_class", ["slab", "sglang"])
+def test_a_prefill_that_fills_the_capacity_to_its_last_page_is_admitted(
+        setup: tuple, budget_class: str) -> None:
+    # --max-total-tokens 1024 with page 16: a 1,010-token prompt (64 pages, the whole capacity)
+    # was never admitted by the slab budget, which held one page past the capacity for it, and
+    # its request hung for ever. SGLang's own budget (the control) admits it.
+    allocator, source, _, _ = setup
+    cache = _EvictingCache(allocator, torch.zeros(0, dtype=torch.int64))
+    budget = (allocator.create_prefill_budget(cache) if budget_class == "slab"
+              else PrefillBudget(allocator, cache))
+    capacity = allocator.room_tokens()
+    assert capacity == (NUM_SLABS - 1) * BPS * PAGE
+    tokens = capacity - PAGE // 2
+    assert _admit(budget, tokens), "SGLang admits a prefill its capacity holds"
+    out = _extend(allocator, cache, tokens)
+    assert out is not None and out.numel() == tokens
+    assert allocator.room_tokens() == 0
+    allocator.free(out)
+    allocator.release_reserve()
+    _check(allocator, source)
