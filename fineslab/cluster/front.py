@@ -41,6 +41,7 @@ from starlette.types import Receive, Scope, Send
 
 from fineslab.errors import ConfigError, IntegrityError
 from fineslab.router.app import INLINE_PARSE_BYTES, bad_request
+from fineslab.router.disconnect import CLIENT_CLOSED
 from fineslab.router.metrics import LATENCY_BUCKETS_S
 from fineslab.router.proxy import error_body
 from fineslab.router.replicas import unless
@@ -292,8 +293,11 @@ class FrontRouter:
         exchange = _Exchange(self, link, model, arrival_s)
         try:
             return await self._forward(exchange, raw, path, content_type)
+        except asyncio.CancelledError:  # the client left (router/disconnect.py)
+            exchange.finish(CLIENT_CLOSED)
+            raise
         except BaseException:
-            exchange.finish(500)  # a defect or a cancel: the link is released all the same
+            exchange.finish(500)  # a defect: the link is released all the same
             raise
 
     async def _forward(self, exchange: _Exchange, raw: bytes, path: str,

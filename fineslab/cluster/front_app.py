@@ -38,6 +38,7 @@ from starlette.responses import JSONResponse, Response
 from fineslab.cluster.front import FrontRouter, NodeLink
 from fineslab.router.admin import UNAUTHORIZED, authorized, authorized_body
 from fineslab.router.app import guarded, install_error_handlers
+from fineslab.router.disconnect import respond
 from fineslab.router.proxy import error_body
 from fineslab.router.server import AppServer
 
@@ -142,7 +143,8 @@ def create_front_app(front: FrontRouter) -> FastAPI:
         raw = await authorized_body(request, api_key, front.settings.max_body_bytes)
         if isinstance(raw, Response):
             return raw
-        return await guarded(front.handle(raw, path, request.headers.get("content-type")))
+        return await respond(request, guarded(front.handle(raw, path,
+                                                           request.headers.get("content-type"))))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

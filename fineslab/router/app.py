@@ -49,6 +49,7 @@ from fineslab.router.admin import (
 )
 from fineslab.router.attribution import CrashAttribution, fingerprint
 from fineslab.router.config import ModelRoute, RouterSettings
+from fineslab.router.disconnect import respond
 from fineslab.router.elastic import CannotWake, Elastic
 from fineslab.router.metrics import LiveCollector, RouterMetrics
 from fineslab.router.proxy import drop_response, error_body, forward, runtime_body
@@ -264,6 +265,14 @@ class Router:
                                            "model_not_found", "model"), 404)
         if self.attribution.is_poison(key):
             return self.attribution.refuse(route.name)
+        try:
+            return await self._serve(route, parsed, path, key)
+        except asyncio.CancelledError:  # its client left (disconnect.py)
+            self.metrics.abandoned(route.name)
+            raise
+
+    async def _serve(self, route: ModelRoute, parsed: ParsedRequest, path: str,
+                     key: str) -> Response:
         queue = self.queues[route.name]
         if self.elastic is None:
             return await self.attribution.serve(route.name, key,
@@ -330,7 +339,7 @@ def create_app(router: Router) -> FastAPI:
                                     router.settings.max_body_bytes)
         if isinstance(raw, Response):
             return raw
-        return await guarded(router.handle(raw, path, chat))
+        return await respond(request, guarded(router.handle(raw, path, chat)))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

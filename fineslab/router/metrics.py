@@ -9,6 +9,8 @@ request path never pays for them.
     fineslab_requests_dropped_total{model,outcome}  outcome: rejected | best_effort | engine (the
                                                     runtime's engine policy dropped it)
     fineslab_requests_failed_total{model,reason} runtime died / unreachable / upstream error
+    fineslab_requests_abandoned_total{model}     the client left before its answer ended (the
+                                                 request left the queue or was aborted)
     fineslab_ttft_seconds{model}                 router arrival -> first streamed token
     fineslab_tpot_seconds{model}                 mean time per output token after the first
     fineslab_ttft_slo_met_total{model}, fineslab_ttft_measured_total{model}
@@ -163,6 +165,9 @@ class RouterMetrics:
                                 ["model", "outcome"], registry=r)
         self._failed = Counter("fineslab_requests_failed", "Requests that ended in an error",
                                ["model", "reason"], registry=r)
+        self._abandoned = Counter("fineslab_requests_abandoned",
+                                  "Requests whose client left before the answer ended",
+                                  ["model"], registry=r)
         self._ttft = Histogram("fineslab_ttft_seconds", "Time to first token at the router",
                                ["model"], buckets=LATENCY_BUCKETS_S, registry=r)
         self._tpot = Histogram("fineslab_tpot_seconds", "Time per output token after the first",
@@ -186,6 +191,7 @@ class RouterMetrics:
     def init_model(self, model: str) -> None:
         """Create every labelled series at zero so that dashboards see the model at once."""
         self._admitted.labels(model)
+        self._abandoned.labels(model)
         for outcome in ("rejected", "best_effort"):
             self._dropped.labels(model, outcome)
         self._ttft.labels(model)
@@ -202,6 +208,9 @@ class RouterMetrics:
 
     def failed(self, model: str, reason: str) -> None:
         self._failed.labels(model, reason).inc()
+
+    def abandoned(self, model: str) -> None:
+        self._abandoned.labels(model).inc()
 
     def observe_ttft(self, model: str, ttft_s: float, slo_s: float) -> None:
         self._ttft.labels(model).observe(ttft_s)

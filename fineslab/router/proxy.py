@@ -23,6 +23,7 @@ import json
 import logging
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -148,8 +149,11 @@ def runtime_body(body: dict[str, Any], route: ModelRoute, lease: Lease,
                  monotonic: Callable[[], float] = time.monotonic) -> dict[str, Any]:
     """The body sent to the runtime: the client's, without its `priority` (SGLang's scheduling
     field is the router's to set), and with the request's TTFT deadline in it (wall-clock
-    milliseconds) when the runtimes schedule by deadline (`ModelRoute.engine_deadlines`)."""
-    sent = {key: value for key, value in body.items() if key != "priority"}
+    milliseconds) when the runtimes schedule by deadline (`ModelRoute.engine_deadlines`); its
+    `rid` is the router's own, unique, to abort the request by when its client leaves (a
+    client's rid could name another client's request)."""
+    sent = {key: value for key, value in body.items() if key not in ("priority", "rid")}
+    sent["rid"] = f"fineslab-{uuid.uuid4().hex}"  # the router's, to abort it by (never a client's)
     if route.engine_deadlines:
         deadline_s = wall() + (lease.arrival_s + route.ttft_slo_s - monotonic())
         sent["priority"] = int(deadline_s * 1000)
@@ -192,6 +196,9 @@ async def forward(queue: ModelQueue, lease: Lease, path: str, body: dict[str, An
         except UPSTREAM_ERRORS as exc:
             queue.release(lease)
             return await _failed_before_answer(queue, lease, exc)
+        except asyncio.CancelledError:  # the client left (disconnect.py)
+            abandon(queue, lease, body)
+            raise
         queue.release(lease)
         if status != 200:
             if status == 429 and (dropped := engine_dropped(queue, content)) is not None:
@@ -203,6 +210,9 @@ async def forward(queue: ModelQueue, lease: Lease, path: str, body: dict[str, An
     except UPSTREAM_ERRORS as exc:
         queue.release(lease)
         return await _failed_before_answer(queue, lease, exc)
+    except asyncio.CancelledError:
+        abandon(queue, lease, body)
+        raise
     if upstream.status != 200:
         try:
             content = await replica.guard(upstream.read())
@@ -224,16 +234,29 @@ async def forward(queue: ModelQueue, lease: Lease, path: str, body: dict[str, An
             return await _failed_before_answer(queue, lease, exc)
         except ValueError:  # an event longer than aiohttp's line limit: relay as it comes
             first = b""
+        except asyncio.CancelledError:
+            upstream.close()
+            abandon(queue, lease, body)
+            raise
         if (dropped := engine_dropped(queue, first)) is not None:
             upstream.close()
             queue.release(lease)
             return dropped
-    return StreamingResponse(_relay(queue, lease, upstream, first),
+    return StreamingResponse(_relay(queue, lease, upstream, first, body.get("rid")),
                              media_type="text/event-stream")
 
 
+def abandon(queue: ModelQueue, lease: Lease, body: dict[str, Any]) -> None:
+    """The client left mid-request: free its slot here, and ask the runtime to abort it (the
+    closed connection alone reaches SGLang only at its next check, up to 4 s later)."""
+    queue.release(lease, served=False)
+    rid = body.get("rid")
+    if isinstance(rid, str):
+        lease.replica.abort(rid)
+
+
 async def _relay(queue: ModelQueue, lease: Lease, upstream: aiohttp.ClientResponse,
-                 first: bytes = b"") -> AsyncIterator[bytes]:
+                 first: bytes = b"", rid: str | None = None) -> AsyncIterator[bytes]:
     """Pass the stream through (`first`: what `forward` already read of it)."""
     model, replica = queue.route.name, lease.replica
     first_s: float | None = None
@@ -264,6 +287,13 @@ async def _relay(queue: ModelQueue, lease: Lease, upstream: aiohttp.ClientRespon
         _status, reason, message = _failure(queue, lease, exc)
         event = error_body(message, "runtime_error", reason)
         yield f"data: {json.dumps(event)}\n\n".encode()
+    except (asyncio.CancelledError, GeneratorExit):  # the client left (disconnect.py)
+        if not complete:
+            queue.release(lease, served=False)
+            queue.metrics.abandoned(model)
+            if rid is not None:
+                replica.abort(rid)
+        raise
     finally:
         queue.release(lease)
         if complete:

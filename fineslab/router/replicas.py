@@ -17,6 +17,7 @@ rejects at once what cannot wait that long, with a `Retry-After` that says how l
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Awaitable
@@ -28,6 +29,9 @@ import aiohttp
 from fineslab.router.config import ReplicaRoute
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+#: An abort is one small call to a live runtime; a hung one is not waited for.
+ABORT_TIMEOUT_S = 10.0
 
 
 class RuntimeDown(Exception):
@@ -67,6 +71,7 @@ class Replica:
         self.down_reason: str | None = None
         self.back_at_s: float | None = None
         self.down: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._aborts: set[asyncio.Future[None]] = set()
 
     @property
     def runtime_id(self) -> str:
@@ -109,6 +114,25 @@ class Replica:
         if work is None:
             raise RuntimeDown(self.runtime_id, self.down_reason)
         return work.result()
+
+    def abort(self, rid: str) -> None:
+        """Ask the runtime to abort request `rid` (SGLang's `/abort_request`), in the
+        background: its slot frees at the scheduler's next step. A batch or `n` > 1 request,
+        whose parts SGLang names `rid_0`, `rid_1`, ..., is aborted by the closed connection."""
+        task = asyncio.ensure_future(self._abort(rid))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _abort(self, rid: str) -> None:
+        try:
+            async with self.client.post("/abort_request", json={"rid": rid},
+                                        timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
+                                        ) as reply:
+                if reply.status != 200:
+                    logger.info("runtime %s did not abort %s: HTTP %d", self.runtime_id, rid,
+                                reply.status)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            logger.info("runtime %s did not abort %s: %r", self.runtime_id, rid, exc)
 
     def state(self) -> dict[str, object]:
         state = "up" if self.up else ("restarting" if self.down_reason else "down")

@@ -14,6 +14,7 @@ between events or 20 s before a whole answer, `hang`: nothing for 20 s, `error40
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -50,6 +51,7 @@ class FakeNode:
     name: str
     url: str = ""
     seen: list[tuple[bytes, str]] = field(default_factory=list)  # (raw body, Authorization)
+    cancelled: int = 0  # requests whose connection the front closed while they waited
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -63,7 +65,11 @@ class FakeNode:
                                                 "code": 503, "param": None}}, status=503,
                                      headers={"Retry-After": "9"})
         if order == "hang" or (order == "slow" and not body.get("stream")):
-            await asyncio.sleep(20)
+            try:
+                await asyncio.sleep(20)
+            except asyncio.CancelledError:  # aiohttp's handler cancellation: the front left
+                self.cancelled += 1
+                raise
         if not body.get("stream"):
             return web.json_response(_completion(body["model"], f"from {self.name}"))
         reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -393,3 +399,18 @@ def test_admin_nodes_needs_the_key(server: FrontServer) -> None:
                       headers={"Authorization": f"Bearer {FRONT_KEY}"}).json()
     assert set(state["nodes"]) == {"a", "b", "dead"} and state["nodes"]["a"]["state"] == "up"
     assert state["models"]["m-both"] == {"nodes": ["a", "b"], "moving": False}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_client_that_leaves_closes_its_node_request_and_frees_the_link(
+        server: FrontServer, nodes: dict[str, FakeNode], stream: bool) -> None:
+    # Issue #35, finding 2: the node router aborts a request in SGLang when its connection
+    # closes; the front must close it when its own client leaves.
+    cancelled = nodes["a"].cancelled
+    with contextlib.suppress(httpx.TimeoutException):
+        _post(server, {"model": "m-a", "fake": "hang", "stream": stream}, timeout_s=1.0)
+    deadline = time.monotonic() + 3
+    while nodes["a"].cancelled == cancelled or server.front.state()["nodes"]["a"]["inflight"]:
+        assert time.monotonic() < deadline, (nodes["a"].cancelled,
+                                             server.front.state()["nodes"]["a"])
+        time.sleep(0.05)

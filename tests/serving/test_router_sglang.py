@@ -5,11 +5,14 @@ One runtime for the module: about 40 s on an idle 2-core machine."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -35,18 +38,28 @@ class FlatPredictor:
 def router(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     model_dir = model_cache / "llama-tiny"
     spec = ServerSpec(str(model_dir), free_port(), extra_args=(
-        "--served-model-name", "tiny", "--max-total-tokens", "4096", "--context-length", "512"))
+        "--served-model-name", "tiny", "--max-total-tokens", "4096", "--context-length", "512",
+        "--enable-metrics"))
     log = tmp_path_factory.mktemp("router-sglang") / "runtime.log"
     predictor: TtftPredictor = FlatPredictor()
     with start_server(spec, log, timeout_s=600) as runtime:
         route = ModelRoute("tiny", (ReplicaRoute("tiny-r0", runtime.spec.base_url),), 30.0,
                            predictor, tokenizer_dir=str(model_dir), context_tokens=512)
-        server = RouterServer(Router([route], RouterSettings()))
+        # the same runtime behind a route of one slot: a second request waits in the router
+        one = ModelRoute("tiny-one", (ReplicaRoute("tiny-one-r0", runtime.spec.base_url),),
+                         30.0, predictor, tokenizer_dir=str(model_dir), context_tokens=512,
+                         max_running_requests=1)
+        server = RouterServer(Router([route, one], RouterSettings()))
         server.start()
+        RUNTIME_URL[server.base_url] = runtime.spec.base_url
         try:
             yield server.base_url
         finally:
             server.stop()
+
+
+#: router URL -> its runtime's URL (the disconnect tests pause the runtime).
+RUNTIME_URL: dict[str, str] = {}
 
 
 def test_openai_client_completion_non_streaming(router: str) -> None:
@@ -127,3 +140,106 @@ def test_bench_serving_wrapper_runs_the_random_dataset_offline(
     assert match and int(match.group(1)) == 8, out[-3000:]
     assert not hf_home.exists() or not any(hf_home.rglob("*.json")), "nothing was downloaded"
     assert (tmp_path / "results.jsonl").stat().st_size > 0, "the client wrote its results"
+
+
+# -- a client that leaves (issue #35, finding 2) -------------------------------------------------
+# The runtime is paused (SGLang's /pause_generation, in place), so a request stays in it until
+# it is aborted: without the fix the router held the slot and SGLang the request for as long as
+# the answer took (upstream_timeout_s, 600 s, for one that never came).
+
+
+def _runtime_aborts(runtime_url: str) -> float:
+    """Requests the runtime has aborted (SGLang's tokenizer counts each as it sends the abort
+    to its scheduler: a paused scheduler publishes no fresh load figures)."""
+    return sum(float(m.split()[-1]) for m in httpx.get(runtime_url + "/metrics", timeout=10)
+               .text.splitlines() if m.startswith("sglang:num_aborted_requests_total"))
+
+
+def _inflight(router: str, model: str) -> int:
+    health = httpx.get(router + "/health", timeout=10).json()
+    return sum(int(r["inflight"]) for r in health["models"][model])
+
+
+def _queued(router: str, model: str) -> float:
+    line = next(m for m in httpx.get(router + "/metrics", timeout=10).text.splitlines()
+                if m.startswith(f'fineslab_queue_length{{model="{model}"}}'))
+    return float(line.split()[-1])
+
+
+def _abandoned(router: str, model: str) -> float:
+    line = next(m for m in httpx.get(router + "/metrics", timeout=10).text.splitlines()
+                if m.startswith(f'fineslab_requests_abandoned_total{{model="{model}"}}'))
+    return float(line.split()[-1])
+
+
+def _until(what: Callable[[], bool], within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if what():
+            return True
+        time.sleep(0.1)
+    return what()
+
+
+def _leaving_client(router: str, model: str, stream: bool, leave_after_s: float
+                    ) -> threading.Thread:
+    """A client that gives up after `leave_after_s` (its connection closes)."""
+    def run() -> None:
+        body = {"model": model, "prompt": "Tell me a long story", "max_tokens": 32,
+                "stream": stream}
+        with contextlib.suppress(httpx.TimeoutException), httpx.Client(
+                timeout=leave_after_s) as client:
+            if stream:
+                with client.stream("POST", router + "/v1/completions", json=body) as reply:
+                    for _ in reply.iter_bytes():
+                        pass
+            else:
+                client.post(router + "/v1/completions", json=body)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@contextlib.contextmanager
+def _paused(runtime_url: str) -> Iterator[None]:
+    reply = httpx.post(runtime_url + "/pause_generation", json={"mode": "in_place"}, timeout=30)
+    assert reply.status_code == 200, reply.text
+    try:
+        yield
+    finally:
+        httpx.post(runtime_url + "/continue_generation", json={}, timeout=30)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_client_that_leaves_frees_its_router_slot_and_its_runtime_request(
+        router: str, stream: bool) -> None:
+    runtime = RUNTIME_URL[router]
+    before, aborts = _abandoned(router, "tiny"), _runtime_aborts(runtime)
+    with _paused(runtime):
+        client = _leaving_client(router, "tiny", stream, leave_after_s=3.0)
+        assert _until(lambda: _inflight(router, "tiny") == 1, 10), "the request was forwarded"
+        client.join(30)
+        assert _until(lambda: _inflight(router, "tiny") == 0, 2), "the router slot is free"
+        assert _until(lambda: _runtime_aborts(runtime) == aborts + 1, 2), \
+            "the runtime aborted it (SGLang's own disconnect check alone takes up to 4 s)"
+    assert _abandoned(router, "tiny") == before + 1
+    reply = httpx.post(router + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "Hello", "max_tokens": 4})
+    assert reply.status_code == 200, reply.text
+
+
+def test_a_client_that_leaves_while_queued_leaves_the_queue(router: str) -> None:
+    runtime = RUNTIME_URL[router]
+    with _paused(runtime):
+        holder = _leaving_client(router, "tiny-one", False, leave_after_s=8.0)
+        assert _until(lambda: _inflight(router, "tiny-one") == 1, 10)
+        waiter = _leaving_client(router, "tiny-one", True, leave_after_s=2.0)
+        assert _until(lambda: _queued(router, "tiny-one") == 1, 5), "the second one waits"
+        waiter.join(30)
+        assert _until(lambda: _queued(router, "tiny-one") == 0, 2), "it left the queue"
+        assert _inflight(router, "tiny-one") == 1, "the first one still holds the slot"
+        aborts = _runtime_aborts(runtime)
+        holder.join(30)
+        assert _until(lambda: _inflight(router, "tiny-one") == 0, 2)
+        assert _until(lambda: _runtime_aborts(runtime) == aborts + 1, 2), "only the first ran"
