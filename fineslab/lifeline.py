@@ -11,7 +11,7 @@ SIGKILL after `--grace-s`), removes SGLang's shared-memory files of the tree
 (`fineslab.proctree`) and, for a fleet's runtime, the fleet's arena files whose launcher is
 gone (`remove_dead_arenas`), and exits. Otherwise it waits for COMMAND and exits with its status
 (a signal-killed COMMAND as 128 + signal, the shell's convention), so the starter sees the
-server's own exit.
+server's own exit, having stopped what is left of the tree and removed the files it mapped.
 
 Why a wrapper and not `PR_SET_PDEATHSIG`: the parent-death signal fires when the *thread* that
 forked the child exits, and the launcher restarts runtimes from short-lived threads; it also
@@ -47,8 +47,10 @@ from fineslab.proctree import (
 POLL_S = 0.5
 
 
-#: Every this many polls the wrapper re-reads which SGLang shm files its tree maps.
+#: Every this many polls the wrapper re-reads which SGLang shm files its tree maps; every poll
+#: during the first START_UP_POLLS (a server that dies starting up maps its files briefly).
 RECORD_EVERY_POLLS = 10
+START_UP_POLLS = 120
 
 
 def _group_others() -> list[int]:
@@ -85,7 +87,7 @@ def watch(fd: int, child: Child, what: str, grace_s: float) -> int:
     files: set[Path] = set()
     for polls in itertools.count():
         readable, _, _ = select.select([fd], [], [], POLL_S)
-        if polls % RECORD_EVERY_POLLS == 0 or readable:
+        if polls % RECORD_EVERY_POLLS == 0 or readable or polls < START_UP_POLLS:
             files |= tree_shm_files(_group_others())
         if readable and not os.read(fd, 1):  # EOF: the starter is gone
             print(f"fineslab.lifeline: the process that started {what} is "
@@ -96,6 +98,14 @@ def watch(fd: int, child: Child, what: str, grace_s: float) -> int:
             return 1
         code = child.poll()
         if code is not None:
+            # The server is gone (its own exit, a crash, a start-up that failed): what is left
+            # of its tree serves nobody, and the files it mapped are nobody's (a failed start
+            # left a sglang_loads_*.shm for every try, issue #35).
+            if os.getpgid(0) == os.getpid():  # the group is the server's tree (ServerProcess)
+                files |= tree_shm_files(_group_others())
+                if _group_others():
+                    stop_group(os.getpgid(0), grace_s, exclude=os.getpid(), reap=_reap)
+                remove_files(files)
             return _exit_status(code)
     raise AssertionError("unreachable")
 

@@ -30,9 +30,13 @@ from fineslab.proctree import (
 #: name (as glibc's sem_open does), maps it, and sleeps; the parent sleeps too.
 TREE = textwrap.dedent("""
     import mmap, os, subprocess, sys, time
+    mode = sys.argv[3] if len(sys.argv) > 3 else "stays"
     if sys.argv[1] == "parent":
-        subprocess.Popen([sys.executable, __file__, "child", sys.argv[2]])
-        time.sleep(600)
+        subprocess.Popen([sys.executable, __file__, "child", sys.argv[2], mode])
+        if mode == "stays":
+            time.sleep(600)
+        time.sleep(3)  # a server that fails its start-up
+        sys.exit(1)
     else:
         tmp = "/dev/shm/sem.tmp-" + sys.argv[2]
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
@@ -40,7 +44,7 @@ TREE = textwrap.dedent("""
         area = mmap.mmap(fd, 4096)
         os.link(tmp, "/dev/shm/sem.mp-" + sys.argv[2])
         os.unlink(tmp)
-        time.sleep(600)
+        time.sleep(1.5 if mode == "child-dies-first" else 600)
 """)
 
 #: Starts the tree through the lifeline, prints the wrapper's pid, then waits to be killed.
@@ -151,3 +155,37 @@ def test_only_sglang_leftover_names_are_ever_removed(tmp_path: Path) -> None:
         assert not is_leftover_name(name)
         with pytest.raises(ValueError, match="not an SGLang leftover"):
             remove_files([Path("/dev/shm") / name])
+
+
+@pytest.mark.parametrize("mode", ["child-dies-first", "child-stays"])
+def test_a_server_that_exits_on_its_own_takes_its_tree_and_shm_files_with_it(
+        tree_files: tuple[Path, Path, str], mode: str) -> None:
+    # Issue #35: a runtime that died starting up left a sglang_loads_*.shm for every try: its
+    # scheduler had mapped the file only for a moment, and the wrapper removed nothing unless
+    # its starter died.
+    from fineslab.runtime import lifeline_read_fd
+
+    tree, _starter, tag = tree_files
+    sem = Path(f"/dev/shm/sem.mp-{tag}")
+    fd = lifeline_read_fd()
+    try:
+        done = subprocess.run([sys.executable, "-m", "fineslab.lifeline", "--fd", str(fd),
+                               "--grace-s", "1", "--", sys.executable, str(tree), "parent", tag,
+                               mode], pass_fds=(fd,), timeout=60, start_new_session=True)
+        assert done.returncode == 1, "the server's own status"
+        assert not sem.exists(), "the file the tree mapped was left"
+        assert not [p for p in _pids_running(str(tree))], "the tree outlived its server"
+    finally:
+        remove_files([sem])
+
+
+def _pids_running(script: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if script in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
