@@ -254,7 +254,8 @@ class ServerProcess:
                                 "could bind it.\n" + self.log_tail())
             if self.proc.poll() is not None and self.stopping:
                 raise EnvironmentSetupError("SGLang server stopped during start-up")
-            if self.proc.poll() is not None and self.start_kind == "warm":
+            if self.proc.poll() is not None and self.start_kind == "warm" \
+                    and not self.refused_by_fineslab():
                 self._start_plainly_after(f"exited with code {self.proc.returncode}")
                 continue
             if self.proc.poll() is not None:
@@ -276,6 +277,12 @@ class ServerProcess:
         raise EnvironmentSetupError(
             f"SGLang server not healthy after {timeout_s:.0f} s.\n" + self.log_tail()
         )
+
+    def refused_by_fineslab(self) -> bool:
+        """Whether the log's end shows one of fineslab's own errors (a configuration the plugin
+        refuses, an arena without room): the server's answer to what it was told, which a plain
+        start would give again (a bad configuration cost two starts)."""
+        return "fineslab.errors." in self.log_tail(200)
 
     def port_taken(self) -> bool:
         """Whether the log's end says the server could not bind its port (asyncio's Errno 98

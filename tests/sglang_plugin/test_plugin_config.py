@@ -67,6 +67,8 @@ def failed_logs(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
             with pytest.raises(EnvironmentSetupError):
                 server.wait_healthy(300)
             texts[case] = server.log_tail(200)
+            # fineslab's own refusal is the same in a plain start: not tried twice
+            texts[case + ":start"] = server.start_kind
     finally:
         for server in servers.values():
             server.stop()
@@ -87,6 +89,8 @@ def test_bad_configuration_fails_start_up_with_clear_error(failed_logs: dict[str
         f"{case}: {'the launching process' if early else 'the scheduler'} must refuse it "
         f"(what needs no model is refused before SGLang starts the scheduler); log:\n"
         + failed_logs[case][-3000:])
+    assert failed_logs[case + ":start"] != "plain-after-warm", \
+        "a configuration fineslab refuses was started again plainly"
 
 
 def test_missing_hook_names_the_sglang_version() -> None:
