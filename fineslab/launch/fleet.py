@@ -71,6 +71,10 @@ logger = logging.getLogger(__name__)
 
 #: Slab-table snapshots are reused for this long (the router asks every dispatch round).
 SNAPSHOT_TTL_S = 0.1
+#: How long a restart waits for its weights' room (neighbours' caches flushed as they go idle),
+#: and how often it looks.
+ROOM_WAIT_S = 120.0
+ROOM_POLL_S = 1.0
 
 
 def _vocab_size(hf_config: dict[str, object]) -> int | None:
@@ -441,10 +445,11 @@ class Fleet:
     def _room_for_restart(self, plan: RuntimePlan) -> None:
         """Before a runtime whose weights live in the arena restarts (a supervisor thread):
         flush the prefix caches of the idle runtimes of its device, then, if its weights still
-        do not fit, have the router's elastic manager sleep idle models there until they do.
-        Without room the start would fail, and fail again at every back-off (a streaming
-        fleet's lender, restarted after a SIGSTOP, once found 8 free slabs for its 11: a
-        neighbour's cache held them)."""
+        do not fit, have the router's elastic manager sleep idle models there until they do,
+        then wait, bounded, for busy neighbours to go idle (`_wait_for_room`). Without room the
+        start would fail, and fail again at every back-off (a streaming fleet's lender,
+        restarted after a SIGSTOP, once found 8 free slabs for its 11: a neighbour's cache
+        held them)."""
         router, arena = self.router, self.arenas.get(plan.device.name)
         if not plan.weights_in_arena or router is None or arena is None:
             return
@@ -459,6 +464,7 @@ class Fleet:
             if (self._free_weight_slabs(plan.device.name) or 0) >= need:
                 return
         if router.elastic is None or router.loop is None:
+            self._wait_for_room(plan, need)
             return
         self.progress(f"making room for {plan.runtime_id}'s weights ({need} slabs) before its "
                       "restart")
@@ -473,8 +479,50 @@ class Fleet:
                                "the fleet stops" if self._stopping.is_set() else "timed out")
                 return
         if not future.cancelled() and future.exception() is not None:
-            logger.warning("no room made for %s before its restart: %s; it starts anyway",
-                           plan.runtime_id, future.exception())
+            logger.warning("no room made for %s before its restart: %s", plan.runtime_id,
+                           future.exception())
+        self._wait_for_room(plan, need)
+
+    def _wait_for_room(self, plan: RuntimePlan, need: int) -> None:
+        """Wait, up to ROOM_WAIT_S, until `plan`'s weights fit its device's free slabs,
+        flushing each neighbour's prefix cache as it goes idle (SGLang flushes only an idle
+        runtime: a busy neighbour's cache held a streaming lender's 11 slabs, and its restart
+        failed three times in a row, an 85 s outage, issue #35). Says what it waits for and
+        what it took; starts anyway at the bound (the start then fails in words)."""
+        device = plan.device.name
+        free = self._free_weight_slabs(device) or 0
+        if free >= need:
+            return
+        self.progress(f"runtime {plan.runtime_id} waits up to {ROOM_WAIT_S:.0f} s for {need} "
+                      f"free slabs for its weights: {free} free, the rest held by "
+                      f"{self._slab_holders(device)}; idle neighbours' caches are flushed "
+                      "as they go idle")
+        start_s = time.monotonic()
+        took: list[str] = []
+        while not self._stopping.wait(ROOM_POLL_S):
+            if self.reclaimer is not None:
+                took += self.reclaimer.flush_idle(device, exclude=plan.runtime_id)
+            free = self._free_weight_slabs(device) or 0
+            waited_s = time.monotonic() - start_s
+            if free >= need:
+                self.progress(f"room for {plan.runtime_id}'s weights after {waited_s:.0f} s"
+                              + (f" (flushed the caches of {', '.join(sorted(set(took)))})"
+                                 if took else ""))
+                return
+            if waited_s > ROOM_WAIT_S:
+                logger.warning("runtime %s starts without room for its weights after %.0f s: "
+                               "%d of %d slabs free, held by %s", plan.runtime_id, waited_s,
+                               free, need, self._slab_holders(device))
+                return
+
+    def _slab_holders(self, device: str) -> str:
+        """The largest holders of a device's slabs, for a message."""
+        snap = self.slab_snapshots().get(device)
+        if snap is None:
+            return "nobody known"
+        held = sorted(((o.num_slabs, o.runtime_id) for o in snap.owners
+                       if o.alive and o.num_slabs), reverse=True)
+        return ", ".join(f"{runtime} ({slabs})" for slabs, runtime in held[:4]) or "nobody"
 
     def _reclaim(self, device: str) -> list[str]:
         arena = self.arenas.get(device)
