@@ -107,6 +107,7 @@ def install_admin(app: FastAPI, router: Router) -> None:
         models = [{**m, "elastic": True} for m in elastic] + fixed
         streams = router.stream_states()
         for m in models:
+            m["state"] = router.live_state(m["model"])  # `restarting` while no runtime is up
             m["kv_limits"] = model_limits(router, m["model"])
             mine = {runtime: state for (model, runtime), state in streams.items()
                     if model == m["model"]}

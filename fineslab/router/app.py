@@ -232,8 +232,21 @@ class Router:
         status = "ok" if all_up else ("degraded" if any_serving else "unavailable")
         states = self.model_states()
         return any_serving, {"status": status, "models": models,
-                             "model_status": {n: (states.get(n, "serving") if up else "down")
+                             "model_status": {n: (states.get(n, "serving") if up
+                                                  else self._down_state(n))
                                               for n, up in serving.items()}}
+
+    def _down_state(self, name: str) -> str:
+        """A model none of whose runtimes is up: `restarting` while the supervisor brings one
+        back (its elastic state said `awake` meanwhile), else `down`."""
+        return "restarting" if any(r.down_reason for r in self.replicas[name]) else "down"
+
+    def live_state(self, name: str) -> str:
+        """What a model is doing now, for /health/{model} and `ctl list`: its elastic state
+        (or `serving`) while a runtime of it is up, else `restarting` or `down`."""
+        if any(r.up for r in self.replicas[name]):
+            return self.model_states().get(name, "serving")
+        return self._down_state(name)
 
     def model_health(self, name: str) -> tuple[int, dict[str, Any]]:
         replicas = self.replicas.get(name)
@@ -243,9 +256,8 @@ class Router:
         live = sum(r.up for r in replicas)
         status = "ok" if live == len(replicas) else ("degraded" if live else "down")
         body = {"model": name, "status": status, "replicas": [r.state() for r in replicas]}
-        state = self.model_states().get(name)
-        if state is not None:
-            body["state"] = state  # an asleep model is healthy: a request wakes it
+        if name in self.model_states() or not live:
+            body["state"] = self.live_state(name)  # an asleep model is healthy: a request wakes it
         return (200 if live else 503), body
 
     # -- one request ----------------------------------------------------------------------------

@@ -270,6 +270,12 @@ def test_a_model_restarting_for_longer_than_its_slo_is_refused_at_once_with_retr
         health = httpx.get(server.base_url + "/health", timeout=30).json()
         replica = health["models"]["strict"][0]
         assert (replica["state"], replica["restarts"]) == ("restarting", 1), replica
+        # Issue #35: /health and `ctl list` said an elastic model was "awake" meanwhile.
+        assert health["model_status"]["strict"] == "restarting", health
+        one = httpx.get(server.base_url + "/health/strict", timeout=30)
+        assert one.status_code == 503 and one.json()["state"] == "restarting", one.text
+        listed = httpx.get(server.base_url + "/admin/models", timeout=30).json()["models"]
+        assert [m["state"] for m in listed] == ["restarting"], listed
     finally:
         server.stop()
 
