@@ -291,10 +291,10 @@ class Router:
                                                 lambda: self._attempt(queue, parsed, path),
                                                 queue.can_take_soon)
         try:
-            async with self.elastic.use(route.name):
-                return await self.attribution.serve(route.name, key,
-                                                    lambda: self._attempt(queue, parsed, path),
-                                                    queue.can_take_soon)
+            async with self.elastic.use(route.name) as queued:
+                return await self.attribution.serve(
+                    route.name, key, lambda: self._attempt(queue, parsed, path, queued),
+                    queue.can_take_soon)
         except CannotWake as exc:
             return self.cannot_wake(exc)
 
@@ -303,11 +303,12 @@ class Router:
         return JSONResponse(error_body(str(exc), "runtime_unavailable", "model_asleep"), 503,
                             headers={"Retry-After": str(retry_s)})
 
-    async def _attempt(self, queue: ModelQueue, parsed: ParsedRequest,
-                       path: str) -> tuple[Response, bool]:
-        """Queue the request, then forward it: (the response, whether a runtime answered);
-        raises RuntimeLost (see attribution.py)."""
+    async def _attempt(self, queue: ModelQueue, parsed: ParsedRequest, path: str,
+                       queued: Callable[[], None] = lambda: None) -> tuple[Response, bool]:
+        """Queue the request (`queued()` as the queue takes it), then forward it: (the
+        response, whether a runtime answered); raises RuntimeLost (see attribution.py)."""
         try:
+            queued()  # acquire puts it in the queue before it first waits
             lease = await queue.acquire(parsed.prompt_tokens)
         except NoLiveRuntime as exc:
             retry_s = exc.retry_after_s or self.settings.retry_after_s

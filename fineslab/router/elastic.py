@@ -160,20 +160,31 @@ class Elastic:
     # -- requests -------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def use(self, name: str) -> AsyncIterator[None]:
-        """Around a request for `name` until its queue holds it: wakes the model (raises
-        CannotWake) and keeps it from sleeping meanwhile. Not elastic: nothing."""
+    async def use(self, name: str) -> AsyncIterator[Callable[[], None]]:
+        """Around a request for `name`: wakes the model (raises CannotWake) and counts the
+        request as arriving (`entering`, which keeps the model from sleeping) until it calls
+        what this yields, as its queue takes it (from then the queue or the replica counts
+        it: a non-streamed request in flight was counted twice in `busy`, issue #35). Not
+        elastic: nothing."""
         model = self.models.get(name)
         if model is None:
-            yield
+            yield lambda: None
             return
         model.entering += 1
         model.last_used_s = self.clock()
+        arriving = True
+
+        def queued() -> None:
+            nonlocal arriving
+            if arriving:
+                arriving = False
+                model.entering -= 1
+
         try:
             await self.ensure_awake(model)
-            yield
+            yield queued
         finally:
-            model.entering -= 1
+            queued()
             model.last_used_s = self.clock()
 
     async def ensure_awake(self, model: ElasticModel) -> None:

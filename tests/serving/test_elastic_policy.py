@@ -239,3 +239,28 @@ def test_a_wake_with_nothing_to_evict_waits_a_moment_for_room_freed_elsewhere(
 
     asyncio.run(run())
     assert manager.models["a"].state.value == "awake"
+
+
+def test_a_request_in_flight_counts_once_in_busy(
+        monkeypatch: pytest.MonkeyPatch, calls: list[tuple[str, str]]) -> None:
+    # Issue #35: `ctl sleep`'s 409 said "2 request(s)" for one non-streamed request: it was
+    # counted arriving (`entering`) and in flight (the replica) until it ended.
+    arena = Arena(free=10, weights={"a-r0": 4})
+    manager, router = _setup(monkeypatch, calls, arena, [_spec("a")], [100.0])
+
+    async def run() -> None:
+        async with manager.use("a") as queued:
+            model = manager.models["a"]
+            assert manager.busy(model) == 1, "arriving"
+            router.queues["a"] = [object()]  # the queue takes it ...
+            queued()
+            assert manager.busy(model) == 1, "queued"
+            router.queues["a"] = []
+            router.replicas["a"][0].inflight = 1  # ... and leases it to the runtime
+            assert manager.busy(model) == 1, "in flight"
+            queued()  # a retry (RuntimeLost) queues it again: still once
+            assert model.entering == 0
+        router.replicas["a"][0].inflight = 0
+        assert manager.busy(model) == 0
+
+    asyncio.run(run())
