@@ -146,6 +146,14 @@ class Router:
         back in `back_in_s` (None: unknown)."""
         self._post_state(self._apply_down, runtime_id, reason, back_in_s)
 
+    def stop_serving(self) -> None:
+        """Every runtime down, for good: in-flight requests end at once in their error (a
+        stop waited out uvicorn's graceful timeout for a hung one, then logged a traceback),
+        new ones are refused."""
+        for replicas in self.replicas.values():
+            for replica in replicas:
+                self._post_state(self._apply_down, replica.runtime_id, None, None)
+
     def mark_up(self, runtime_id: str, pid: int | None = None,
                 base_url: str | None = None) -> None:
         """The runtime is serving (again); `base_url` when it came back on another port."""

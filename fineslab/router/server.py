@@ -92,3 +92,10 @@ class RouterServer(AppServer):
                  log_level: str = "warning", sock: socket.socket | None = None) -> None:
         super().__init__(create_app(router), host, port, log_level, sock, "router")
         self.router = router
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Stop serving: in-flight requests end at once in their error (their runtimes are
+        stopped next), then the server closes."""
+        if self._server.started:
+            self.router.stop_serving()
+        super().stop(timeout_s)

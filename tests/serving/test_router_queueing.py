@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from collections.abc import Iterable, Iterator
 
 import httpx
@@ -295,3 +297,42 @@ def test_a_runtime_back_on_another_port_is_served_there(backend_url: str) -> Non
         assert backend_url in json.dumps(health), health
     finally:
         server.stop()
+
+
+def test_a_stop_ends_hung_requests_in_their_error_at_once() -> None:
+    # Issue #35: Ctrl-C waited out uvicorn's 5 s graceful timeout for a hung request, then
+    # logged a traceback; the runtimes are stopped right after the router anyway.
+    port = free_port()
+    hung = start_echo_backend(port, delay_s=60.0)
+    try:
+        server = _serve([_route("slow", f"http://127.0.0.1:{port}")])
+        answers: dict[bool, httpx.Response | BaseException] = {}
+
+        def ask(stream: bool) -> None:
+            try:
+                answers[stream] = httpx.post(server.base_url + "/v1/completions", timeout=60,
+                                             json={"model": "slow", "prompt": "hi",
+                                                   "max_tokens": 2, "stream": stream})
+            except httpx.HTTPError as exc:
+                answers[stream] = exc
+
+        clients = [threading.Thread(target=ask, args=(s,)) for s in (False, True)]
+        for client in clients:
+            client.start()
+        deadline = time.monotonic() + 10
+        while sum(r["inflight"] for r in server.router.health()[1]["models"]["slow"]) < 2:
+            assert time.monotonic() < deadline, "both requests reach the backend"
+            time.sleep(0.05)
+        began = time.monotonic()
+        server.stop()
+        stopped_s = time.monotonic() - began
+        for client in clients:
+            client.join(10)
+        assert stopped_s < 2.0, f"the stop took {stopped_s:.1f} s"
+        for stream, answer in answers.items():
+            assert isinstance(answer, httpx.Response) and answer.status_code == 502, \
+                (stream, answer)
+            assert answer.json()["error"]["code"] == "runtime_down", answer.text
+    finally:
+        hung.kill()  # it would wait out its own hung answers
+        hung.wait(10)
