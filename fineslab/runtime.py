@@ -41,7 +41,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -241,14 +241,22 @@ class ServerProcess:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def wait_healthy(self, timeout_s: float = 180.0) -> None:
+    def wait_healthy(self, timeout_s: float = 180.0,
+                     still_waiting: Callable[[float], None] | None = None,
+                     every_s: float = 30.0) -> None:
         """Block until `/health` answers 200; raise with the log's tail if the server dies.
+        `still_waiting(seconds)` is called every `every_s` seconds it waits.
 
         Raises `PortInUse` as soon as the log shows that the server could not bind its port:
         SGLang 0.5.23 does not exit then (its HTTP server stops, its scheduler keeps running).
         """
-        deadline = time.monotonic() + timeout_s
+        begun = time.monotonic()
+        deadline = begun + timeout_s
+        next_report = begun + every_s
         while time.monotonic() < deadline:
+            if still_waiting is not None and time.monotonic() >= next_report:
+                still_waiting(time.monotonic() - begun)
+                next_report += every_s
             if self.port_taken():
                 raise PortInUse(f"port {self.spec.port} was taken before the SGLang server "
                                 "could bind it.\n" + self.log_tail())

@@ -156,7 +156,8 @@ class Fleet:
         self.supervisor = Supervisor(runtimes, on_down=self._runtime_down,
                                      on_up=self._runtime_up, reclaim=self._reclaim,
                                      progress=self.progress, policy=config.supervision,
-                                     before_start=self._room_for_restart)
+                                     before_start=self._room_for_restart,
+                                     slow_start=self._slow_start)
         self.supervisor.start_all([r.runtime_id for r in self.plan.runtimes
                                    if not r.starts_asleep])
         asleep = self._start_asleep([r for r in self.plan.runtimes if r.starts_asleep])
@@ -246,20 +247,25 @@ class Fleet:
                 slabs[r.runtime_id] = self._put_to_sleep(r.runtime_id)
         return slabs
 
-    def _flush_started_caches(self) -> None:
+    def _flush_started_caches(self) -> list[str]:
         """Empty the prefix caches of the runtimes up so far (all idle: the router is not up
         yet), so that the next wave's warmups find KV. A wave's first member starts even when
         the free slabs do not cover it: an elastic notebook's fleet once had every slab taken,
         its awake neighbours' warmup caches holding the KV slabs, and the asleep model's warmup
         waited for a slab that nothing would free."""
         assert self.supervisor is not None
+        flushed = []
         for runtime_id, r in self.supervisor.runtimes.items():
-            if r.process is None or r.process.proc.poll() is not None:
+            if r.process is None or r.process.proc.poll() is not None or r.up_since_s is None:
                 continue
             try:
-                httpx.post(self.runtime_url(runtime_id) + "/flush_cache", timeout=10)
+                reply = httpx.post(self.runtime_url(runtime_id) + "/flush_cache", timeout=10)
             except httpx.HTTPError as exc:
                 logger.warning("could not flush %s's prefix cache: %s", runtime_id, exc)
+                continue
+            if reply.status_code == 200:
+                flushed.append(runtime_id)
+        return flushed
 
     def _put_to_sleep(self, runtime_id: str) -> int:
         """SGLang's safe order (fineslab.router.elastic): pause, then release; the weight slabs
@@ -482,6 +488,26 @@ class Fleet:
             logger.warning("no room made for %s before its restart: %s", plan.runtime_id,
                            future.exception())
         self._wait_for_room(plan, need)
+
+    def _slow_start(self, plan: RuntimePlan, waited_s: float) -> None:
+        """A runtime not healthy after `waited_s` (a supervisor thread): say so, and where its
+        device's arena is full, empty the idle neighbours' prefix caches, which its warm-up's
+        KV may be waiting for (a five-model elastic fleet once waited 9 minutes, silent, with
+        0 free slabs: issue #35)."""
+        device = plan.device.name
+        free = self._free_weight_slabs(device)
+        if free is None:
+            self.progress(f"runtime {plan.runtime_id} is still starting after {waited_s:.0f} s")
+            return
+        why = (f"{free} free slabs on {device}, held by {self._slab_holders(device)}"
+               if free < START_KV_SLABS else f"{free} free slabs on {device}")
+        flushed: list[str] = []
+        if free < START_KV_SLABS:
+            flushed = (self.reclaimer.flush_idle(device, exclude=plan.runtime_id)
+                       if self.reclaimer is not None else self._flush_started_caches())
+        self.progress(f"runtime {plan.runtime_id} is still starting after {waited_s:.0f} s "
+                      f"({why})" + (f"; flushed the prefix caches of {', '.join(flushed)}"
+                                    if flushed else ""))
 
     def _wait_for_room(self, plan: RuntimePlan, need: int) -> None:
         """Wait, up to ROOM_WAIT_S, until `plan`'s weights fit its device's free slabs,

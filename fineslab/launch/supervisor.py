@@ -56,6 +56,9 @@ STOP_GRACE_S = 1.0
 
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
+#: How often a runtime still starting is reported (with why, where the fleet can tell).
+SLOW_START_S = 30.0
+
 #: CPU a tree must use between its first and last failed probe to count as busy, not hung.
 MIN_BUSY_CPU_S = 0.5
 
@@ -81,12 +84,16 @@ class Supervisor:
                  on_up: Callable[[str, int, str], None],
                  reclaim: Callable[[str], list[str]], progress: Callable[[str], None],
                  policy: SupervisionPolicy | None = None, poll_s: float = 0.5,
-                 before_start: Callable[[RuntimePlan], None] = lambda plan: None) -> None:
+                 before_start: Callable[[RuntimePlan], None] = lambda plan: None,
+                 slow_start: Callable[[RuntimePlan, float], None] = lambda plan, s: None
+                 ) -> None:
         """`before_start(plan)` runs before each restart (the fleet makes room there for a
-        runtime whose weights live in the arena)."""
+        runtime whose weights live in the arena); `slow_start(plan, seconds)` every
+        SLOW_START_S a runtime takes to come up (the fleet says why and acts there)."""
         self.runtimes = {r.plan.runtime_id: r for r in runtimes}
         self.on_down, self.on_up, self.reclaim = on_down, on_up, reclaim
         self.before_start = before_start
+        self.slow_start = slow_start
         self.progress = progress
         self.policy = policy or SupervisionPolicy()
         self.poll_s = poll_s
@@ -128,7 +135,9 @@ class Supervisor:
         for attempt in range(PORT_RETRIES + 1):
             assert r.process is not None
             try:
-                r.process.wait_healthy(self.policy.health_timeout_s)
+                r.process.wait_healthy(self.policy.health_timeout_s,
+                                       lambda waited_s: self.slow_start(r.plan, waited_s),
+                                       SLOW_START_S)
                 return
             except PortInUse:
                 if attempt == PORT_RETRIES or self._stopping.is_set():

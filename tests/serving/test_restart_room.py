@@ -90,3 +90,21 @@ def test_a_stopping_fleet_does_not_wait() -> None:
     fake._stopping.set()
     _wait(fake, need=11)
     assert neighbour.attempts == 0
+
+
+def test_a_slow_start_says_why_and_empties_idle_caches_when_the_arena_is_full() -> None:
+    # Issue #35, finding 3: a five-model elastic fleet waited 9 minutes for a runtime whose
+    # warm-up found 0 free slabs, and never said why.
+    neighbour, lines = BusyNeighbour(slabs=11, busy_rounds=0), []
+    fake = _fleet(neighbour, free=0, lines=lines)
+    fake._slab_holders = lambda device: Fleet._slab_holders(fake, device)  # type: ignore
+    Fleet._slow_start(fake, _plan(), 30.0)  # type: ignore[arg-type]
+    assert lines == ["runtime lender-r0 is still starting after 30 s (0 free slabs on cpu, "
+                     "held by neighbour-r0 (11)); flushed the prefix caches of neighbour-r0"]
+
+
+def test_a_slow_start_with_room_is_only_reported() -> None:
+    neighbour, lines = BusyNeighbour(slabs=11, busy_rounds=0), []
+    Fleet._slow_start(_fleet(neighbour, free=20, lines=lines), _plan(), 60.0)  # type: ignore
+    assert lines == ["runtime lender-r0 is still starting after 60 s (20 free slabs on cpu)"]
+    assert neighbour.attempts == 0
