@@ -10,6 +10,8 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
+
 from fineslab.fleet import FleetHandle, Leftovers
 from fineslab.fleet.handle import fleet_processes, leftover_files
 from fineslab.proctree import tree_pids_of_group
@@ -21,6 +23,16 @@ __all__ = ["ChaosFleet", "fleet_processes", "leftover_files"]
 class ChaosFleet(FleetHandle):
     def model_status(self) -> dict[str, str]:
         return dict(self.health().get("model_status", {}))
+
+    def held_slots(self, model: str) -> int:
+        """Router slots the model's requests hold: queued, and in flight on its runtimes."""
+        health = httpx.get(self.base_url + "/health", timeout=30).json()
+        inflight = sum(int(r.get("inflight", 0)) for r in health["models"].get(model, []))
+        queued = 0
+        for line in httpx.get(self.base_url + "/metrics", timeout=30).text.splitlines():
+            if line.startswith(f'fineslab_queue_length{{model="{model}"}}'):
+                queued = int(float(line.split()[-1]))
+        return inflight + queued
 
     def process_of(self, model: str, target: str) -> int | None:
         """The pid of `model`'s SGLang server (`target` "server") or its scheduler."""

@@ -49,3 +49,11 @@ def test_a_fault_never_followed_by_serving_covers_everything_after_it() -> None:
 def test_the_documented_duration_parses() -> None:
     args = build_parser().parse_args(["--json", "--duration", "120"])
     assert args.duration == 120 and args.json
+
+
+def test_the_hog_and_the_new_faults_are_part_of_the_run() -> None:
+    from fineslab.bench.chaos import FAULTS
+
+    args = build_parser().parse_args(["--json", "--duration", "120", "--hog", "2"])
+    assert args.hog == 2
+    assert {"abandon", "budget"} <= set(FAULTS)
