@@ -33,11 +33,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from fineslab.env import WEIGHTS_DIR_VAR
 from fineslab.errors import ConfigError, EnvironmentSetupError
+from fineslab.launch.config import flag_value
 from fineslab.launch.leftovers import RunRecord, sweep
 from fineslab.launch.lending import Lender, start_lender, stream_states, write_selectn_requests
 from fineslab.launch.plan import (
@@ -75,6 +77,16 @@ SNAPSHOT_TTL_S = 0.1
 #: and how often it looks.
 ROOM_WAIT_S = 120.0
 ROOM_POLL_S = 1.0
+
+
+def context_tokens(extra_args: tuple[str, ...], hf_config: dict[str, Any]) -> int:
+    """The context the runtimes enforce: `--context-length` in the model's `extra_args`, else
+    the model's own (the router refused by the model's 4,096 what a runtime started with
+    `--context-length 512` then refused in SGLang's words)."""
+    given = flag_value(extra_args, "--context-length")
+    if given is not None and given.isdigit() and int(given) > 0:
+        return int(given)
+    return int(hf_config.get("max_position_embeddings", 2048))
 
 
 def _vocab_size(hf_config: dict[str, object]) -> int | None:
@@ -400,7 +412,7 @@ class Fleet:
                 model.name, tuple(ReplicaRoute(r.plan.runtime_id, r.spec.base_url) for r in mine),
                 model.ttft_slo_s, predictor,
                 tokenizer_dir=model_dir,
-                context_tokens=int(hf_config.get("max_position_embeddings", 2048)),
+                context_tokens=context_tokens(model.extra_args, hf_config),
                 vocab_size=_vocab_size(hf_config),
                 max_running_requests=(model.max_running_requests
                                       or self.plan.config.router.max_running_requests),

@@ -358,3 +358,13 @@ def test_the_routers_token_budget_is_the_runtimes_max_total_tokens_and_page() ->
     assert token_budget(by_model["qwen2-bf16"], use_arena=True) is None, "the arena's capacity"
     own = token_budget(by_model["qwen2-bf16"], use_arena=False)
     assert own is not None and (own.total_tokens, own.page_size) == (OWN_POOL_MAX_TOTAL_TOKENS, 1)
+
+
+def test_the_routers_context_is_the_runtimes_context_length() -> None:
+    from fineslab.launch.fleet import context_tokens
+
+    hf = {"max_position_embeddings": 4096}
+    assert context_tokens((), hf) == 4096
+    assert context_tokens(("--context-length", "512"), hf) == 512, \
+        "the router refused by 4,096 what the runtime refused past 512"
+    assert context_tokens(("--context-length=1024",), {}) == 1024
