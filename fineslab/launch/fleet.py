@@ -169,7 +169,7 @@ class Fleet:
                                      on_up=self._runtime_up, reclaim=self._reclaim,
                                      progress=self.progress, policy=config.supervision,
                                      before_start=self._room_for_restart,
-                                     slow_start=self._slow_start)
+                                     slow_start=self._slow_start, starved=self._starved)
         self.supervisor.start_all([r.runtime_id for r in self.plan.runtimes
                                    if not r.starts_asleep])
         asleep = self._start_asleep([r for r in self.plan.runtimes if r.starts_asleep])
@@ -520,6 +520,19 @@ class Fleet:
         self.progress(f"runtime {plan.runtime_id} is still starting after {waited_s:.0f} s "
                       f"({why})" + (f"; flushed the prefix caches of {', '.join(flushed)}"
                                     if flushed else ""))
+
+    def _starved(self, plan: RuntimePlan) -> str | None:
+        """Why `plan`'s runtime, silent and idle, waits for memory (a supervisor thread):
+        its device's arena has no slab free for its KV; the idle neighbours' caches are
+        emptied at once. None when the arena has room (or there is none)."""
+        device = plan.device.name
+        free = self._free_weight_slabs(device)
+        if free is None or free >= START_KV_SLABS:
+            return None
+        flushed = (self.reclaimer.flush_idle(device, exclude=plan.runtime_id)
+                   if self.reclaimer is not None else [])
+        return (f"{free} free slabs on {device}, held by {self._slab_holders(device)}"
+                + (f"; flushed the prefix caches of {', '.join(flushed)}" if flushed else ""))
 
     def _wait_for_room(self, plan: RuntimePlan, need: int) -> None:
         """Wait, up to ROOM_WAIT_S, until `plan`'s weights fit its device's free slabs,

@@ -108,3 +108,14 @@ def test_a_slow_start_with_room_is_only_reported() -> None:
     Fleet._slow_start(_fleet(neighbour, free=20, lines=lines), _plan(), 60.0)  # type: ignore
     assert lines == ["runtime lender-r0 is still starting after 60 s (20 free slabs on cpu)"]
     assert neighbour.attempts == 0
+
+
+def test_a_full_arena_makes_a_silent_runtime_starved_and_empties_idle_caches() -> None:
+    neighbour, lines = BusyNeighbour(slabs=11, busy_rounds=0), []
+    fake = _fleet(neighbour, free=0, lines=lines)
+    fake._slab_holders = lambda device: Fleet._slab_holders(fake, device)  # type: ignore
+    why = Fleet._starved(fake, _plan())  # type: ignore[arg-type]
+    assert why == ("0 free slabs on cpu, held by neighbour-r0 (11); flushed the prefix caches "
+                   "of neighbour-r0"), why
+    roomy = _fleet(BusyNeighbour(slabs=0, busy_rounds=0), free=20, lines=[])
+    assert Fleet._starved(roomy, _plan()) is None  # type: ignore[arg-type]
