@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fineslab.bench.chaos", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of chaos")
-    parser.add_argument("--faults", type=int, default=6, help="faults over the duration")
+    parser.add_argument("--faults", type=int, default=7,
+                        help="faults over the duration (7 or more: every kind once)")
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--settle-s", type=float, default=600.0,
@@ -257,6 +258,15 @@ def _over_budget(fleet: ChaosFleet, ledger: Ledger, clock_0: float) -> None:
             ledger.requests.append((model, t0, time.monotonic() - clock_0, status))
 
 
+def _schedule(rng: random.Random, count: int) -> list[str]:
+    """`count` fault kinds: every kind once in a shuffled round, then again (with `--faults`
+    at least the number of kinds, every kind happens)."""
+    kinds: list[str] = []
+    while len(kinds) < count:
+        kinds += rng.sample(FAULTS, len(FAULTS))
+    return kinds[:count]
+
+
 def _hogs(count: int) -> list[subprocess.Popen[bytes]]:
     """`count` processes that burn a core each until killed."""
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"],
@@ -289,9 +299,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for worker in workers:
             worker.start()
         gap_s = args.duration / max(1, args.faults)
-        for i in range(args.faults):
+        for i, kind in enumerate(_schedule(rng, args.faults)):
             time.sleep(gap_s / 2 if i == 0 else gap_s)
-            _inject(fleet, rng.choice(FAULTS), rng, ledger, clock_0)
+            _inject(fleet, kind, rng, ledger, clock_0)
         time.sleep(gap_s / 2)
         stop.set()
         for worker in workers:

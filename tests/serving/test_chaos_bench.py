@@ -57,3 +57,12 @@ def test_the_hog_and_the_new_faults_are_part_of_the_run() -> None:
     args = build_parser().parse_args(["--json", "--duration", "120", "--hog", "2"])
     assert args.hog == 2
     assert {"abandon", "budget"} <= set(FAULTS)
+
+
+def test_every_fault_kind_happens_once_the_faults_cover_them() -> None:
+    import random
+
+    from fineslab.bench.chaos import FAULTS, _schedule
+
+    kinds = _schedule(random.Random(3), len(FAULTS) + 2)
+    assert set(kinds) == set(FAULTS) and len(kinds) == len(FAULTS) + 2
