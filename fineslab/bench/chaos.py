@@ -216,11 +216,13 @@ def _abandon(fleet: ChaosFleet, model: str, rng: random.Random, ledger: Ledger,
 
     def leave(stream: bool) -> None:
         body = {"model": model, "prompt": "the arena " * 8, "max_tokens": 2000, "stream": stream}
+        gone_at = time.monotonic() + 1.0  # a stream's tokens may keep coming: leave anyway
         try:
             with httpx.Client(base_url=fleet.base_url, timeout=1.0) as client, \
                     client.stream("POST", "/v1/completions", json=body) as reply:
                 for _ in reply.iter_bytes():
-                    pass
+                    if time.monotonic() > gone_at:
+                        break
         except httpx.HTTPError:
             pass  # the point: it leaves
 
