@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fineslab.sim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, func) in COMMANDS.items():
-        cmd = sub.add_parser(name, help=help_text)
+        cmd = sub.add_parser(name, help=help_text.replace("%", "%%"))  # argparse %-formats it
         cmd.add_argument("--quick", action="store_true", help="the acceptance points only")
         cmd.add_argument("--out", default=None, help=f"report folder (results/{name}/)")
         cmd.add_argument("--seed", type=int, default=0)

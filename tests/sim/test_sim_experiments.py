@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from fineslab.sim.config import SYSTEMS, SimConfig
 from fineslab.sim.experiments.common import (
     MixEntry,
@@ -80,3 +82,15 @@ def test_the_elastic_experiment_reports_every_system_workload_and_seed(tmp_path:
                                for w in WORKLOADS}
     assert "### bursty, seed 0" in text and "### steady, seed 0" in text
     assert "| 1 |" in (tmp_path / "elastic.md").read_text()
+
+
+def test_the_help_of_the_simulator_and_each_of_its_commands_prints(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Issue #39: `python -m fineslab.sim --help` crashed on the "99%" of a command's help.
+    from fineslab.sim.__main__ import COMMANDS, build_parser
+
+    for argv in (["--help"], *([name, "--help"] for name in COMMANDS)):
+        with pytest.raises(SystemExit) as done:
+            build_parser().parse_args(argv)
+        assert done.value.code == 0, argv
+        assert "usage: python -m fineslab.sim" in capsys.readouterr().out, argv
