@@ -214,7 +214,7 @@ class StreamingSimulator:
                          max_runtimes=4)
         table = SlabTable.create(self.folder / f"{len(self.slots)}.table", dims, 0)
         holder = table.register(f"{name}:lendable"[:64], plan.slab_bytes)
-        placeholders = carve_weight_slabs(table, holder, int(extra))
+        placeholders = carve_weight_slabs(table, holder, int(extra), lowest=0)
         lease = RuntimeSlabs(table, name[:64], plan.format_of(name))
         engine = ReplicaEngine(name, name, m.model.profile, (0,),
                                get_batch_policy(self.cfg.batch_policy), m.model.ttft_slo_s,
@@ -443,7 +443,9 @@ class StreamingSimulator:
             release_weight_slabs(slot.table, slot.holder, slot.placeholders[target:], name)
             slot.placeholders = slot.placeholders[:target]
         elif target > held:
-            more = carve_weight_slabs(slot.table, slot.holder, target - held)
+            # from slab 0 on: a KV table's slab 0 is room like any other (from slab 1 on, a
+            # free slab 0 left the placeholders one short: ArenaExhausted, issue #39)
+            more = carve_weight_slabs(slot.table, slot.holder, target - held, lowest=0)
             slot.placeholders = np.concatenate([slot.placeholders, more])
 
     def lent_of(self, owner: str) -> frozenset[int]:

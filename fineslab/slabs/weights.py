@@ -247,13 +247,15 @@ class WeightRegion:
         release_weight_slabs(self.table, self.slot, slabs, self.runtime_id)
 
 
-def carve_weight_slabs(table: SlabTable, slot: int, num_slabs: int) -> np.ndarray:
+def carve_weight_slabs(table: SlabTable, slot: int, num_slabs: int,
+                       lowest: int = FIRST_WEIGHT_SLAB) -> np.ndarray:
     """Take `num_slabs` free slabs for weight owner `slot` (registered with key = slab_bytes),
-    each one block, FULL at once, never slab 0 (`FIRST_WEIGHT_SLAB`); ArenaExhausted (nothing
-    changed) when short. The simulator's
-    weights take slabs through this too (`fineslab.sim.elastic`)."""
+    each one block, FULL at once, never below `lowest` (weights: never slab 0,
+    `FIRST_WEIGHT_SLAB`); ArenaExhausted (nothing changed) when short. The simulator's weights
+    take slabs through this too (`fineslab.sim.elastic`), and its placeholders, which only hold
+    room in a simulated KV table, from slab 0 on (`fineslab.sim.streaming`)."""
     with table.lock():
-        slabs = table.carve_locked(slot, num_slabs, slot, lowest=FIRST_WEIGHT_SLAB)
+        slabs = table.carve_locked(slot, num_slabs, slot, lowest=lowest)
         table.free_map[slabs, 0] = 0
         table.used[slabs] = 1
         table.state[slabs] = SlabState.FULL

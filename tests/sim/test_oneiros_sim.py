@@ -188,3 +188,17 @@ def test_regression_round_robin_began_at_the_first_model_after_every_switch() ->
 def test_switch_mode_is_validated() -> None:
     with pytest.raises(ConfigError):
         StreamingConfig(switch="recompute")
+
+
+def test_the_documented_quick_command_runs_and_meets_its_target(tmp_path: Path) -> None:
+    # Issue #39, finding 2: `python -m fineslab.sim oneiros --quick --json`, which the docs
+    # cite, crashed (ArenaExhausted: a free slab 0 left the placeholders one slab short).
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "fineslab.sim", "oneiros", "--quick", "--json",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["p99_ttft_reduction"] >= 0.5, result["p99_ttft_reduction"]
