@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import urllib.error
 import urllib.parse
@@ -126,7 +127,8 @@ def _table(models: list[dict[str, Any]]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fineslab ctl", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="fineslab ctl",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the fleet's router")
     parser.add_argument("--api-key-env", help="environment variable holding the API key")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -158,8 +160,19 @@ def run_client(prog: str, url: str, api_key_env: str | None,
     return 1
 
 
+def _negative_sizes_as_values(argv: Sequence[str]) -> list[str]:
+    """`limit MODEL -5M`: argparse reads `-5M` as an option ("the following arguments are
+    required: size"); after `--` it is the size, refused in words (a size >= 0)."""
+    args = list(argv)
+    for i, arg in enumerate(args):
+        if re.fullmatch(r"-\d[\w.]*", arg) and "--" not in args[:i]:
+            return [*args[:i], "--", *args[i:]]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(
+        _negative_sizes_as_values(sys.argv[1:] if argv is None else argv))
 
     def work(api_key: str | None) -> int:
         if args.command == "list":

@@ -69,7 +69,8 @@ def frame(url: str, api_key: str | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fineslab top", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="fineslab top",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the fleet's router")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
     parser.add_argument("--once", action="store_true", help="print one frame and exit")

@@ -154,7 +154,7 @@ def create_front_app(front: FrontRouter) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await serve(request, "/v1/chat/completions")
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request) -> Response:
         if not authorized(request, api_key):
             return JSONResponse(UNAUTHORIZED, 401)
@@ -162,7 +162,7 @@ def create_front_app(front: FrontRouter) -> FastAPI:
                 for m, nodes in front.served_models().items()]
         return JSONResponse({"object": "list", "data": data})
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         models = front.served_models()
         without = sorted(m for m, nodes in models.items() if not nodes)
@@ -171,7 +171,7 @@ def create_front_app(front: FrontRouter) -> FastAPI:
         return JSONResponse({"status": status, "models": models,
                              "without_node": without}, 200 if ok else 503)
 
-    @app.get("/health/{model}")
+    @app.api_route("/health/{model}", methods=["GET", "HEAD"])
     async def model_health(model: str) -> Response:
         nodes = front.served_models().get(model)
         if nodes is None:
@@ -180,7 +180,7 @@ def create_front_app(front: FrontRouter) -> FastAPI:
         return JSONResponse({"model": model, "status": "ok" if nodes else "moving",
                              "nodes": nodes}, 200 if nodes else 503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         return Response(await _guarded_bytes(node_metrics.exposition()),
                         media_type=METRICS_TYPE)

@@ -370,7 +370,7 @@ def create_app(router: Router) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await serve(request, "/v1/chat/completions", chat=True)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request) -> Response:
         if not authorized(request, router.settings.api_key):
             return JSONResponse(UNAUTHORIZED, 401)
@@ -378,19 +378,19 @@ def create_app(router: Router) -> FastAPI:
                  "max_model_len": route.context_tokens} for name, route in router.routes.items()]
         return JSONResponse({"object": "list", "data": data})
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         serving, body = router.health()
         return JSONResponse(body, 200 if serving else 503)
 
-    @app.get("/health/{model}")
+    @app.api_route("/health/{model}", methods=["GET", "HEAD"])
     async def model_health(model: str) -> Response:
         status, body = router.model_health(model)
         return JSONResponse(body, status)
 
     install_admin(app, router)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         return Response(router.metrics.exposition(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")

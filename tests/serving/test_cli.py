@@ -100,3 +100,38 @@ def test_a_limit_over_int64_is_refused_in_words_not_a_500(body: bytes) -> None:
     with pytest.raises(BadLimit, match="at most 9223372036854775807"):
         parse_limit(body)
     assert parse_limit(b'{"kv_bytes": 9223372036854775807}') == (1 << 63) - 1
+
+
+def test_ctl_limit_reads_a_negative_size_as_a_size_and_refuses_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Issue #39: `ctl limit llama-a -5M` was read as an option ("size is required").
+    from fineslab.ctl import main as ctl_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        ctl_main(["limit", "llama-a", "-5M"])
+    assert exit_info.value.code == 2
+    assert "size '-5M' must be a finite size >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tool", ["ctl", "top"])
+def test_the_help_describes_the_tool_in_a_whole_sentence(
+        tool: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Issue #39: `ctl --help`'s description stopped at "(the router's".
+    import importlib
+
+    module = importlib.import_module(f"fineslab.{tool}")
+    with pytest.raises(SystemExit):
+        module.build_parser().parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    first = " ".join(module.__doc__.split("\n\n")[0].split())
+    assert first in out and first.endswith((".", ")")), first
+
+
+def test_python_dash_m_fineslab_is_the_fineslab_command() -> None:
+    # Issue #39: `python -m fineslab` did not run.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "fineslab", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "usage: fineslab {launch," in done.stdout, done.stderr

@@ -140,6 +140,16 @@ def test_unknown_path_and_wrong_method_have_the_openai_error_shape(router: Route
                   "method_not_allowed")
 
 
+@pytest.mark.parametrize("path", ["/v1/models", "/health", "/health/m", "/metrics"])
+def test_head_of_a_get_endpoint_answers_like_its_get_without_a_body(
+        router: RouterServer, path: str) -> None:
+    # Issue #39: HEAD /v1/models answered 405 with an empty body.
+    got = httpx.get(router.base_url + path, timeout=10)
+    head = httpx.head(router.base_url + path, timeout=10)
+    assert head.status_code == got.status_code == 200, (head.status_code, got.status_code)
+    assert head.content == b"" and head.headers["content-type"] == got.headers["content-type"]
+
+
 def test_a_runtime_error_is_rewritten_without_its_paths(router: RouterServer) -> None:
     # Defect 9: SGLang's own error shape, with a path of its venv, passed through.
     path = "/work/main/.venv/lib/python3.11/site-packages/sglang/srt/x.py"
