@@ -11,7 +11,8 @@ another's cache, and an idle scheduler does not run, so the launcher does it fro
     in the router) are "pressed" when
         free slabs < LOW_FREE_FRACTION of the arena, or
         one of them has held the same number of blocks for STALL_S (a request waiting for
-        memory: prefill and decode both take blocks as they go)
+        memory: prefill and decode both take blocks as they go) while free slabs are fewer
+        than STALL_FREE_FRACTION of the arena (a stopped runtime stalls too)
     then POST /flush_cache to each runtime there that has no work and holds blocks, at most
     once per MIN_GAP_S per runtime
 
@@ -40,6 +41,8 @@ INTERVAL_S = 1.0
 MIN_GAP_S = 5.0
 LOW_FREE_FRACTION = 0.1
 STALL_S = 3.0
+#: A stall presses only while fewer than this fraction of the arena's slabs are free.
+STALL_FREE_FRACTION = 0.5
 
 
 class CacheReclaimer(Rounds):
@@ -74,7 +77,11 @@ class CacheReclaimer(Rounds):
             stalled = [r for r in runtime_ids if self._stalled(r, owners, demand, now_s)]
             waiting = [r for r in runtime_ids if demand.get(r, 0) > 0]
             low = snap.free_slabs < LOW_FREE_FRACTION * snap.num_slabs
-            self.pressed[device] = bool(waiting) and (low or bool(stalled))
+            # A stall with most of the arena free is not memory: a SIGSTOPped runtime's
+            # requests stay in flight and its blocks do not move (it flushed its idle
+            # neighbours every 6 s with 55 of 56 slabs free, issue #35).
+            short = snap.free_slabs < STALL_FREE_FRACTION * snap.num_slabs
+            self.pressed[device] = bool(waiting) and (low or (bool(stalled) and short))
             self.stalled[device] = bool(stalled)
             if not self.pressed[device]:
                 continue

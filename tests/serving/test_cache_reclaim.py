@@ -101,6 +101,20 @@ def test_a_stalled_runtime_is_helped_although_free_slabs_are_not_low(runtimes: t
     assert reclaimer.stalled == {"cpu": False}
 
 
+def test_a_stall_with_most_of_the_arena_free_presses_nobody(runtimes: tuple) -> None:
+    # Issue #35: while a runtime was SIGSTOPped (its requests in flight, its blocks still)
+    # the idle neighbours were flushed every ~6 s with 55 of 56 slabs free.
+    urls, calls = runtimes
+    clock, demand = Clock(), {"busy": 1, "idle": 0, "idle2": 0}
+    snap = [_snap(55, {"busy": 8, "idle": 8, "idle2": 0})]
+    reclaimer = _reclaimer(urls, snap, demand, clock)
+    for _ in range(3):
+        assert reclaimer.run_once() == []
+        clock.now_s += reclaim.STALL_S + reclaim.MIN_GAP_S
+    assert reclaimer.stalled == {"cpu": True} and reclaimer.pressed == {"cpu": False}
+    assert calls == []
+
+
 def test_nothing_is_flushed_without_work_or_from_a_busy_runtime(runtimes: tuple) -> None:
     urls, calls = runtimes
     clock = Clock()
