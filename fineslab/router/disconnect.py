@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 #: nginx's "client closed request": what the router logs for an answer nobody reads.
 CLIENT_CLOSED = 499
+#: What a streamed answer is made of (Starlette's body iterator).
+Chunk = str | bytes | memoryview
 
 
 async def client_left(request: Request) -> None:
@@ -36,8 +39,9 @@ async def respond(request: Request, work: Awaitable[Response]) -> Response:
     """`work`'s response, cancelled as soon as the client leaves (then a 499 nobody reads)."""
     left = asyncio.ensure_future(client_left(request))
     answer = asyncio.ensure_future(work)
+    racing: set[asyncio.Future[Any]] = {answer, left}
     try:
-        await asyncio.wait({answer, left}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
         answer.cancel()
         left.cancel()
@@ -55,14 +59,16 @@ async def respond(request: Request, work: Awaitable[Response]) -> Response:
     return response
 
 
-async def _until_left(chunks: AsyncIterator[str | bytes | memoryview],
-                      left: asyncio.Future[None]) -> AsyncIterator[str | bytes | memoryview]:
-    """`chunks` until they end or the client leaves; then `chunks` is closed where it waits
-    (its own clean-up releases the runtime)."""
+async def _until_left(body: AsyncIterable[Chunk], left: asyncio.Future[None]
+                      ) -> AsyncIterator[Chunk]:
+    """`body`'s chunks until they end or the client leaves; then `body` is closed where it
+    waits (its own clean-up releases the runtime)."""
+    chunks = aiter(body)
     try:
         while True:
-            following = asyncio.ensure_future(chunks.__anext__())
-            await asyncio.wait({following, left}, return_when=asyncio.FIRST_COMPLETED)
+            following: asyncio.Future[Chunk] = asyncio.ensure_future(anext(chunks))
+            racing: set[asyncio.Future[Any]] = {following, left}
+            await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
             if not following.done():
                 following.cancel()
                 with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
