@@ -132,12 +132,29 @@ def test_an_idle_model_sleeps_and_a_request_wakes_it_with_the_same_output(
     assert 'fineslab_wake_seconds_count{model="llama-a"}' in metrics
 
 
+def _flush_awake_caches(fleet: LaunchedFleet) -> None:
+    """Every awake runtime's prefix cache dropped, so the hog takes the slabs they held: else
+    the cache reclaimer, seeing the waking request pressed, may flush one and make the room an
+    eviction was to make (a rehearsal of the suite on a loaded machine did)."""
+    states = _states(fleet)
+    for model, replicas in fleet.health()["models"].items():
+        if states.get(model, {}).get("state", "awake") != "awake":
+            continue
+        for replica in replicas:
+            deadline = time.monotonic() + 30
+            # 400 while the runtime has work: the supervisor's liveness probe is a request too
+            while httpx.post(replica["url"] + "/flush_cache", timeout=30).status_code != 200:
+                assert time.monotonic() < deadline, replica
+                time.sleep(0.2)
+
+
 def test_a_wake_without_room_puts_the_least_recently_used_idle_model_to_sleep(
         fleet: LaunchedFleet) -> None:
     assert _ctl(fleet, "sleep", "llama-a").returncode == 0
     _text(fleet, "qwen-b")  # awake and idle; the pinned model is never evicted
     need = _states(fleet)["llama-a"]["weight_slabs"]
     assert need > 1 and _states(fleet)["qwen-b"]["weight_slabs"] >= 1
+    _flush_awake_caches(fleet)
     # One slab short of llama-a's weights: qwen-b's make room.
     hog = Hog(fleet, leave=need - 1)
     try:
