@@ -30,6 +30,7 @@ from fineslab.launch.config import (
     DeviceConfig,
     FleetConfig,
     ModelConfig,
+    flag_value,
 )
 from fineslab.launch.profiles import find_profile, profile_dirs
 from fineslab.launch.selectn_interval import resolve_intervals
@@ -354,7 +355,7 @@ def prefill_chunk_args(runtime_id: str, page_size: int, extra_args: tuple[str, .
     """The `--chunked-prefill-size` a runtime at `page_size` needs, if any: none when
     `extra_args` sets one (ConfigError unless whole pages, which SGLang asserts at start) or when
     SGLang's own default is whole pages; else the largest whole-page chunk up to 4096 tokens."""
-    given = _flag_value(extra_args, CHUNK_FLAG)
+    given = flag_value(extra_args, CHUNK_FLAG)
     if given is not None:
         try:
             tokens = int(given)
@@ -369,16 +370,6 @@ def prefill_chunk_args(runtime_id: str, page_size: int, extra_args: tuple[str, .
         return ()
     return (CHUNK_FLAG, str(max(1, PAGED_CHUNK_TOKENS // page_size) * page_size))
 
-
-def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
-    """The value of `flag` in a command line (`--flag v` or `--flag=v`), the last one winning."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag:
-            value = args[i + 1] if i + 1 < len(args) else ""
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def key_pooled(slab_plan: SlabPlan) -> set[str]:

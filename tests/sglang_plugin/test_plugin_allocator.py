@@ -401,6 +401,13 @@ def _admit(budget: PrefillBudget, tokens: int) -> bool:
     return fits
 
 
+def _budget(budget_class: str, allocator: SlabAllocator, cache: _EvictingCache
+            ) -> PrefillBudget:
+    """The slab budget, or SGLang's own (the control), over `allocator` and `cache`."""
+    return (allocator.create_prefill_budget(cache) if budget_class == "slab"
+            else PrefillBudget(allocator, cache))
+
+
 def _extend(allocator: SlabAllocator, cache: _EvictingCache, *lengths: int
             ) -> torch.Tensor | None:
     """SGLang's `alloc_for_extend` for a batch of new requests: evict, allocate."""
@@ -416,8 +423,7 @@ def test_an_admitted_prefill_is_allocated_though_a_neighbour_takes_the_free_slab
         setup: tuple, budget_class: str) -> None:
     allocator, source, neighbour, _ = setup
     cache = _EvictingCache(allocator, torch.zeros(0, dtype=torch.int64))
-    budget = (allocator.create_prefill_budget(cache) if budget_class == "slab"
-              else PrefillBudget(allocator, cache))
+    budget = _budget(budget_class, allocator, cache)
     for _ in range(2):  # two requests of one slab each in the step
         assert _admit(budget, BPS * PAGE - PAGE), "the arena has room for both"
     grabbed = neighbour.alloc(neighbour.available_blocks())  # the neighbour takes the rest
@@ -439,8 +445,7 @@ def test_a_chunk_goes_ahead_only_with_memory_held_and_waits_without(
     cache = _EvictingCache(allocator, torch.zeros(0, dtype=torch.int64))
     chunk = 2 * BPS * PAGE
     grabbed = neighbour.alloc(neighbour.available_blocks())
-    budget = (allocator.create_prefill_budget(cache) if budget_class == "slab"
-              else PrefillBudget(allocator, cache))
+    budget = _budget(budget_class, allocator, cache)
     tokens = budget.available_chunk_tokens(chunk)
     if budget_class == "sglang":
         # SGLang's single pool lets a chunk go ahead with nothing left: here that allocation
@@ -493,8 +498,7 @@ def test_a_prefill_that_fills_the_capacity_to_its_last_page_is_admitted(
     # its request hung for ever. SGLang's own budget (the control) admits it.
     allocator, source, _, _ = setup
     cache = _EvictingCache(allocator, torch.zeros(0, dtype=torch.int64))
-    budget = (allocator.create_prefill_budget(cache) if budget_class == "slab"
-              else PrefillBudget(allocator, cache))
+    budget = _budget(budget_class, allocator, cache)
     capacity = allocator.room_tokens()
     assert capacity == (NUM_SLABS - 1) * BPS * PAGE
     tokens = capacity - PAGE // 2
