@@ -58,6 +58,15 @@ def stat_fields(pid: int) -> list[str]:
         return []
 
 
+def process_name(pid: int) -> str:
+    """The process's name (/proc/<pid>/comm: SGLang names its processes `sglang::scheduler`
+    and so on); empty when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def descendant_pids(root: int) -> list[int]:
     """Live (non-zombie) descendants of `root` at any depth, read from /proc."""
     children: dict[int, list[int]] = {}

@@ -52,6 +52,7 @@ from fineslab.errors import EnvironmentSetupError
 from fineslab.proctree import (
     FLEET_MARKER,
     descendant_pids,
+    process_name,
     remove_files,
     stat_fields,
     stop_group,
@@ -185,6 +186,7 @@ class ServerProcess:
         self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
         self.shm_files: set[Path] = set()
         self.members: set[int] = set()  # the tree's processes once healthy (tree_intact)
+        self._member_names: dict[int, str] = {}
         self.proc: subprocess.Popen[bytes] | ForkedProcess
         #: How this server was started: "warm" (forked from the zygote) or "plain".
         self.start_kind = "plain"
@@ -276,6 +278,7 @@ class ServerProcess:
                     if resp.status == 200:
                         self.record_shm()
                         self.members = set(self.tree_pids())
+                        self._member_names = {pid: process_name(pid) for pid in self.members}
                         startlog.record("ready", "sglang-server", self.start_kind,
                                         time.monotonic() - self._begun_s, self.spec.model_path)
                         return
@@ -319,6 +322,12 @@ class ServerProcess:
         """Whether every process the tree had when it became healthy is still alive (SGLang's
         server notices a dead scheduler only after a 5 s sleep; this sees it at once)."""
         return self.members <= set(self.tree_pids())
+
+    def lost_members(self) -> list[str]:
+        """The processes of the healthy tree that are gone, as `name (pid N)`: which of SGLang's
+        processes died, for the log."""
+        gone = self.members - set(self.tree_pids())
+        return [f"{self._member_names.get(pid) or 'process'} (pid {pid})" for pid in sorted(gone)]
 
     def cpu_ticks(self) -> dict[int, int]:
         """CPU time (clock ticks, user + system) each live process of the tree has used."""

@@ -44,7 +44,7 @@ from fineslab.router.app import INLINE_PARSE_BYTES, bad_request
 from fineslab.router.disconnect import CLIENT_CLOSED
 from fineslab.router.metrics import LATENCY_BUCKETS_S
 from fineslab.router.proxy import error_body
-from fineslab.router.replicas import unless
+from fineslab.router.replicas import discard, unless
 from fineslab.router.requests import parse_body
 from fineslab.router.validation import BadRequest
 
@@ -98,6 +98,7 @@ class NodeLink:
     async def guard(self, awaitable: Awaitable[T]) -> T:
         """Await `awaitable`, or raise NodeLost as soon as this link is marked lost."""
         if not self.up:
+            discard(awaitable)
             raise NodeLost
         if self._lost is None:
             self._lost = asyncio.get_running_loop().create_future()

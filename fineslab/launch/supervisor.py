@@ -199,7 +199,8 @@ class Supervisor:
                 if code is not None:
                     self._down(r, f"exited with {code}")
                 elif not r.process.tree_intact():
-                    self._down(r, "a process of its tree died")
+                    lost = ", ".join(r.process.lost_members())
+                    self._down(r, f"a process of its tree died: {lost or 'one'}")
 
     def _probe_loop(self, r: SupervisedRuntime) -> None:
         failures, cpu_at_first = 0, dict[int, int]()

@@ -20,6 +20,7 @@ import contextlib
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable
 from typing import Any
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -64,23 +65,36 @@ async def _until_left(body: AsyncIterable[Chunk], left: asyncio.Future[None]
     """`body`'s chunks until they end or the client leaves; then `body` is closed where it
     waits (its own clean-up releases the runtime)."""
     chunks = aiter(body)
+    waiting: asyncio.Future[Chunk] | None = None
     try:
         while True:
-            following: asyncio.Future[Chunk] = asyncio.ensure_future(anext(chunks))
-            racing: set[asyncio.Future[Any]] = {following, left}
+            waiting = asyncio.ensure_future(anext(chunks))
+            racing: set[asyncio.Future[Any]] = {waiting, left}
             await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
-            if not following.done():
-                following.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                    await following
-                return
+            if not waiting.done():
+                return  # the client left first
+            done, waiting = waiting, None
             try:
-                chunk = following.result()
+                chunk = done.result()
             except StopAsyncIteration:
                 return
             yield chunk
     finally:
         left.cancel()
-        aclose = getattr(chunks, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        # Starlette cancels this generator where it waits when its own disconnect listener
+        # wins (a client that closes as soon as it has read `[DONE]`); the close must still
+        # run to its end, under a cancel scope that keeps cancelling every await it makes.
+        with anyio.CancelScope(shield=True):
+            await _close(chunks, waiting)
+
+
+async def _close(chunks: AsyncIterator[Chunk], waiting: asyncio.Future[Chunk] | None) -> None:
+    """Close the body; `waiting`, a read of it still under way, is cancelled first (the body
+    then cleans up where it waits) and awaited, so that no task is left with its outcome."""
+    if waiting is not None:
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await waiting
+    aclose = getattr(chunks, "aclose", None)
+    if aclose is not None:
+        await aclose()

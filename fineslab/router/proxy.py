@@ -263,7 +263,8 @@ async def _relay(queue: ModelQueue, lease: Lease, upstream: aiohttp.ClientRespon
     last_s = 0.0
     num_events = 0
     chunks = upstream.content.iter_any()
-    complete = False
+    complete = False  # the runtime's stream ended
+    answered = False  # the client has the whole answer (`[DONE]`), if not yet its end
     try:
         while True:
             if first:
@@ -282,13 +283,14 @@ async def _relay(queue: ModelQueue, lease: Lease, upstream: aiohttp.ClientRespon
                     queue.metrics.observe_ttft(model, first_s - lease.arrival_s,
                                                queue.route.ttft_slo_s)
                 num_events += events
+            answered = answered or b"data: [DONE]" in chunk
             yield chunk
     except UPSTREAM_ERRORS as exc:
         _status, reason, message = _failure(queue, lease, exc)
         event = error_body(message, "runtime_error", reason)
         yield f"data: {json.dumps(event)}\n\n".encode()
     except (asyncio.CancelledError, GeneratorExit):  # the client left (disconnect.py)
-        if not complete:
+        if not complete and not answered:  # a client that closes after `[DONE]` was served
             queue.release(lease, served=False)
             queue.metrics.abandoned(model)
             if rid is not None:

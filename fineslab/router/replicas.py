@@ -17,6 +17,7 @@ rejects at once what cannot wait that long, with a `Retry-After` that says how l
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import time
@@ -58,6 +59,13 @@ async def unless(awaitable: Awaitable[T], stop: asyncio.Future[Any]) -> asyncio.
         return work
     work.cancel()
     return None
+
+
+def discard(awaitable: Awaitable[Any]) -> None:
+    """Drop an awaitable that will not be awaited (a guard refusing at once): a coroutine is
+    closed, so that Python does not warn that it was never awaited."""
+    if inspect.iscoroutine(awaitable):
+        awaitable.close()
 
 
 class Replica:
@@ -109,6 +117,7 @@ class Replica:
         """Await `awaitable`, or raise RuntimeDown as soon as this replica goes down."""
         down = self.down
         if down.done():
+            discard(awaitable)
             raise RuntimeDown(self.runtime_id, self.down_reason)
         work = await unless(awaitable, down)
         if work is None:

@@ -6,6 +6,7 @@ One runtime for the module: about 40 s on an idle 2-core machine."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import subprocess
@@ -243,3 +244,32 @@ def test_a_client_that_leaves_while_queued_leaves_the_queue(router: str) -> None
         holder.join(30)
         assert _until(lambda: _inflight(router, "tiny-one") == 0, 2)
         assert _until(lambda: _runtime_aborts(runtime) == aborts + 1, 2), "only the first ran"
+
+
+def test_a_client_that_closes_once_it_has_read_done_was_served_not_abandoned(
+        router: str) -> None:
+    """Clients (the benchmark's, many SDKs) close as soon as they read `data: [DONE]`, often
+    before the runtime's stream has ended: that answer was served whole. No abandon is counted,
+    no abort is sent, and the router logs no error for it."""
+    errors: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append  # type: ignore[method-assign]
+    server_log = logging.getLogger("uvicorn.error")
+    server_log.addHandler(handler)
+    runtime = RUNTIME_URL[router]
+    before, aborts = _abandoned(router, "tiny"), _runtime_aborts(runtime)
+    try:
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "stream": True}
+        with httpx.Client(timeout=60) as client:
+            for _ in range(12):
+                with client.stream("POST", router + "/v1/completions", json=body) as reply:
+                    assert reply.status_code == 200
+                    lines = reply.iter_lines()
+                    assert any(line == "data: [DONE]" for line in lines)
+                    reply.close()  # at once, while the router may still wait for the end
+        assert _until(lambda: _inflight(router, "tiny") == 0, 5)
+    finally:
+        server_log.removeHandler(handler)
+    assert _abandoned(router, "tiny") == before
+    assert _runtime_aborts(runtime) == aborts
+    assert errors == [], [e.getMessage() for e in errors]
