@@ -44,8 +44,7 @@ def become_runtime(request: ForkRequest, log_fd: int, lifeline_fd: int,
                 os.close(fd)
         os.setsid()
         os.close(settled_fd)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_DFL)
+        fresh_interpreter_signals()
         _redirect(log_fd)
         _forget_zygote_logging()
         set_title(request.wrapper_title)  # first: setproctitle reads SPT_NOENV once, here
@@ -61,6 +60,20 @@ def become_runtime(request: ForkRequest, log_fd: int, lifeline_fd: int,
     except BaseException:  # whatever happens, never return into the zygote
         traceback.print_exc()
     _leave(code)
+
+
+def fresh_interpreter_signals() -> None:
+    """The signal dispositions a fresh `python` starts with, whatever the zygote set: the
+    defaults, except SIGINT (KeyboardInterrupt) and SIGPIPE and SIGXFSZ, which CPython ignores
+    so that a write to a closed socket or a full file is an OSError, not a silent death. (With
+    SIGPIPE at its default, a warm runtime died without a word the first time it wrote to a
+    connection its client had closed: the engine benchmark's dropped streams.)"""
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                signal.SIGUSR2, signal.SIGALRM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class _ForkedServer:

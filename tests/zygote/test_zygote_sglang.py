@@ -98,8 +98,23 @@ def test_a_warm_start_answers_as_a_plain_start_of_the_same_runtime(
         plain.wait_healthy(300)
         assert plain.start_kind == "plain" and plain.zygote is None
         assert _greedy(plain) == _greedy(b), "greedy output identical to a plain start's"
+        # Signal dispositions as a fresh interpreter's: with SIGPIPE at its default, a warm
+        # server died without a word the first time it wrote to a connection its client had
+        # closed (the engine benchmark's dropped streams).
+        assert _signals(b) == _signals(plain)
+        assert _signals(b)["ignored"] & (1 << (signal.SIGPIPE - 1))
     finally:
         plain.stop()
+
+
+def _signals(server: ServerProcess) -> dict[str, int]:
+    """The server process's ignored and caught signal masks (/proc/PID/status)."""
+    pid = next(p for p in server.tree_pids()
+               if b"sglang.launch_server" in Path(f"/proc/{p}/cmdline").read_bytes()
+               and b"fineslab.lifeline" not in Path(f"/proc/{p}/cmdline").read_bytes())
+    status = dict(line.split(":\t", 1) for line in
+                  Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+    return {"ignored": int(status["SigIgn"], 16), "caught": int(status["SigCgt"], 16)}
 
 
 def test_a_warm_start_that_dies_during_start_up_is_started_again_plainly(
