@@ -83,7 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="fineslab.bench.bench_serving: %(message)s")
     tokenizer = _known_args(args).tokenizer
-    if tokenizer is None:
+    if "-h" in args or "--help" in args:
+        pass  # SGLang's own help, and no warning about what a help needs not
+    elif tokenizer is None:
         logger.warning("no --tokenizer: the router has no /model_info and the hub is off; "
                        "pass a local model folder, e.g. ~/.cache/fineslab/models/llama-tiny")
     elif not Path(tokenizer).expanduser().exists():

@@ -229,7 +229,8 @@ def _modes(text: str) -> tuple[str, ...]:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fineslab.bench.engine_policy",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="llama-tiny, 12 s of arrivals")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--load", type=float, default=None,

@@ -193,7 +193,8 @@ def load_workload(args: argparse.Namespace) -> tuple[Workload, str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fineslab.bench.fragmentation",
+                                     description=(__doc__ or "").split("\n")[0])
     parser.add_argument("trace", nargs="?", type=Path, default=None,
                         help="trace CSV (default: the shared trace of --workload)")
     parser.add_argument("--workload", choices=("azure", "sharegpt"), default="azure")

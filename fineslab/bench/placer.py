@@ -38,7 +38,8 @@ def make_fleet(num_models: int, num_gpus: int, seed: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m fineslab.bench.placer",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--models", type=int, default=200)
     parser.add_argument("--gpus", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)

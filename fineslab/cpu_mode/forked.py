@@ -50,14 +50,26 @@ def fork_children() -> bool:
     return True
 
 
-def main() -> None:
-    if len(sys.argv) < 2:
-        raise SystemExit("usage: python -m fineslab.cpu_mode.forked MODULE [ARGS...]")
-    target = sys.argv[1]
+USAGE = "usage: python -m fineslab.cpu_mode.forked MODULE [ARGS...]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] in (["-h"], ["--help"]):
+        print(f"{USAGE}\n\nRun MODULE (sglang.launch_server) as __main__ with SGLang's scheduler "
+              "and detokenizer forked\nfrom this process instead of spawned (CPU only); "
+              "fineslab starts its CPU runtimes this way.")
+        return 0
+    if not args or args[0].startswith("-"):
+        print(f"{USAGE}\n(the module to run comes first; fineslab starts CPU runtimes this way)",
+              file=sys.stderr)
+        return 2
+    target = args[0]
     fork_children()
-    sys.argv = [target, *sys.argv[2:]]
+    sys.argv = [target, *args[1:]]
     runpy.run_module(target, run_name="__main__", alter_sys=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
