@@ -122,7 +122,7 @@ def _environ_without_cpu_mode(hf_home: Path) -> dict[str, str]:
 
 def test_bench_serving_wrapper_runs_the_random_dataset_offline(
         router: str, model_cache: Path, tmp_path: Path) -> None:
-    """The README's command: `random` (prompts cut from ShareGPT text) without --dataset-path,
+    """docs/serving.md's command: `random` (prompts cut from ShareGPT text) without --dataset-path,
     from a shell without the CPU stubs. Guards issue #15: `No module named 'torchvision'`, then
     a ShareGPT download."""
     hf_home = tmp_path / "hf"
