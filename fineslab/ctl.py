@@ -24,9 +24,9 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fineslab.bench.report import format_table
 from fineslab.slabs.inspector import human_bytes
 from fineslab.slabs.limits import MAX_KV_LIMIT
+from fineslab.tables import format_table
 
 TIMEOUT_S = 300.0
 

@@ -198,8 +198,3 @@ def remove_files(paths: Iterable[Path]) -> list[Path]:
             continue
         removed.append(path)
     return removed
-
-
-def remove_tree_files(pids: Iterable[int], known: Iterable[Path] = ()) -> list[Path]:
-    """Remove the leftovers `pids` still map (those alive) plus `known` ones recorded earlier."""
-    return remove_files(set(known) | tree_shm_files(pids))

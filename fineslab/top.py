@@ -19,9 +19,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from fineslab.bench.report import format_table
 from fineslab.ctl import request, run_client
 from fineslab.slabs.inspector import human_bytes
+from fineslab.tables import format_table
 
 CLEAR = "\x1b[H\x1b[2J"
 

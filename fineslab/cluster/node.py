@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from fineslab.launch.__main__ import run_fleet
     from fineslab.launch.plan import make_plan
+    from fineslab.launch.serve import run_fleet
 
     try:
         # written by our own agent; its class is this module's by its import name, not __main__

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fineslab import cpu_mode
-from fineslab.bench.report import format_table
 from fineslab.env import FineslabEnv
 from fineslab.errors import ConfigError, PlacementInfeasible
 from fineslab.launch.config import (
@@ -42,6 +41,7 @@ from fineslab.scheduler.profile_schema import ModelProfile
 from fineslab.slabs import KVShape, SlabPlan, plan_slabs
 from fineslab.slabs.key_sharing import WasteModel, plan_shared_slabs
 from fineslab.slabs.sizing import DEFAULT_PAGE_SIZES
+from fineslab.tables import format_table
 
 logger = logging.getLogger(__name__)
 

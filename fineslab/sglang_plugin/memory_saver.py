@@ -88,9 +88,6 @@ class WeightSleeper:
                     self.region.nbytes / 2**20, took_s)
         return took_s
 
-    def remove_host_copy(self) -> None:
-        self.path.unlink(missing_ok=True)
-
 
 class ArenaMemorySaver:
     """SGLang's memory-saver adapter interface, over the session's weights (module doc)."""

@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from fineslab.bench.report import format_table
 from fineslab.errors import IntegrityError
 from fineslab.slabs.integrity import TableSnapshot, check_integrity, snapshot
 from fineslab.slabs.shm import ArenaPaths
 from fineslab.slabs.table import SlabTable
+from fineslab.tables import format_table
 
 
 def human_bytes(num_bytes: float) -> str:

@@ -23,8 +23,8 @@ from typing import Protocol
 
 from fineslab.scheduler.profile_schema import ModelProfile
 
-from fineslab.bench.report import format_table
 from fineslab.errors import ConfigError
+from fineslab.tables import format_table
 
 GIB = float(1 << 30)
 

@@ -11,8 +11,8 @@ import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from fineslab.bench.report import format_table
 from fineslab.sim.experiments.common import PointResult
+from fineslab.tables import format_table
 
 logger = logging.getLogger(__name__)
 
