@@ -1,7 +1,8 @@
 """Shared machinery of the CPU-mode stand-in packages (see fineslab/cpu_mode/__init__.py).
 
 Not part of fineslab's API: this file is on `sys.path` of SGLang processes in CPU mode, next to
-the stand-in packages, and nothing else imports it.
+the stand-in packages, and nothing else imports it; the GPU carry (`fineslab.gpu_lite`) ships a
+copy beside its own `sgl_kernel` stand-in.
 
 A stand-in package resolves any attribute and any sub-module import to a `Stub`: importing works,
 calling raises `NotImplementedError` naming the operation, so a CPU path that reaches a CUDA-only
@@ -30,8 +31,8 @@ class Stub:
 
     def __call__(self, *args: object, **kwargs: object) -> object:
         raise NotImplementedError(
-            f"{self._qualname} was called, but fineslab's CPU mode provides only a stand-in for it "
-            f"({self._why}). This code path needs a GPU build of SGLang."
+            f"{self._qualname} was called, but only fineslab's stand-in for it is installed "
+            f"({self._why})."
         )
 
     def __repr__(self) -> str:

@@ -16,7 +16,8 @@ from sgl_kernel.awq_cpu import awq_dequantize, register_cpu_kernels
 
 __version__ = "0.0.0+fineslab.cpu"
 
-_fineslab_stubpkg.install(__import__(__name__), "sgl_kernel is CUDA-only")
+_fineslab_stubpkg.install(__import__(__name__), "fineslab's CPU mode: sgl_kernel is CUDA-only; "
+                                                   "this code path needs a GPU build of SGLang")
 register_cpu_kernels()
 
 __all__ = ["awq_dequantize"]

@@ -10,4 +10,6 @@ import _fineslab_stubpkg
 
 __version__ = "0.0.0+fineslab.cpu"
 
-_fineslab_stubpkg.install(__import__(__name__), "torchvision has no CPU build that matches CPU torch")
+_fineslab_stubpkg.install(__import__(__name__), "fineslab's CPU mode: torchvision has no CPU build "
+                                                   "that matches CPU torch; this code path needs a "
+                                                   "GPU build of SGLang")
