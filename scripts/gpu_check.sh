@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
 # Every GPU check in one command, for any session that has a CUDA GPU:
-#   bash scripts/gpu_check.sh            (after `make setup`, which installs the CUDA stack there)
-#   FINESLAB_PYTHON=python3 bash scripts/gpu_check.sh
-#                                        (a machine with CUDA torch but no registry, so no
-#                                        `make setup`: fineslab from this checkout, and only the
-#                                        checks that need no SGLang; the rest are named skipped)
+#   bash scripts/gpu_check.sh            (after `make setup`, which installs the CUDA stack there;
+#                                        without .venv/, python3: the air-gapped GPU machine)
+# On a machine where SGLang is not importable but the gpu-lite carry is here (.gpu/, built by
+# scripts/gpu_bundle.sh and carried by the device tool), SGLang comes from the carry
+# (`fineslab.gpu_lite.install`: verified against its manifest, unpacked into .gpu/site, no pip)
+# with the gpu-lite environment (../shared/GPU-LITE.md): fused ops in plain torch, the Python
+# radix tree, the carried test models. Without either, only the checks that need torch alone
+# run; the rest are named skipped.
+# 0. the staged device check (`fineslab.gpu_lite.check`: env, stock SGLang, the slab pool),
+#    each stage bounded and logged under $OUT (the device tool's) or results/gpu-lite/;
 # 1. the `gpu`-marked tests (CUDA IPC arena, strided-view attention, FP8/AWQ/KV4 kernels, ...);
 # 2. each GPU benchmark, its JSON line kept in results/gpu/<name>.json;
 # 3. one table of every figure the benchmarks measured (`python -m fineslab.bench.report`).
 # Write the figures into the docs named in each benchmark's docstring.
+#
+#   bash scripts/gpu_check.sh --staged   (step 0 alone: what a short GPU loan runs first)
 #
 #   bash scripts/gpu_check.sh --check    (any machine, no GPU; CI runs it)
 # runs nothing: parses every command below against its program's own argument parser
@@ -17,11 +24,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${FINESLAB_PYTHON:-.venv/bin/python}
+if [ -z "${FINESLAB_PYTHON:-}" ] && [ ! -x .venv/bin/python ]; then PY=python3; fi
 if [ "$PY" != .venv/bin/python ]; then export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"; fi
 case "${1:-}" in
   "") mode=run ;;
   --check) mode=check ;;
-  *) echo "usage: bash scripts/gpu_check.sh [--check]" >&2; exit 2 ;;
+  --staged) mode=staged ;;
+  *) echo "usage: bash scripts/gpu_check.sh [--check | --staged]" >&2; exit 2 ;;
 esac
 
 # name|what follows `python -m`. Each benchmark also gets --json (its last line: the figures).
@@ -41,7 +50,7 @@ BENCHES=(
 TORCH_ONLY=" hostlink layer-copy cuda-wake "  # benchmarks that run without SGLang
 
 if [ "$mode" = check ]; then
-  entries=("$TESTS" "$TESTS_TORCH")
+  entries=("$TESTS" "$TESTS_TORCH" "gpu-lite|fineslab.gpu_lite.check --device cuda --out results/gpu-lite")
   for entry in "${BENCHES[@]}"; do entries+=("$entry --json"); done
   exec "$PY" -m fineslab.bench.check_commands "${entries[@]}"
 fi
@@ -53,6 +62,27 @@ status=0
 nvidia-smi -L || { echo "gpu_check: no CUDA GPU visible" >&2; exit 2; }
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'torch has no CUDA'; print(torch.__version__, torch.cuda.get_device_name(0))" || exit 2
 
+lite=no
+if ! "$PY" -c "import sglang" 2>/dev/null && [ -f .gpu/manifest.json ]; then
+  echo "== gpu-lite: SGLang from the carry (.gpu/)"
+  if lite_path=$("$PY" -m fineslab.gpu_lite.install --carry .gpu | tail -n 1); then
+    lite=yes
+    export PYTHONPATH="$lite_path${PYTHONPATH:+:$PYTHONPATH}"
+    export FINESLAB_MODEL_CACHE="$PWD/.gpu/models" SGLANG_FORCE_FUSED_OP_BACKEND=torch
+    export SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python
+  fi
+fi
+# The staged check runs wherever SGLang is meant to be there: its `env` stage says why an
+# import failed.
+if [ "$lite" = yes ] || "$PY" -c "import sglang" 2>/dev/null; then
+  echo "== staged device check: python -m fineslab.gpu_lite.check --device cuda"
+  FINESLAB_CPU_MODE=0 "$PY" -m fineslab.gpu_lite.check --device cuda --out "${OUT:-results/gpu-lite}" \
+    || status=1
+elif [ "$mode" = staged ]; then
+  echo "gpu_check: no SGLang and no carry (.gpu/, scripts/gpu_bundle.sh): nothing to stage" >&2
+  exit 2
+fi
+if [ "$mode" = staged ]; then exit $status; fi
 if "$PY" -c "import sglang" 2>/dev/null; then sglang=yes; else
   sglang=no; TESTS=$TESTS_TORCH
   echo "gpu_check: SGLang is not importable by $PY: only the checks that need torch alone run"

@@ -26,8 +26,8 @@ def test_gpu_check_script_commands_all_parse() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.strip().splitlines()
     names = [line.split()[1].rstrip(":") for line in lines]
-    assert names == ["tests", "tests-torch", "hostlink", "layer-copy", "cuda-wake", "alloc",
-                     "pool-triton", "pool-flashinfer", "precisions"], lines
+    assert names == ["tests", "tests-torch", "gpu-lite", "hostlink", "layer-copy", "cuda-wake",
+                     "alloc", "pool-triton", "pool-flashinfer", "precisions"], lines
     assert all(line.startswith("ok ") for line in lines), lines
 
 

@@ -172,3 +172,39 @@ def test_the_cuda_stand_in_answers_what_sglangs_triton_path_asks() -> None:
     assert "ERR sgl_kernel.fused_add_rmsnorm was called" in done.stdout
     assert "gpu-lite" in done.stdout
     assert f"FILE {stubs}" in done.stdout
+
+
+def test_the_carry_installs_without_pip_and_declares_fineslabs_plugin(
+        tmp_path: Path, model_cache: Path) -> None:
+    from fineslab.gpu_lite import install
+
+    out = tmp_path / ".gpu"
+    bundle.build(out, _fake_wheels(tmp_path / "wheels"), 55.0, model_cache)
+    assert install.main(["--carry", str(out)]) == 0
+    site = out / "site"
+    assert (site / "sglang/srt/server.py").read_bytes() == b"SERVE = True\n"
+    assert not (site / "sglang/test").exists()
+    assert (site / "uvicorn/__init__.py").exists()
+    code = ("import importlib.metadata as m, sglang, sgl_kernel; "
+            "print([e.value for e in m.entry_points(group='sglang.srt.plugins')]); "
+            "print(sgl_kernel.__version__)")
+    path = os.pathsep.join([str(site), str(out / "stubs")])
+    done = subprocess.run([sys.executable, "-S", "-c", f"import sys; sys.path[:0] = "
+                           f"{path.split(os.pathsep)!r}; {code}"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "['fineslab.sglang_plugin:register']" in done.stdout, "SGLang would load the plugin"
+    assert "gpu-lite" in done.stdout
+
+
+def test_a_carry_that_differs_from_its_manifest_is_refused(
+        tmp_path: Path, model_cache: Path) -> None:
+    from fineslab.gpu_lite import install
+
+    out = tmp_path / ".gpu"
+    bundle.build(out, _fake_wheels(tmp_path / "wheels"), 55.0, model_cache)
+    wheel = next((out / "wheels").glob("uvicorn-*.whl"))
+    wheel.write_bytes(wheel.read_bytes()[:-10])
+    assert install.main(["--carry", str(out)]) == 2
+    assert not (out / "site").exists()
+    assert install.main(["--carry", str(tmp_path / "nothing")]) == 2

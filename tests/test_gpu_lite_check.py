@@ -1,0 +1,59 @@
+"""The staged device check's harness (`fineslab.gpu_lite.check`), on CPU: a stage past its time
+is stopped with what it started, and the stages after it still run and report; the `env` stage
+names SGLang and fineslab's plugin entry point. (The stages themselves ran on CPU as
+`--device cpu`, docs/gpu.md; CI leaves their seven runtime starts to the plugin's own tests.)"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from fineslab.gpu_lite import check
+from fineslab.proctree import descendant_pids
+
+
+def _servers() -> set[int]:
+    found = set()
+    for pid in Path("/proc").iterdir():
+        if pid.name.isdigit():
+            try:
+                if b"sglang.launch_server" in (pid / "cmdline").read_bytes():
+                    found.add(int(pid.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.slow  # the stopped stage begins a runtime
+def test_a_stage_past_its_time_is_stopped_and_the_next_still_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = _servers()
+    code = check.main(["--device", "cpu", "--stages", "stock,env", "--timeout", "stock=4",
+                       "--out", str(tmp_path)])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 1
+    stock, env = report["stages"]["stock"], report["stages"]["env"]
+    assert stock["ok"] is False and stock["error"] == "timed out after 4 s"
+    assert env["ok"] is True, env
+    assert "fineslab.sglang_plugin:register" in env["sglang_plugins"]
+    assert env["sglang"].startswith("0.5.23")
+    assert (tmp_path / "stock.log").exists() and (tmp_path / "env.json").exists()
+    deadline = time.monotonic() + 30
+    while _servers() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _servers() - before, "the stopped stage's server went with it"
+    assert not descendant_pids(__import__("os").getpid()), "no stage process left"
+
+
+def test_an_unknown_stage_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        check.main(["--stages", "env,nope"])
+    assert exited.value.code == 2
+    assert "unknown ['nope']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        check.main(["--timeout", "env=-1"])
+    with pytest.raises(SystemExit):
+        check.main(["--timeout", "nope=3"])
