@@ -148,11 +148,15 @@ def runtime_body(body: dict[str, Any], route: ModelRoute, lease: Lease,
                  wall: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic) -> dict[str, Any]:
     """The body sent to the runtime: the client's, without its `priority` (SGLang's scheduling
-    field is the router's to set), and with the request's TTFT deadline in it (wall-clock
-    milliseconds) when the runtimes schedule by deadline (`ModelRoute.engine_deadlines`); its
-    `rid` is the router's own, unique, to abort the request by when its client leaves (a
-    client's rid could name another client's request)."""
-    sent = {key: value for key, value in body.items() if key not in ("priority", "rid")}
+    field is the router's to set) and its null fields (unset, in the OpenAI API), and with the
+    request's TTFT deadline in it (wall-clock milliseconds) when the runtimes schedule by
+    deadline (`ModelRoute.engine_deadlines`); its `rid` is the router's own, unique, to abort
+    the request by when its client leaves (a client's rid could name another client's
+    request)."""
+    # null is "unset" in the OpenAI API; SGLang's models refuse it for fields such as
+    # max_tokens ("Input should be a valid integer"): an unset field takes SGLang's default
+    sent = {key: value for key, value in body.items()
+            if key not in ("priority", "rid") and value is not None}
     sent["rid"] = f"fineslab-{uuid.uuid4().hex}"  # the router's, to abort it by (never a client's)
     if route.engine_deadlines:
         deadline_s = wall() + (lease.arrival_s + route.ttft_slo_s - monotonic())

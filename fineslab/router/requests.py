@@ -100,6 +100,10 @@ class PromptCounter:
                 raise BadRequest(f"messages[{i}] must be an object with a `role` of "
                                  f"{', '.join(CHAT_ROLES)}", param="messages")
             content = message.get("content")
+            if content is None and message["role"] != "assistant":
+                raise BadRequest(f"messages[{i}].content is required in a {message['role']} "
+                                 "message: a string or a list of parts (only an assistant "
+                                 "message may leave it null)", param="messages")
             if isinstance(content, list):  # content parts: count the text ones
                 content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
             if content is not None and not isinstance(content, str):

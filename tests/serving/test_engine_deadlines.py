@@ -99,6 +99,15 @@ def test_the_router_sends_the_deadline_in_wall_clock_ms_and_drops_a_client_prior
     assert "priority" not in runtime_body(body, _route(False), _lease(100.0))
 
 
+def test_null_fields_are_left_unset_for_the_runtime() -> None:
+    """`max_tokens: null` reached SGLang, which answered "Input should be a valid integer"
+    twice over (#39 finding 5): null is "unset" in the OpenAI API."""
+    body = {"model": "m", "prompt": "hi", "max_tokens": None, "stop": None, "n": 1}
+    sent = runtime_body(body, _route(False), _lease(100.0))
+    assert "max_tokens" not in sent and "stop" not in sent
+    assert sent["n"] == 1 and sent["prompt"] == "hi"
+
+
 def _queue() -> ModelQueue:
     return ModelQueue(_route(True), [], get_batch_policy("adaptive"), RouterSettings(),
                       RouterMetrics())

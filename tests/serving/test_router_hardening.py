@@ -243,3 +243,18 @@ def test_the_token_budget_follows_sglangs_clip() -> None:
     assert TokenBudget(1024, 1).most_new_tokens(1010) == 12, "page 1: SGLang's own pool"
     with pytest.raises(ConfigError):
         TokenBudget(0)
+
+
+@pytest.mark.parametrize("role", ["user", "system"])
+def test_a_null_content_is_refused_in_the_routers_words(router: RouterServer, role: str) -> None:
+    """SGLang answered a user message with `content: null` with the list of allowed roles
+    (#39 finding 5); an assistant message may leave it null (tool calls)."""
+    messages = [{"role": role, "content": None}]
+    reply = httpx.post(router.base_url + "/v1/chat/completions", timeout=30,
+                       json={"model": "m", "messages": messages, "max_tokens": 2})
+    assert "messages[0].content is required" in _assert_error(reply, 400)
+    served = httpx.post(router.base_url + "/v1/chat/completions", timeout=30, json={
+        "model": "m", "max_tokens": 2, "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+            {"role": "user", "content": "and?"}]})
+    assert served.status_code == 200, served.text
