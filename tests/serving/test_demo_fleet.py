@@ -220,6 +220,8 @@ def test_the_demo_notebook_drives_this_fleet(fleet: LaunchedFleet) -> None:
     assert sorted(ttft) == sorted(MODELS) and all(ttft.values()), outputs[-2000:]
     assert f"the fleet at {fleet.base_url} keeps running" in outputs, outputs[-2000:]
     assert fleet.get("/health").status_code == 200
+    removed = re.search(r"removed (\S*fineslab-notebook-\S+)", outputs)
+    assert removed and not Path(removed.group(1)).exists(), "its folder is gone (#39 finding 6)"
 
 
 def test_shutdown_leaves_no_process_and_no_shared_memory(fleet: LaunchedFleet) -> None:

@@ -18,6 +18,13 @@ def _execute(name: str, model_cache: Path) -> str:
     return execute_notebook(name, {"FINESLAB_MODEL_CACHE": str(model_cache)})
 
 
+def _assert_folder_removed(outputs: str) -> None:
+    """The notebook removed its /tmp/fineslab-notebook-* folder (#39 finding 6: each run left
+    one)."""
+    removed = re.search(r"removed (\S*fineslab-notebook-\S+)", outputs)
+    assert removed and not Path(removed.group(1)).exists(), outputs[-1000:]
+
+
 def test_cpu_elastic_notebook_serves_five_models_in_room_for_three(
         model_cache: Path) -> None:
     """Issue #16's fleet test and notebook in one: five tiny models, weight room for three awake,
@@ -31,6 +38,7 @@ def test_cpu_elastic_notebook_serves_five_models_in_room_for_three(
     assert evictions >= 2, f"round-robin over 5 models in room for 3 must evict: {outputs[-2000:]}"
     assert "all asleep:" in outputs and "KV limit 4.00 MiB per runtime" in outputs, outputs[-4000:]
     assert "shared memory left: [] host copies left: []" in outputs, outputs[-2000:]
+    _assert_folder_removed(outputs)
 
 
 def test_cpu_mixed_notebook_serves_four_precisions_in_one_arena(
@@ -65,6 +73,7 @@ def test_cpu_mixed_notebook_serves_four_precisions_in_one_arena(
     assert f"used bytes on /metrics for: {sorted(per_token)}" in outputs, outputs[-3000:]
     assert "launcher exit code 0" in outputs, outputs[-2000:]
     assert "processes left: [] shared memory left: []" in outputs, outputs[-2000:]
+    _assert_folder_removed(outputs)
 
 
 def test_custom_sglang_notebook_installs_the_pool_without_launcher_or_entry_point(
