@@ -16,6 +16,9 @@ Stages (`STAGES`):
     slab-pool  the same requests with fineslab's SlabKVPool over an arena on the device, at page
                sizes 1 and 16: the runtime registered in the arena's table, and greedy output
                identical to the stock pool's of the same page size in this run
+    sharing    llama-tiny and qwen2-tiny in one arena on the device, both serving; qwen2-tiny
+               SIGKILLed with a request in flight: its slabs reclaimed, the table whole
+               (check_integrity), llama-tiny answering as before
 
 `--device cpu` runs the same stages on this machine's CPU mode: the rehearsal of the harness
 that CI runs (tests/test_gpu_lite_check.py), so that a lent GPU's minutes go to the GPU.
@@ -26,10 +29,13 @@ no grammar backend (`CUDA_ARGS`), the gpu-lite path of ../shared/GPU-LITE.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -124,25 +130,38 @@ def stage_stock(device: str, out: Path) -> dict[str, Any]:
     return {"ok": ok, "runs": results}
 
 
-def stage_slab_pool(device: str, out: Path) -> dict[str, Any]:
-    from fineslab.sglang_plugin import ArenaJoin
-    from fineslab.slabs import ArenaSpec, KVDtype, KVShape, SlabArena, snapshot
+def _blocks_per_slab(model: Path, page: int) -> int:
+    """Blocks of `model`'s bf16 KV format at `page` in one slab (its layers, KV heads and head
+    size from its config.json)."""
+    from fineslab.slabs import KVDtype, KVShape
     from fineslab.slabs.sizing import fit_format
 
-    model = _model_dir("llama-tiny")
     config = json.loads((model / "config.json").read_text())
     head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    shape = KVShape(model.name, int(config["num_hidden_layers"]),
+                    int(config["num_key_value_heads"]), head_dim, KVDtype.from_name("bfloat16"))
+    fmt = fit_format(shape, SLAB_BYTES, [page])
+    if fmt is None:
+        raise RuntimeError(f"no block format of {model.name} fits a {SLAB_BYTES} B slab")
+    return fmt.blocks_per_slab(SLAB_BYTES)
+
+
+def _arena(device: str, blocks_per_slab: int) -> Any:
+    from fineslab.slabs import ArenaSpec, SlabArena
+
+    return SlabArena.create(ArenaSpec(f"gl{uuid.uuid4().hex[:8]}",
+                                      "cuda:0" if device == "cuda" else "cpu:0",
+                                      ARENA_SLABS * SLAB_BYTES, SLAB_BYTES, blocks_per_slab))
+
+
+def stage_slab_pool(device: str, out: Path) -> dict[str, Any]:
+    from fineslab.sglang_plugin import ArenaJoin
+    from fineslab.slabs import snapshot
+
+    model = _model_dir("llama-tiny")
     runs: dict[str, Any] = {}
     for page in (1, 16):
-        shape = KVShape("r", int(config["num_hidden_layers"]), int(config["num_key_value_heads"]),
-                        head_dim, KVDtype.from_name("bfloat16"))
-        fmt = fit_format(shape, SLAB_BYTES, [page])
-        if fmt is None:
-            raise RuntimeError(f"no block format of llama-tiny fits a {SLAB_BYTES} B slab")
-        arena_device = "cuda:0" if device == "cuda" else "cpu:0"
-        arena = SlabArena.create(ArenaSpec(f"gl{uuid.uuid4().hex[:8]}", arena_device,
-                                           ARENA_SLABS * SLAB_BYTES, SLAB_BYTES,
-                                           fmt.blocks_per_slab(SLAB_BYTES)))
+        arena = _arena(device, _blocks_per_slab(model, page))
         try:
             stock = _server(model, page, device, out / f"slab-stock-{page}.log", {})
             try:
@@ -166,10 +185,54 @@ def stage_slab_pool(device: str, out: Path) -> dict[str, Any]:
     return {"ok": ok, "runs": runs}
 
 
+def stage_sharing(device: str, out: Path) -> dict[str, Any]:
+    """llama-tiny and qwen2-tiny in one arena, both serving; the second SIGKILLed with a request
+    in flight; its slabs reclaimed, the table whole, the first serving as before."""
+    from fineslab.sglang_plugin import ArenaJoin
+    from fineslab.slabs import check_integrity, snapshot
+
+    models = {"a": _model_dir("llama-tiny"), "b": _model_dir("qwen2-tiny")}
+    arena = _arena(device, max(_blocks_per_slab(m, 16) for m in models.values()))
+    servers: dict[str, Any] = {}
+    try:
+        for rid, model in models.items():
+            servers[rid] = _server(model, 16, device, out / f"sharing-{rid}.log",
+                                   ArenaJoin(arena.spec.fleet_id, rid).environ())
+        first = {rid: _greedy(server.spec.base_url) for rid, server in servers.items()}
+        held = {o.runtime_id: o.num_slabs for o in snapshot(arena.table).owners if o.alive}
+        in_flight = threading.Thread(target=_greedy_quietly, args=(servers["b"].spec.base_url,))
+        in_flight.start()
+        for pid in servers["b"].tree_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while servers["b"].tree_pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        in_flight.join(60)
+        reclaimed = arena.table.reclaim_dead_owners()
+        after = {o.runtime_id for o in snapshot(arena.table).owners if o.alive}
+        check_integrity(arena.table)
+        again = _greedy(servers["a"].spec.base_url)
+    finally:
+        for server in servers.values():
+            server.stop()
+        arena.close()
+    ok = (set(held) == {"a", "b"} and "b" not in after and again == first["a"])
+    return {"ok": ok, "held_slabs": held, "reclaimed": sorted(reclaimed),
+            "alive_after_kill": sorted(after), "a_identical_after": again == first["a"],
+            "integrity": "ok"}
+
+
+def _greedy_quietly(base_url: str) -> None:
+    with contextlib.suppress(Exception):  # its runtime is killed under it
+        _greedy(base_url)
+
+
 STAGES: dict[str, Callable[[str, Path], dict[str, Any]]] = {
-    "env": stage_env, "stock": stage_stock, "slab-pool": stage_slab_pool}
+    "env": stage_env, "stock": stage_stock, "slab-pool": stage_slab_pool,
+    "sharing": stage_sharing}
 #: Each stage's bound, seconds (the whole check within 8 minutes on an H200).
-TIMEOUTS_S = {"env": 60.0, "stock": 180.0, "slab-pool": 240.0}
+TIMEOUTS_S = {"env": 60.0, "stock": 120.0, "slab-pool": 150.0, "sharing": 120.0}
 
 
 def run_stage(name: str, device: str, out: Path, timeout_s: float) -> dict[str, Any]:
