@@ -5,7 +5,7 @@
 # On a machine where SGLang is not importable but the gpu-lite carry is here (.gpu/, built by
 # scripts/gpu_bundle.sh and carried by the device tool), SGLang comes from the carry
 # (`fineslab.gpu_lite.install`: verified against its manifest, unpacked into .gpu/site, no pip)
-# with the gpu-lite environment (../shared/GPU-LITE.md): fused ops in plain torch, the Python
+# with the gpu-lite environment (docs/gpu.md): fused ops in plain torch, the Python
 # radix tree, the carried test models. Without either, only the checks that need torch alone
 # run; the rest are named skipped.
 # 0. the staged device check (`fineslab.gpu_lite.check`: env, stock SGLang, the slab pool),

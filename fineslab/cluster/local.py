@@ -5,7 +5,8 @@ this process, everything on loopback, and carries a custom resource naming it
 (`node_resource(name)`), so a node agent can be pinned to it: both nodes of one machine have
 the same IP, so Ray's own `node:<ip>` resource cannot tell them apart.
 
-Settings, each from a measured pitfall (../shared/RAY-ON-ONE-MACHINE.md):
+Settings, each from a pitfall measured on this project's machines (Ray 2.x, several nodes on
+one host):
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0   keeps `ray.init` from rewriting 127.0.0.1 to eth0's
                                           address (set before ray is imported)
     RAY_memory_monitor_refresh_ms=0       a neighbour's memory spike must not kill an agent

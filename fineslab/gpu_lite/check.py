@@ -23,7 +23,7 @@ Stages (`STAGES`):
 `--device cpu` runs the same stages on this machine's CPU mode: the rehearsal of the harness
 that CI runs (tests/test_gpu_lite_check.py), so that a lent GPU's minutes go to the GPU.
 On CUDA the runtimes take SGLang's triton attention backend, torch sampling, no CUDA graphs and
-no grammar backend (`CUDA_ARGS`), the gpu-lite path of ../shared/GPU-LITE.md.
+no grammar backend (`CUDA_ARGS`): the gpu-lite path (docs/gpu.md).
 """
 
 from __future__ import annotations

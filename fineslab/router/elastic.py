@@ -8,7 +8,8 @@ model gives its weights and its KV back to the arena for the other models there.
     sleeping --> asleep --(a request; `ctl wake`)--> waking --> awake
 
 Sleep runs only while the model has nothing in flight, queued or arriving, in SGLang's safe
-order (../shared/SGLANG-ON-CPU.md): `POST /pause_generation {"mode": "retract"}`, then
+order (paused first, so that no step runs on released memory):
+`POST /pause_generation {"mode": "retract"}`, then
 `/release_memory_occupation {"tags": ["weights", "kv_cache"]}`. The runtime stays paused while
 it sleeps, and the supervisor does not probe it (its probe generates, which on released weights
 would fault). A request that arrives meanwhile waits for the sleep to end, then wakes it.

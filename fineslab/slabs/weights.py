@@ -25,7 +25,7 @@ same rule as its KV slabs (its process is gone).
     the range's base address is the same for the region's whole life
 
 Cost: one mmap and two madvise calls per slab on back, one mmap on unback; the arena's pages
-stay resident (tmpfs keeps them; ../shared/SGLANG-ON-CPU.md), so a wake copies at memcpy speed
+stay resident (tmpfs keeps them: /dev/shm is not swapped out here), so a wake copies at memcpy speed
 into a range whose page tables are filled (`_map_slab`): in 4 KiB pages that filling costs as
 much as the copy, in huge pages (`HUGE_PAGE_BYTES`) next to nothing.
 """
