@@ -142,6 +142,23 @@ def _max_tokens(body: dict[str, Any], chat: bool) -> int:
     return value
 
 
+def check_context(context_tokens: int, prompt_tokens: int, max_tokens: int) -> None:
+    """BadRequest where SGLang would refuse the prompt or clip the completion for the model's
+    context (`--context-length`): its longest request is the context less one token, its
+    longest prompt five fewer (it refuses a prompt of `context - 6` tokens or more), and a
+    request's new tokens stop one short of the longest request (`max_req_len - n - 1`)."""
+    longest_prompt = context_tokens - 7
+    most_new = context_tokens - 2 - prompt_tokens
+    if prompt_tokens > longest_prompt or max_tokens > most_new:
+        shown = prompt_tokens if prompt_tokens <= context_tokens else "more than that"
+        raise BadRequest(
+            f"this model's context is {context_tokens} tokens: a prompt of at most "
+            f"{longest_prompt}, and prompt and max_tokens together at most "
+            f"{context_tokens - 2}; the prompt has {shown}"
+            + (f" and max_tokens asks for {max_tokens} more" if max_tokens else ""),
+            code="context_length_exceeded")
+
+
 def check_budget(budget: TokenBudget, prompt_tokens: int, max_tokens: int) -> None:
     """BadRequest where a runtime's token budget cannot hold the request: SGLang would refuse
     the prompt, clip the completion short of `max_tokens` (at least one token when it is 0,
@@ -171,11 +188,7 @@ def read_request(body: dict[str, Any], counter: PromptCounter, chat: bool,
             raise BadRequest("`prompt` is required", param="prompt")
         prompt_tokens = counter.count_completion_prompt(body["prompt"], vocab_size,
                                                         context_tokens)
-    if max_tokens > context_tokens or prompt_tokens + max_tokens > context_tokens:
-        raise BadRequest(
-            f"this model's context is {context_tokens} tokens; the prompt has "
-            f"{prompt_tokens if prompt_tokens <= context_tokens else 'more than that'} and "
-            f"max_tokens asks for {max_tokens} more", code="context_length_exceeded")
+    check_context(context_tokens, prompt_tokens, max_tokens)
     if budget is not None:
         check_budget(budget, prompt_tokens, max_tokens)
     min_tokens = body.get("min_tokens")

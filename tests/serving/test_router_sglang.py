@@ -99,6 +99,30 @@ def test_over_long_prompt_is_refused_by_the_router_with_the_real_tokenizer(route
     assert httpx.get(router + "/health").status_code == 200
 
 
+@pytest.mark.parametrize(("prompt_tokens", "max_tokens", "status"), [
+    (505, 1, 200), (506, 1, 400), (500, 10, 200), (500, 11, 400)])
+def test_the_context_edges_are_sglangs_and_refused_in_the_routers_words(
+        router: str, prompt_tokens: int, max_tokens: int, status: int) -> None:
+    """--context-length 512: SGLang refuses a prompt of 506 tokens or more ("Input length (506
+    tokens) exceeds the maximum allowed length", in its words, #39 finding 5) and clips a
+    request's new tokens to 510 - prompt. The router refuses both first, with the context's
+    limits in its message; what it lets through is served whole."""
+    body = {"model": "tiny", "prompt": list(range(1, prompt_tokens + 1)),
+            "max_tokens": max_tokens, "ignore_eos": True}
+    reply = httpx.post(router + "/v1/completions", timeout=120, json=body)
+    assert reply.status_code == status, reply.text
+    if status == 200:
+        assert reply.json()["usage"]["completion_tokens"] == max_tokens, "served whole"
+        return
+    error = reply.json()["error"]
+    assert error["code"] == "context_length_exceeded", error
+    assert "a prompt of at most 505" in error["message"], error
+    # the control: SGLang itself refuses it, or clips it short (the router is not stricter)
+    direct = httpx.post(RUNTIME_URL[router] + "/v1/completions", timeout=120, json=body)
+    assert direct.status_code == 400 or \
+        direct.json()["usage"]["completion_tokens"] < max_tokens, direct.text
+
+
 def test_streamed_requests_feed_ttft_and_tpot_metrics(router: str) -> None:
     text = httpx.get(router + "/metrics").text
     count = next(line for line in text.splitlines()
