@@ -6,7 +6,8 @@ admin API, fineslab/router/admin.py).
     fineslab ctl wake MODEL             wake it now
     fineslab ctl limit MODEL SIZE       cap the KV each runtime of MODEL may hold in the arena:
                                         512M, 1.5G, 2GiB, 1048576 (bytes); `none` lifts the cap
-    options: --url http://127.0.0.1:8000 (the router), --api-key-env VAR (when the fleet has a key)
+    options: --url URL (the router; default $FINESLAB_FLEET_URL, else the one fleet running on
+             this machine, else http://127.0.0.1:8000), --api-key-env VAR (when it has a key)
 
 Exit status 0 on success, 1 when the router refused (the reason is printed), 2 on usage errors.
 """
@@ -22,11 +23,17 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+from fineslab.proctree import running_routers
 from fineslab.slabs.inspector import human_bytes
 from fineslab.slabs.limits import MAX_KV_LIMIT
 from fineslab.tables import format_table
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+#: The fleet to drive when --url is not given (the notebooks read it too).
+FLEET_URL_VAR = "FINESLAB_FLEET_URL"
 
 TIMEOUT_S = 300.0
 
@@ -126,10 +133,14 @@ def _table(models: list[dict[str, Any]]) -> str:
                          "last wake s"], rows)
 
 
+URL_HELP = (f"the fleet's router (default: ${FLEET_URL_VAR}, else the one fleet running on this "
+            f"machine, else {DEFAULT_URL})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fineslab ctl",
                                      description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the fleet's router")
+    parser.add_argument("--url", default=None, help=URL_HELP)
     parser.add_argument("--api-key-env", help="environment variable holding the API key")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="every model and its state")
@@ -142,17 +153,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_client(prog: str, url: str, api_key_env: str | None,
-               work: Callable[[str | None], int]) -> int:
-    """A command-line client of the admin API (`ctl`, `top`): the API key from `api_key_env`
-    (2 when that variable is unset), then `work(api_key)`; the router's refusals and answers
-    that are not a router's are one line on stderr and exit status 1."""
+def router_url(given: str | None, shm_dir: Path | None = None) -> str:
+    """The router to talk to: `--url`, else $FINESLAB_FLEET_URL, else the one fleet running on
+    this machine (its launcher's run record), else the default port; CtlError when several run
+    (they are named, with their URLs)."""
+    if given:
+        return given
+    if os.environ.get(FLEET_URL_VAR):
+        return os.environ[FLEET_URL_VAR]
+    running = running_routers(shm_dir)
+    if len(running) > 1:
+        raise CtlError("several fleets run on this machine; pick one with --url: "
+                       + ", ".join(f"{fleet} {url}" for fleet, url in sorted(running.items())))
+    return next(iter(running.values()), DEFAULT_URL)
+
+
+def run_client(prog: str, url: str | None, api_key_env: str | None,
+               work: Callable[[str, str | None], int]) -> int:
+    """A command-line client of the admin API (`ctl`, `top`): the router (`router_url`; 2 when
+    it is ambiguous), the API key from `api_key_env` (2 when that variable is unset), then
+    `work(url, api_key)`; the router's refusals and answers that are not a router's are one
+    line on stderr and exit status 1."""
+    try:
+        url = router_url(url)
+    except CtlError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
     api_key = os.environ.get(api_key_env) if api_key_env else None
     if api_key_env and not api_key:
         print(f"{prog}: {api_key_env} is not set", file=sys.stderr)
         return 2
     try:
-        return work(api_key)
+        return work(url, api_key)
     except CtlError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
     except (KeyError, TypeError):
@@ -174,16 +206,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(
         _negative_sizes_as_values(sys.argv[1:] if argv is None else argv))
 
-    def work(api_key: str | None) -> int:
+    def work(url: str, api_key: str | None) -> int:
         if args.command == "list":
-            print(_table(request(args.url, "GET", "/admin/models", api_key)["models"]))
+            print(_table(request(url, "GET", "/admin/models", api_key)["models"]))
             return 0
         path = f"/admin/models/{urllib.parse.quote(args.model, safe='')}/{args.command}"
         if args.command == "limit":
-            done = request(args.url, "POST", path, api_key, {"kv_bytes": args.size})
+            done = request(url, "POST", path, api_key, {"kv_bytes": args.size})
             print(f"{done['model']}: KV limit {limit_text(done['kv_limits'])} per runtime")
             return 0
-        done = request(args.url, "POST", path, api_key)
+        done = request(url, "POST", path, api_key)
         print(f"{done['model']}: {done['state']}"
               + (f" (woke in {done['last_wake_s']:.3f} s)"
                  if args.command == "wake" and done.get("last_wake_s") else ""))

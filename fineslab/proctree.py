@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import json
 import logging
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -198,3 +201,75 @@ def remove_files(paths: Iterable[Path]) -> list[Path]:
             continue
         removed.append(path)
     return removed
+
+
+def default_shm_dir() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    pid: int
+    start_ticks: int
+
+    @classmethod
+    def current(cls) -> ProcessIdentity:
+        pid = os.getpid()
+        return cls(pid, _start_ticks(pid) or 0)
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessIdentity | None:
+        """`pid`'s identity now, None when it is gone or a zombie."""
+        start = _start_ticks(pid)
+        return None if start is None else cls(pid, start)
+
+    def is_alive(self) -> bool:
+        start = _start_ticks(self.pid)
+        if start is None:
+            return False
+        # 0 means "start time unknown" on either side: fall back to the pid alone.
+        return 0 in (start, self.start_ticks) or start == self.start_ticks
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The start time of `pid` from /proc, or None when it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return _alive_by_signal(pid)
+    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
+    fields = stat[stat.rindex(")") + 2:].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def _alive_by_signal(pid: int) -> int | None:
+    """Fallback where /proc is unreadable: alive if signal 0 reaches it (start time unknown)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return 0
+    return 0
+
+
+def running_routers(shm_dir: Path | None = None) -> dict[str, str]:
+    """fleet id -> router URL of each fleet on this machine whose launcher is alive and whose
+    router serves, from the launchers' run records (`fineslab.launch.leftovers.RunRecord`):
+    where `fineslab ctl` and `top` find a fleet without `--url`."""
+    found = {}
+    for path in sorted((shm_dir or default_shm_dir()).glob("fineslab-*.run")):
+        try:
+            record = json.loads(path.read_text())
+            launcher = ProcessIdentity(*record["launcher"])
+            url = record.get("router")
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(url, str) and launcher.pid and launcher.is_alive():
+            found[path.name.removeprefix("fineslab-").removesuffix(".run")] = url
+    return found

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from fineslab.ctl import request, run_client
+from fineslab.ctl import URL_HELP, request, run_client
 from fineslab.slabs.inspector import human_bytes
 from fineslab.tables import format_table
 
@@ -71,7 +71,7 @@ def frame(url: str, api_key: str | None) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fineslab top",
                                      description=" ".join(__doc__.split("\n\n")[0].split()))
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the fleet's router")
+    parser.add_argument("--url", default=None, help=URL_HELP)
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
     parser.add_argument("--once", action="store_true", help="print one frame and exit")
     parser.add_argument("--api-key-env", help="environment variable holding the API key")
@@ -84,10 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("fineslab top: --interval must be positive", file=sys.stderr)
         return 2
 
-    def work(api_key: str | None) -> int:
+    def work(url: str, api_key: str | None) -> int:
         try:
             while True:
-                text = frame(args.url, api_key)
+                text = frame(url, api_key)
                 if args.once:
                     print(text)
                     return 0

@@ -39,10 +39,10 @@ from typing import Any
 from fineslab.cluster.node import NodeSpec
 from fineslab.errors import ConfigError
 from fineslab.launch.config import DeviceConfig, FleetConfig
+from fineslab.proctree import ProcessIdentity
 from fineslab.slabs.arena import ArenaSpec, SlabArena
 from fineslab.slabs.inspector import as_dict
 from fineslab.slabs.integrity import snapshot
-from fineslab.slabs.shm import ProcessIdentity
 
 logger = logging.getLogger(__name__)
 

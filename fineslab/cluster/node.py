@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if os.fork():  # before any thread or heavy import: the parent only lets go of the child
         os._exit(0)
-    from fineslab.slabs.shm import ProcessIdentity
+    from fineslab.proctree import ProcessIdentity
 
     me = ProcessIdentity.current()
     write_json_whole(args.work_dir / "pid.json", [me.pid, me.start_ticks])

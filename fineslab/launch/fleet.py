@@ -202,6 +202,8 @@ class Fleet:
                 devices, lambda d: self.arenas[d].table if d in self.arenas else None)
         self.progress(f"router serving {[m.name for m in config.models]} on "
                       f"{self.server.base_url}/v1")
+        if self.record is not None:
+            self.record.note_router(self.server.base_url)  # where `fineslab ctl` finds it
         self._ready = True
 
     def _server_spec(self, r: RuntimePlan) -> ServerSpec:

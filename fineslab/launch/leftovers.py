@@ -4,7 +4,8 @@
                                           "runtimes": {runtime_id: {"pgid": N,
                                                                     "shm_files": [...],
                                                                     "members": [[pid, ticks]]}},
-                                          "folders": [the elastic models' host-copy folder]}
+                                          "folders": [the elastic models' host-copy folder],
+                                          "router": "http://host:port" once it serves}
 
 The launcher writes the record at start and again whenever a runtime (re)starts, and removes it
 on a clean stop. Runtimes die with their launcher on their own (`fineslab.lifeline`); the record
@@ -37,8 +38,15 @@ from pathlib import Path
 
 from fineslab.errors import EnvironmentSetupError
 from fineslab.jsonfile import write_json_whole
-from fineslab.proctree import FLEET_MARKER, remove_files, stop_group, tree_pids_of_group
-from fineslab.slabs.shm import ProcessIdentity, default_shm_dir, shm_stem
+from fineslab.proctree import (
+    FLEET_MARKER,
+    ProcessIdentity,
+    default_shm_dir,
+    remove_files,
+    stop_group,
+    tree_pids_of_group,
+)
+from fineslab.slabs.shm import shm_stem
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +65,15 @@ class RunRecord:
     runtimes: dict[str, dict[str, object]] = field(default_factory=dict)
     #: Folders of the fleet's own (elastic models' host copies of their weights).
     folders: list[str] = field(default_factory=list)
+    #: The fleet's router, once it serves (`fineslab ctl` and `top` find it here).
+    router_url: str | None = None
 
     def note_folder(self, folder: Path) -> None:
         self.folders.append(str(folder))
+        self.write()
+
+    def note_router(self, url: str) -> None:
+        self.router_url = url
         self.write()
 
     def note_runtime(self, runtime_id: str, pgid: int, shm_files: set[Path],
@@ -73,8 +87,10 @@ class RunRecord:
         self.write()
 
     def write(self) -> None:
-        body = {"launcher": [self.launcher.pid, self.launcher.start_ticks],
-                "runtimes": self.runtimes, "folders": self.folders}
+        body: dict[str, object] = {"launcher": [self.launcher.pid, self.launcher.start_ticks],
+                                   "runtimes": self.runtimes, "folders": self.folders}
+        if self.router_url is not None:
+            body["router"] = self.router_url
         write_json_whole(self.path, body)
 
     def remove(self) -> None:

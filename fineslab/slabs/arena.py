@@ -33,14 +33,13 @@ from pathlib import Path
 from typing import Protocol
 
 from fineslab.errors import ConfigError, EnvironmentSetupError
+from fineslab.proctree import ProcessIdentity, default_shm_dir
 from fineslab.slabs.client import RuntimeSlabs
 from fineslab.slabs.formats import BlockFormat
 from fineslab.slabs.pooled import PooledSlabs
 from fineslab.slabs.shm import (
     ArenaPaths,
-    ProcessIdentity,
     create_file,
-    default_shm_dir,
     map_fd,
     open_file,
     shm_huge_pages,

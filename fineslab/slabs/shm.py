@@ -16,18 +16,13 @@ from __future__ import annotations
 import mmap
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from fineslab.errors import ConfigError
+from fineslab.proctree import default_shm_dir
 
 _NAME_PART = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-
-def default_shm_dir() -> Path:
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() else Path(tempfile.gettempdir())
 
 
 def arena_device(device: str, gpu_id: int | None = None) -> str:
@@ -64,56 +59,6 @@ class ArenaPaths:
     def unlink(self) -> None:
         for path in (self.table, self.data):
             path.unlink(missing_ok=True)
-
-
-@dataclass(frozen=True)
-class ProcessIdentity:
-    pid: int
-    start_ticks: int
-
-    @classmethod
-    def current(cls) -> ProcessIdentity:
-        pid = os.getpid()
-        return cls(pid, _start_ticks(pid) or 0)
-
-    @classmethod
-    def of(cls, pid: int) -> ProcessIdentity | None:
-        """`pid`'s identity now, None when it is gone or a zombie."""
-        start = _start_ticks(pid)
-        return None if start is None else cls(pid, start)
-
-    def is_alive(self) -> bool:
-        start = _start_ticks(self.pid)
-        if start is None:
-            return False
-        # 0 means "start time unknown" on either side: fall back to the pid alone.
-        return 0 in (start, self.start_ticks) or start == self.start_ticks
-
-
-def _start_ticks(pid: int) -> int | None:
-    """The start time of `pid` from /proc, or None when it is gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return _alive_by_signal(pid)
-    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
-    fields = stat[stat.rindex(")") + 2:].split()
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
-
-
-def _alive_by_signal(pid: int) -> int | None:
-    """Fallback where /proc is unreadable: alive if signal 0 reaches it (start time unknown)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        return 0
-    return 0
 
 
 def create_file(path: Path, size_bytes: int) -> int:

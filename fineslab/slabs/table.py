@@ -82,8 +82,9 @@ from pathlib import Path
 import numpy as np
 
 from fineslab.errors import ArenaExhausted, ConfigError, EnvironmentSetupError, IntegrityError
+from fineslab.proctree import ProcessIdentity
 from fineslab.slabs.limits import RUNTIME_ID_BYTES, KVLimitRows, id_bytes
-from fineslab.slabs.shm import ProcessIdentity, create_file, map_fd, open_file
+from fineslab.slabs.shm import create_file, map_fd, open_file
 
 logger = logging.getLogger(__name__)
 

@@ -28,8 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from fineslab.errors import EnvironmentSetupError
-from fineslab.proctree import FLEET_MARKER
-from fineslab.slabs.shm import ProcessIdentity
+from fineslab.proctree import FLEET_MARKER, ProcessIdentity
 from fineslab.zygote.protocol import (
     STATUS,
     ForkRequest,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -135,3 +136,36 @@ def test_python_dash_m_fineslab_is_the_fineslab_command() -> None:
     done = subprocess.run([sys.executable, "-m", "fineslab", "--help"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and "usage: fineslab {launch," in done.stdout, done.stderr
+
+
+def _record(shm: Path, fleet: str, launcher: list[int], router: str | None) -> None:
+    body: dict[str, object] = {"launcher": launcher, "runtimes": {}, "folders": []}
+    if router is not None:
+        body["router"] = router
+    (shm / f"fineslab-{fleet}.run").write_text(json.dumps(body))
+
+
+def test_ctl_finds_the_one_running_fleet_without_url(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fineslab ctl` and `top` needed --url once a fleet's port was not 8000 (#39 finding 5):
+    they now read the running launchers' records."""
+    from fineslab.ctl import DEFAULT_URL, CtlError, router_url
+    from fineslab.proctree import ProcessIdentity
+
+    monkeypatch.delenv("FINESLAB_FLEET_URL", raising=False)
+    me = ProcessIdentity.current()
+    assert router_url(None, tmp_path) == DEFAULT_URL, "nothing running: the default port"
+    _record(tmp_path, "gone", [me.pid, me.start_ticks + 1], "http://127.0.0.1:1")  # pid reused
+    _record(tmp_path, "starting", [me.pid, me.start_ticks], None)  # no router yet
+    assert router_url(None, tmp_path) == DEFAULT_URL
+    _record(tmp_path, "demo", [me.pid, me.start_ticks], "http://127.0.0.1:8123")
+    assert router_url(None, tmp_path) == "http://127.0.0.1:8123"
+    assert router_url("http://x:1", tmp_path) == "http://x:1", "--url wins"
+    monkeypatch.setenv("FINESLAB_FLEET_URL", "http://y:2")
+    assert router_url(None, tmp_path) == "http://y:2", "then $FINESLAB_FLEET_URL"
+    monkeypatch.delenv("FINESLAB_FLEET_URL")
+    _record(tmp_path, "other", [me.pid, me.start_ticks], "http://127.0.0.1:8124")
+    with pytest.raises(CtlError, match="several fleets") as refused:
+        router_url(None, tmp_path)
+    assert "demo http://127.0.0.1:8123" in str(refused.value)
+    assert "other http://127.0.0.1:8124" in str(refused.value)

@@ -32,6 +32,7 @@ from fleet_support import (
 )
 
 from fineslab import cpu_mode
+from fineslab.proctree import running_routers
 
 pytestmark = pytest.mark.slow
 
@@ -55,6 +56,10 @@ def test_launch_reports_progress_and_every_runtime_up(fleet: LaunchedFleet) -> N
     health = fleet.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert sorted(health.json()["models"]) == sorted(MODELS)
+    # where `fineslab ctl` and `top` find the fleet without --url
+    record = json.loads(Path(f"/dev/shm/fineslab-{fleet.fleet_id}.run").read_text())
+    assert record["router"] == fleet.base_url, record
+    assert running_routers()[fleet.fleet_id] == fleet.base_url
 
 
 @pytest.mark.parametrize("model", MODELS)
