@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -123,16 +124,30 @@ def execute_notebook(name: str, environ: dict[str, str]) -> str:
     from nbclient import NotebookClient
 
     notebook = nbformat.read(REPO / "examples" / name, as_version=4)
-    before = set(_launchers())
+    # Only the launchers this notebook started carry its mark (the kernel's environment is
+    # theirs): stopping every launcher that appeared meanwhile stopped another suite's fleet,
+    # and the whole suite with it, when two ran on one machine.
+    mark = f"{NOTEBOOK_MARK}={uuid.uuid4().hex}"
     try:
-        with mock.patch.dict(os.environ, environ):
+        with mock.patch.dict(os.environ, {**environ, NOTEBOOK_MARK: mark.split("=", 1)[1]}):
             NotebookClient(notebook, timeout=1200, kernel_name="python3",
                            resources={"metadata": {"path": str(REPO / "examples")}}).execute()
     finally:
         _stop_launchers({pid: group for pid, group in _launchers().items()
-                         if pid not in before})
+                         if _carries(pid, mark)})
     return "".join(o.get("text", "") for cell in notebook.cells
                    for o in cell.get("outputs", []))
+
+
+NOTEBOOK_MARK = "FINESLAB_TEST_NOTEBOOK"
+
+
+def _carries(pid: int, variable: str) -> bool:
+    """Whether process `pid`'s environment holds `variable` (NAME=value)."""
+    try:
+        return variable.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
 
 
 def _launchers() -> dict[int, int]:
