@@ -13,8 +13,9 @@ test:  ## the CPU test suite (unit + real SGLang integration tests)
 test-fast:  ## the suite without the slow integration tests
 	$(PY) -m pytest -m "not slow and not gpu"
 
-lint:
+lint:  ## ruff, and the import contracts of pyproject.toml (docs/structure.md)
 	$(PY) -m ruff check fineslab scheduler tests scripts
+	bash scripts/lint_imports.sh
 
 typecheck:
 	bash scripts/typecheck.sh

@@ -55,6 +55,10 @@ ZYGOTE_VAR = "FINESLAB_ZYGOTE"
 START_LOG_VAR = "FINESLAB_START_LOG"
 #: FP8 KV only: the per-layer scales file (SGLang's `--quantization-param-path` JSON).
 KV_SCALES_VAR = "FINESLAB_KV_SCALES"
+#: The runtime contract (fineslab.slabs.contract): a JSON document the launcher writes for each
+#: runtime holding its whole join and its planned KV block. Set, it is the join: the variables
+#: above (but the arena and runtime id, which must agree with it) are not read.
+CONTRACT_VAR = "FINESLAB_CONTRACT"
 
 
 def _parse_tristate(name: str, raw: str | None) -> bool | None:
@@ -91,6 +95,7 @@ class FineslabEnv:
     prefix_lending: int | None = None
     warm_starts: bool = True
     start_log: str | None = None
+    contract_path: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> FineslabEnv:
@@ -111,4 +116,5 @@ class FineslabEnv:
             prefix_lending=_parse_slabs(PREFIX_LENDING_VAR, env.get(PREFIX_LENDING_VAR)),
             warm_starts=_parse_tristate(ZYGOTE_VAR, env.get(ZYGOTE_VAR)) is not False,
             start_log=env.get(START_LOG_VAR) or None,
+            contract_path=env.get(CONTRACT_VAR) or None,
         )

@@ -2,7 +2,7 @@
 
 A served precision is a weight format and a KV storage type. Everything that needs to know what
 a precision is reads it here: the launcher's config (`precision:`, `kv_dtype: auto`), the
-checkpoint preparation and SGLang arguments (`fineslab.quant.fleet`), the plugin (the KV formats
+checkpoint preparation and SGLang arguments (`fineslab.quant.serving`), the plugin (the KV formats
 it stores itself), the roofline profiles and the simulator (bytes per parameter, compute dtype,
 KV dtype), and the precision tests and benchmark (`NAMED_PRECISIONS`). KV names and bytes per
 token are `fineslab.slabs.formats.KVDtype` / `KVShape`, which this module builds on.

@@ -260,7 +260,7 @@ def _alive_by_signal(pid: int) -> int | None:
 
 def running_routers(shm_dir: Path | None = None) -> dict[str, str]:
     """fleet id -> router URL of each fleet on this machine whose launcher is alive and whose
-    router serves, from the launchers' run records (`fineslab.launch.leftovers.RunRecord`):
+    router serves, from the launchers' run records (`fineslab.fleet.leftovers.RunRecord`):
     where `fineslab ctl` and `top` find a fleet without `--url`."""
     found = {}
     for path in sorted((shm_dir or default_shm_dir()).glob("fineslab-*.run")):

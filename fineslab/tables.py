@@ -1,10 +1,15 @@
 """Plain-text tables: what the launcher's plan, the slab inspector, `ctl`, `top`, the placers and
-the benchmarks print (a leaf module: every layer may use it)."""
+the benchmarks print, and the benchmarks' output contract (`emit`: a table for people, then with
+`--json` one JSON line for scripts). A leaf module: every layer may use it."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
-from collections.abc import Sequence
+import sys
+from collections.abc import Mapping, Sequence
+from typing import TextIO
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -20,3 +25,18 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     return "\n".join(lines)
+
+
+def add_json_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object with the results as the last line")
+
+
+def emit(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]],
+         result: Mapping[str, object], as_json: bool, out: TextIO | None = None) -> None:
+    """Print the table under `title`, then `result` as one JSON line if `as_json`."""
+    out = out or sys.stdout
+    out.write(f"{title}\n{format_table(headers, rows)}\n")
+    if as_json:
+        out.write(json.dumps(result, sort_keys=True) + "\n")
+    out.flush()

@@ -63,3 +63,14 @@ def request_rate_capacity_per_s(profile: ModelProfile, batch_size: int,
     """Requests/s one replica completes at `batch_size` when each request emits
     `output_tokens` tokens."""
     return decode_tokens_per_s(profile, batch_size) / max(1, output_tokens)
+
+
+class FlatPredictor:
+    """TTFT of any batch = `ttft_s`: for a route without a profile (the standalone router's
+    `--ttft-s`, tests)."""
+
+    def __init__(self, ttft_s: float) -> None:
+        self.ttft_s_value = ttft_s
+
+    def ttft_s(self, prompt_tokens: Iterable[int]) -> float:
+        return self.ttft_s_value

@@ -44,3 +44,63 @@ def test_top_level_layout_exists() -> None:
     for name in ("pyproject.toml", "fineslab", "csrc", "scheduler", "profiles", "tests",
                  "examples", "docs", "scripts"):
         assert (REPO / name).exists(), f"the layout promises {name}/"
+
+
+def _lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(root / "scripts" / "lint_imports.sh")], cwd=root,
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def _copy_for_lint(tmp_path: Path) -> Path:
+    """The files the import check reads, copied, with this checkout's .venv linked in."""
+    import shutil
+
+    root = tmp_path / "repo"
+    for name in ("fineslab", "scheduler"):
+        shutil.copytree(REPO / name, root / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "data", "stubs"))
+    (root / "scripts").mkdir()
+    shutil.copy(REPO / "scripts" / "lint_imports.sh", root / "scripts")
+    shutil.copy(REPO / "pyproject.toml", root)
+    (root / ".venv").symlink_to(REPO / ".venv")
+    return root
+
+
+def test_the_import_contracts_hold() -> None:
+    result = _lint_imports(REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "2 kept, 0 broken" in result.stdout
+
+
+def test_the_import_contracts_catch_an_upward_import_and_a_cycle(tmp_path: Path) -> None:
+    # Negative controls: the mechanism importing a tool breaks the layers; two modules of one
+    # package importing each other (even for types only) breaks the no-cycle contract.
+    root = _copy_for_lint(tmp_path)
+    errors = root / "fineslab" / "slabs" / "errors_probe.py"
+    errors.write_text("from fineslab.bench import report  # noqa: F401\n")
+    result = _lint_imports(root)
+    assert result.returncode != 0
+    assert "fineslab.slabs.errors_probe -> fineslab.bench.report" in result.stdout, result.stdout
+    errors.unlink()
+    limits = root / "fineslab" / "slabs" / "limits.py"
+    limits.write_text(limits.read_text() + "\nfrom fineslab.slabs import table  # noqa: E402\n")
+    result = _lint_imports(root)
+    assert result.returncode != 0
+    assert "No cycles are allowed in fineslab.slabs" in result.stdout, result.stdout
+
+
+def test_no_main_module_holds_library_code() -> None:
+    # A `__main__` module is a command line: a parser and a call. Library code there cannot be
+    # imported without running the command (cluster/node.py once imported run_fleet from one).
+    import ast
+
+    heavy = {}
+    for path in (REPO / "fineslab").rglob("__main__.py"):
+        tree = ast.parse(path.read_text())
+        defs = [n.name for n in tree.body if isinstance(n, (ast.ClassDef,))]
+        if defs:
+            heavy[str(path.relative_to(REPO))] = defs
+        imported_from = [n for n in ast.walk(tree)
+                         if isinstance(n, ast.ImportFrom) and (n.module or "").endswith("__main__")]
+        assert not imported_from, f"{path}: imports from a __main__ module"
+    assert heavy == {}, f"classes in __main__ modules: {heavy}"

@@ -9,7 +9,7 @@ from fineslab.scheduler.roofline import PRECISIONS as ROOFLINE
 
 from fineslab.env import FineslabEnv
 from fineslab.errors import ConfigError
-from fineslab.launch.config import KV_DTYPES, PRECISIONS, fleet_from_dict
+from fineslab.fleet.config import KV_DTYPES, PRECISIONS, fleet_from_dict
 from fineslab.precisions import (
     NAMED_PRECISIONS,
     PLUGIN_KV_FORMATS,
@@ -17,7 +17,7 @@ from fineslab.precisions import (
     config_kv_dtype,
     named_precision,
 )
-from fineslab.quant.fleet import describe_serving
+from fineslab.quant.serving import describe_serving
 from fineslab.sglang_plugin.config import ArenaJoin
 from fineslab.slabs.formats import KVDtype, KVShape
 from fineslab.slabs.shm import arena_device
@@ -142,7 +142,7 @@ def test_the_quantization_package_never_imports_the_launcher() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, fineslab.quant.fleet, fineslab.quant.gates, fineslab.precisions; "
+    code = ("import sys, fineslab.quant.serving, fineslab.quant.gates, fineslab.precisions; "
             "print(sorted(m for m in sys.modules if m.startswith('fineslab.launch')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, check=True)

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fineslab.bench.report import add_json_flag, emit
+from fineslab.tables import add_json_flag, emit
 
 ALLOC, FREE = 0, 1
 NUM_PROCESSES = 2

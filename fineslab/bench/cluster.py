@@ -42,8 +42,8 @@ from typing import Any
 
 import yaml
 
-from fineslab.bench.report import add_json_flag, emit
 from fineslab.bench.router import percentile
+from fineslab.tables import add_json_flag, emit
 
 REPO = Path(__file__).resolve().parents[2]
 SERVING_TIMEOUT_S = 300.0
@@ -82,7 +82,7 @@ def run(config_path: Path, requests: int) -> dict[str, Any]:
     import httpx
 
     from fineslab.cluster.local import LocalCluster
-    from fineslab.launch.config import fleet_from_dict
+    from fineslab.fleet.config import fleet_from_dict
 
     data = yaml.safe_load(config_path.read_text())
     data["fleet_id"] = f"bench-cluster-{uuid.uuid4().hex[:6]}"

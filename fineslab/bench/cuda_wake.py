@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fineslab.bench.report import add_json_flag, emit
+from fineslab.tables import add_json_flag, emit
 
 ROUNDS = 3
 

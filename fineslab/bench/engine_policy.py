@@ -52,14 +52,14 @@ from typing import Any
 import httpx
 
 from fineslab.bench.chaos_fleet import ChaosFleet
-from fineslab.bench.loadgen_client import ClientConfig
-from fineslab.bench.report import add_json_flag, emit
-from fineslab.bench.serve import BenchConfig, BenchResult, run_benchmark
-from fineslab.launch.config import fleet_from_dict
-from fineslab.launch.plan import model_dir_of
-from fineslab.launch.profiles import find_profile
+from fineslab.fleet.config import fleet_from_dict
+from fineslab.fleet.plan import model_dir_of
+from fineslab.fleet.profiles import find_profile
+from fineslab.loadgen.client import ClientConfig
+from fineslab.loadgen.run import BenchConfig, BenchResult, run_benchmark
 from fineslab.scheduler.profile_schema import save_profile
 from fineslab.sim.experiments.calibrate import calibrate, load_average
+from fineslab.tables import add_json_flag, emit
 from fineslab.workload import ModelLoad, Request, WorkloadSpec, build_workload
 from fineslab.workload.traces import SHAREGPT_STATS
 

@@ -56,8 +56,8 @@ from fineslab.bench.fragmentation_replay import (
     replay,
 )
 from fineslab.bench.fragmentation_schemes import SchemeSet
-from fineslab.bench.report import add_json_flag, emit
 from fineslab.slabs.formats import KVDtype, KVShape
+from fineslab.tables import add_json_flag, emit
 from fineslab.workload import AZURE_CONV, SHAREGPT_STATS, load_lengths
 
 logger = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fineslab.bench.report import add_json_flag, emit
+from fineslab.tables import add_json_flag, emit
 
 REPEATS = 5
 

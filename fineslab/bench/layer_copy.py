@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from fineslab.bench.hostlink import best_time_s
-from fineslab.bench.report import add_json_flag, emit
 from fineslab.slabs.layer_copy import LayerCopies, StreamCopies, SyncCopies, hook_layers
+from fineslab.tables import add_json_flag, emit
 
 ALIGN_BYTES = 256
 

@@ -17,9 +17,9 @@ import random
 import time
 from pathlib import Path
 
-from fineslab.bench.report import add_json_flag, emit
 from fineslab.scheduler.placement import PLACEMENT_POLICIES, GpuSpec, ModelDemand
 from fineslab.scheduler.profile_schema import load_profiles
+from fineslab.tables import add_json_flag, emit
 
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
 GIB = 1 << 30

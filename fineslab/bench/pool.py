@@ -35,13 +35,13 @@ from pathlib import Path
 import httpx
 
 from fineslab import cpu_mode
-from fineslab.bench.report import add_json_flag, emit
 from fineslab.env import FineslabEnv
 from fineslab.models.generate import ensure_model
 from fineslab.runtime import ServerProcess, ServerSpec, free_port
 from fineslab.sglang_plugin.config import ArenaJoin
 from fineslab.slabs import ArenaSpec, KVDtype, KVShape, SlabArena
 from fineslab.slabs.sizing import fit_format
+from fineslab.tables import add_json_flag, emit
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ Capacity comes from the slab plan of one arena holding every named precision of 
 model (SmolLM2-135M if set-up installed it, else the generated llama-tiny) and of an 8B-class
 shape (32 layers, 8 KV heads, head_dim 128): tokens_per_gib = GiB * blocks_per_slab * page /
 slab. Decode speed: the runtimes (bf16, fp8, awq, kv4, qoq) are started in one arena
-(`fineslab.quant.fleet`), then, one runtime at a time, `--batch` greedy requests of
+(`fineslab.quant.serving`), then, one runtime at a time, `--batch` greedy requests of
 `--new-tokens` tokens each (after one warm-up request); tokens/s = batch * new_tokens / wall
 seconds (includes the short prefill).
 
@@ -41,8 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fineslab.bench.report import add_json_flag, emit
-from fineslab.launch.precision_fleet import RunningFleet, run_fleet
+from fineslab.bench.precision_fleet import RunningFleet, run_fleet
 from fineslab.models import smollm2
 from fineslab.models.generate import ensure_model
 from fineslab.precisions import (
@@ -53,7 +52,6 @@ from fineslab.precisions import (
 )
 from fineslab.quant.awq import AWQConfig, write_awq_checkpoint
 from fineslab.quant.checkpoint import LINEAR_SUFFIXES, read_config
-from fineslab.quant.fleet import prepare_runtime
 from fineslab.quant.fp8 import write_fp8_checkpoint
 from fineslab.quant.gates import (
     GATE_PROMPTS,
@@ -63,9 +61,11 @@ from fineslab.quant.gates import (
     perplexity,
 )
 from fineslab.quant.qoq_checkpoint import write_qoq_checkpoint
+from fineslab.quant.serving import prepare_runtime
 from fineslab.quant.verify import read_headers
 from fineslab.slabs import KVShape, plan_slabs
 from fineslab.slabs.formats import KVDtype
+from fineslab.tables import add_json_flag, emit
 
 GIB = 1 << 30
 PAGE_SIZE_TOKENS = 16

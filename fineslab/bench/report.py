@@ -9,27 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TextIO
 
-from fineslab.tables import format_table
-
-
-def add_json_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object with the results as the last line")
-
-
-def emit(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]],
-         result: Mapping[str, object], as_json: bool, out: TextIO | None = None) -> None:
-    """Print the table under `title`, then `result` as one JSON line if `as_json`."""
-    out = out or sys.stdout
-    out.write(f"{title}\n{format_table(headers, rows)}\n")
-    if as_json:
-        out.write(json.dumps(result, sort_keys=True) + "\n")
-    out.flush()
+from fineslab.tables import emit
 
 
 def flatten(result: Mapping[str, object], prefix: str = "") -> list[tuple[str, object]]:

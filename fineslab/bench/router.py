@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fineslab.bench.report import add_json_flag, emit
 from fineslab.router.testing import start_echo_backend
 from fineslab.runtime import free_port, wait_until_up
+from fineslab.tables import add_json_flag, emit
 
 logger = logging.getLogger(__name__)
 

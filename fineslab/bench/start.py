@@ -37,14 +37,14 @@ from pathlib import Path
 
 import httpx
 
-from fineslab.bench.report import add_json_flag, emit
 from fineslab.env import ZYGOTE_VAR, FineslabEnv
-from fineslab.launch.config import DeviceConfig, ModelConfig, SupervisionPolicy
-from fineslab.launch.plan import RuntimePlan
-from fineslab.launch.supervisor import SupervisedRuntime, Supervisor
+from fineslab.fleet.config import DeviceConfig, ModelConfig, SupervisionPolicy
+from fineslab.fleet.plan import RuntimePlan
+from fineslab.fleet.supervisor import SupervisedRuntime, Supervisor
 from fineslab.models.generate import ensure_model
 from fineslab.proctree import tree_pids_of_group
 from fineslab.runtime import ServerProcess, ServerSpec, free_port, prestart_zygote
+from fineslab.tables import add_json_flag, emit
 
 logger = logging.getLogger(__name__)
 

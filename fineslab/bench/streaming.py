@@ -40,7 +40,6 @@ from typing import Any
 
 import httpx
 
-from fineslab.bench.report import add_json_flag, emit
 from fineslab.bench.wake import SIZES, memcpy_gib_s
 from fineslab.env import FineslabEnv
 from fineslab.models.generate import ensure_model
@@ -56,6 +55,7 @@ from fineslab.slabs.streamctl import (
     state_path,
     write_request,
 )
+from fineslab.tables import add_json_flag, emit
 
 SLAB_BYTES = 2 << 20
 KV_SLABS = 24

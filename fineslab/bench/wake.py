@@ -48,7 +48,6 @@ from pathlib import Path
 import httpx
 import torch
 
-from fineslab.bench.report import add_json_flag, emit
 from fineslab.env import FineslabEnv
 from fineslab.models.generate import ensure_model
 from fineslab.runtime import ServerProcess, ServerSpec, free_port
@@ -56,6 +55,7 @@ from fineslab.sglang_plugin.config import ArenaJoin
 from fineslab.slabs import ArenaSpec, SlabArena
 from fineslab.slabs.shm import shm_huge_pages
 from fineslab.slabs.streamctl import host_copy_path
+from fineslab.tables import add_json_flag, emit
 
 #: The `bench` model: hidden 1024, 12 layers, MLP 2816, vocab 8192: about 150 M parameters.
 SIZES: dict[str, tuple[str, dict[str, object]]] = {

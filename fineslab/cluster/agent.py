@@ -38,7 +38,7 @@ from typing import Any
 
 from fineslab.cluster.node import NodeSpec
 from fineslab.errors import ConfigError
-from fineslab.launch.config import DeviceConfig, FleetConfig
+from fineslab.fleet.config import DeviceConfig, FleetConfig
 from fineslab.proctree import ProcessIdentity
 from fineslab.slabs.arena import ArenaSpec, SlabArena
 from fineslab.slabs.inspector import as_dict
@@ -126,7 +126,7 @@ class _NodeFleet:
         once."""
         if self.swept or self.running():
             return
-        from fineslab.launch.leftovers import sweep
+        from fineslab.fleet.leftovers import sweep
         from fineslab.slabs.arena import remove_dead_arenas
 
         try:
@@ -187,7 +187,7 @@ class NodeAgent:
 
     def devices(self, config: FleetConfig) -> tuple[DeviceConfig, ...]:
         """The fleet's `devices:` as this node resolves them (auto: its own GPUs or CPU)."""
-        from fineslab.launch.plan import resolve_devices
+        from fineslab.fleet.plan import resolve_devices
 
         return resolve_devices(config)
 

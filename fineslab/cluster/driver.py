@@ -48,7 +48,7 @@ from fineslab.cluster.plan import (
 )
 from fineslab.cluster.watch import CALL_TIMEOUT_S, HUNG_PROBE_TIMEOUT_S, WATCH_S, Watch
 from fineslab.errors import ConfigError, EnvironmentSetupError
-from fineslab.launch.config import FleetConfig
+from fineslab.fleet.config import FleetConfig
 from fineslab.router.server import bind_router_socket
 from fineslab.scheduler.profile_schema import ModelProfile
 

@@ -37,8 +37,8 @@ from starlette.responses import JSONResponse, Response
 
 from fineslab.cluster.front import FrontRouter, NodeLink
 from fineslab.router.admin import UNAUTHORIZED, authorized, authorized_body
-from fineslab.router.app import guarded, install_error_handlers
 from fineslab.router.disconnect import respond
+from fineslab.router.http import guarded, install_error_handlers
 from fineslab.router.proxy import error_body
 from fineslab.router.server import AppServer
 

@@ -33,13 +33,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fineslab.errors import FatalError
+from fineslab.fleet.config import FleetConfig
 from fineslab.jsonfile import write_json_whole
-from fineslab.launch.config import FleetConfig
 from fineslab.scheduler.placement import PlacementPlan
 
 if TYPE_CHECKING:
-    from fineslab.launch.fleet import Fleet
-    from fineslab.launch.plan import FleetPlan
+    from fineslab.fleet.machine import Fleet
+    from fineslab.fleet.plan import FleetPlan
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from fineslab.launch.plan import make_plan
-    from fineslab.launch.serve import run_fleet
+    from fineslab.fleet.plan import make_plan
+    from fineslab.fleet.serve import run_fleet
 
     try:
         # written by our own agent; its class is this module's by its import name, not __main__

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fineslab.errors import EnvironmentSetupError
-from fineslab.launch.config import DeviceConfig
+from fineslab.fleet.config import DeviceConfig
 
 NODE_RESOURCE_PREFIX = "fineslab_node_"
 

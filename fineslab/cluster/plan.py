@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fineslab.errors import ConfigError, PlacementInfeasible
-from fineslab.launch.config import DeviceConfig, FleetConfig
-from fineslab.launch.plan import _demands, model_dir_of
-from fineslab.launch.profiles import find_profile, profile_dirs
+from fineslab.fleet.config import DeviceConfig, FleetConfig
+from fineslab.fleet.plan import _demands, model_dir_of
+from fineslab.fleet.profiles import find_profile, profile_dirs
 from fineslab.scheduler.placement import GpuSpec, PlacementPlan, get_placement_policy
 from fineslab.scheduler.profile_schema import ModelProfile
 

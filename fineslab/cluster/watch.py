@@ -26,7 +26,7 @@ from typing import Any
 from fineslab.cluster.front import FrontRouter
 from fineslab.cluster.nodes import Node, NodeFleet, NodeTable, RouterProbes, alive_nodes, node_name
 from fineslab.cluster.plan import ClusterPlan, NodeDevices, place_on_residual
-from fineslab.launch.config import FleetConfig
+from fineslab.fleet.config import FleetConfig
 from fineslab.scheduler.profile_schema import ModelProfile
 
 logger = logging.getLogger(__name__)

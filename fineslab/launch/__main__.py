@@ -6,10 +6,11 @@ import argparse
 import logging
 import sys
 
+from fineslab.cluster.serve import run_cluster
 from fineslab.errors import FatalError
-from fineslab.launch.config import load_fleet_config
-from fineslab.launch.plan import make_plan
-from fineslab.launch.serve import run_cluster, run_fleet
+from fineslab.fleet.config import load_fleet_config
+from fineslab.fleet.plan import make_plan
+from fineslab.fleet.serve import run_fleet
 
 
 def build_parser() -> argparse.ArgumentParser:

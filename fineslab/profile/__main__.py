@@ -30,8 +30,8 @@ def _measure(args: argparse.Namespace) -> int:
     config = MeasureConfig(model=args.model, cache_dir=Path(args.cache_dir),
                            out_dir=Path(args.out), quick=args.quick, repeats=repeats)
     if http:
-        from fineslab.profile.fleet import exit_on_sigterm
         from fineslab.profile.measure_http import run_measure_http
+        from fineslab.profile.one_model import exit_on_sigterm
 
         exit_on_sigterm()  # a `timeout` stops the fleet through the `finally` blocks
         path = run_measure_http(config, args.url, args.served_model)

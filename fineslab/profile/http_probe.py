@@ -32,7 +32,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from fineslab.bench.serve import BenchConfig, run_benchmark
+from fineslab.loadgen.run import BenchConfig, run_benchmark
 from fineslab.workload import Request
 
 logger = logging.getLogger(__name__)

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from fineslab import cpu_mode
+from fineslab.models.checkpoint import read_shape, safetensors_bytes_and_params
 from fineslab.models.generate import ensure_model
-from fineslab.quant.verify import read_headers
 from fineslab.runtime import cpu_engine_kwargs, shutdown_engine, start_engine
 from fineslab.scheduler.curves import PiecewiseLinear
 from fineslab.scheduler.kv_format import kv_token_bytes
@@ -45,7 +45,6 @@ from fineslab.scheduler.profile_schema import (
     Workload,
     save_profile,
 )
-from fineslab.slabs.formats import KVDtype, KVShape
 
 logger = logging.getLogger(__name__)
 
@@ -77,23 +76,6 @@ class MeasureConfig:
     @property
     def workload(self) -> Workload:
         return Workload(prompt_tokens=96, output_tokens=64)
-
-
-def read_shape(model_dir: Path) -> tuple[ModelShape, str]:
-    """The model's shape and its KV dtype (the profiles' name of its torch dtype)."""
-    cfg = json.loads((model_dir / "config.json").read_text())
-    kv = KVShape.from_hf_config(cfg, model_dir.name,
-                                KVDtype.from_name(str(cfg.get("torch_dtype") or "bfloat16")))
-    shape = ModelShape(kv.num_layers, cfg["hidden_size"], cfg["num_attention_heads"],
-                       kv.num_kv_heads, kv.head_dim, cfg["intermediate_size"],
-                       cfg["vocab_size"], 0)
-    return shape, kv.kv_dtype.profile_name
-
-
-def safetensors_bytes_and_params(model_dir: Path) -> tuple[int, int]:
-    """Tensor bytes and element count from the safetensors headers (no tensor is loaded)."""
-    infos = read_headers(model_dir).values()
-    return sum(i.nbytes for i in infos), sum(i.num_elements for i in infos)
 
 
 class _Timer:

@@ -3,7 +3,7 @@
 The in-process profile (`measure.py`, `<model>--<precision>--<device>.json`) times the engine's
 steps alone; a client of a served model also pays for HTTP, the router, tokenization,
 detokenization and the engine's per-request work. This profiler starts the one-model fleet of
-`fineslab.profile.fleet` (launcher, plugin in a CPU arena, router; the fleet the fidelity
+`fineslab.profile.one_model` (launcher, plugin in a CPU arena, router; the fleet the fidelity
 check serves) or takes `url` of a running endpoint, probes it with
 `fineslab.profile.http_probe` (`repeats` rounds of probes) and writes
 `<out_dir>/<model>--<precision>--<device>-http.json`:
@@ -32,18 +32,17 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from fineslab.bench.loadgen_client import ClientConfig
-from fineslab.bench.serve import BenchConfig, run_benchmark
+from fineslab.loadgen.client import ClientConfig
+from fineslab.loadgen.run import BenchConfig, run_benchmark
+from fineslab.models.checkpoint import read_shape, safetensors_bytes_and_params
 from fineslab.models.generate import ensure_model
-from fineslab.profile.fleet import FLEET_DESCRIPTION, FleetSpec, serve_one_model
 from fineslab.profile.http_probe import DECODE_BATCHES, PREFILL_TOKENS, load_average, probe_tables
 from fineslab.profile.measure import (
     MeasureConfig,
     base_provenance,
     build_profile,
-    read_shape,
-    safetensors_bytes_and_params,
 )
+from fineslab.profile.one_model import FLEET_DESCRIPTION, FleetSpec, serve_one_model
 from fineslab.scheduler.kv_format import kv_token_bytes
 from fineslab.scheduler.profile_schema import ModelProfile, profile_name, profile_to_dict
 from fineslab.workload import Request

@@ -21,11 +21,11 @@ Public API
                                 imports triton; CPU only under TRITON_INTERPRET=1)
     prepare_served_model(name, weights, kv, src, out, device=) -> PrecisionRuntime
                                 checkpoint + SGLang args + KV env of any (weights, KV) pair,
-                                reused while the source is unchanged (fineslab.quant.fleet)
+                                reused while the source is unchanged (fineslab.quant.serving)
     verify_runtime(runtime)     the served checkpoint and FP8 scales file, before a start
     prepare_runtime(precision, src, work, device) -> PrecisionRuntime   a named precision
                                 (bf16/fp8/awq/kv4/qoq)
-    (the precisions in one arena for tests and the benchmark: fineslab.launch.precision_fleet;
+    (the precisions in one arena for tests and the benchmark: fineslab.bench.precision_fleet;
     what each precision is: the registry, fineslab.precisions)
     compare_top_logprobs(ref, got) -> GateResult; perplexity(result)  (fineslab.quant.gates)
 

@@ -14,21 +14,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Iterable
 
 from fineslab.router.app import Router
 from fineslab.router.config import ModelRoute, ReplicaRoute, RouterSettings
 from fineslab.router.server import RouterServer
-
-
-class FlatPredictor:
-    """TTFT of any batch = `ttft_s` (no profile at hand)."""
-
-    def __init__(self, ttft_s: float) -> None:
-        self.ttft_s_value = ttft_s
-
-    def ttft_s(self, prompt_tokens: Iterable[int]) -> float:
-        return self.ttft_s_value
+from fineslab.scheduler.predictors import FlatPredictor
 
 
 def _pairs(values: list[str], flag: str) -> dict[str, list[str]]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -37,16 +36,6 @@ if TYPE_CHECKING:
 
 #: The limit call's body is a few bytes; anything longer is not one.
 LIMIT_BODY_BYTES = 4096
-
-
-@dataclass(frozen=True)
-class KVLimits:
-    """How the router reaches the KV limits of the slab tables (the fleet gives it; None when
-    the fleet has no arena)."""
-
-    set: Callable[[str, int | None], None]  # runtime id, bytes (None: no limit)
-    get: Callable[[str], int | None]  # runtime id -> its limit in bytes
-    slab_bytes: Callable[[str], int | None]  # runtime id -> its arena's slab size (None: none)
 
 
 class BadLimit(ValueError):

@@ -1,26 +1,11 @@
-"""The router: an OpenAI-compatible FastAPI app in front of the runtimes of one node.
-
-    POST /v1/completions, /v1/chat/completions   (stream: true -> SSE)
-    GET  /v1/models, /health, /metrics
-
-    GET  /health/{model}   one model: 200 while it has a live runtime, else 503
-
-    GET  /admin/models, /admin/arenas, POST /admin/models/{model}/sleep|wake|limit
-         the admin API behind `fineslab ctl` and `fineslab top` (admin.py)
-
-Status codes: 400 malformed body, out-of-range field or over-long prompt (validation.py),
-401 missing/wrong API key, 404 unknown model or path, 405 wrong method, 413 body over
-`max_body_bytes`, 429/503 + Retry-After when the local scheduler drops a request
-(`on_drop: reject`), 502 when the runtime dies or cannot be reached while serving it, 504 when
-it sends nothing for `upstream_timeout_s`. Every error, whoever raised it (the router, FastAPI,
-a runtime), has one shape: `{"error": {"message", "type", "code", "param"}}`, with no internal
-path or traceback; an unexpected exception is logged here and answered 500 in that shape.
+"""The router's live state: `Router` holds the routes, replicas, queues and metrics of one node
+and answers each request (`handle`: validate, queue under the local scheduler, forward, relay);
+`fineslab.router.http.create_app(router)` puts it behind FastAPI.
 
 Bodies over `INLINE_PARSE_BYTES` are parsed and tokenized on a small thread pool, so one large
 prompt never stalls the event loop (and with it /health and every other stream).
 
-`Router` holds the live state (replicas, queues, metrics); `create_app(router)` wires it into
-FastAPI. The supervisor calls `router.mark_down(runtime_id, reason, back_in_s)` /
+The supervisor calls `router.mark_down(runtime_id, reason, back_in_s)` /
 `mark_up(runtime_id, pid, base_url)` from any thread.
 """
 
@@ -29,27 +14,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from fineslab.router.admin import (
-    UNAUTHORIZED,
-    KVLimits,
-    authorized,
-    authorized_body,
-    install_admin,
-)
 from fineslab.router.attribution import CrashAttribution, fingerprint
-from fineslab.router.config import ModelRoute, RouterSettings
-from fineslab.router.disconnect import respond
+from fineslab.router.config import KVLimits, ModelRoute, RouterSettings
 from fineslab.router.elastic import CannotWake, Elastic
 from fineslab.router.metrics import LiveCollector, RouterMetrics
 from fineslab.router.proxy import drop_response, error_body, forward, runtime_body
@@ -344,86 +317,3 @@ class UnknownModel(Exception):
 
 def bad_request(exc: BadRequest) -> JSONResponse:
     return JSONResponse(error_body(str(exc), "invalid_request_error", exc.code, exc.param), 400)
-
-
-def create_app(router: Router) -> FastAPI:
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await router.start()
-        yield
-        await router.stop()
-
-    app = FastAPI(title="fineslab router", lifespan=lifespan)
-
-    async def serve(request: Request, path: str, chat: bool) -> Response:
-        raw = await authorized_body(request, router.settings.api_key,
-                                    router.settings.max_body_bytes)
-        if isinstance(raw, Response):
-            return raw
-        return await respond(request, guarded(router.handle(raw, path, chat)))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await serve(request, "/v1/completions", chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await serve(request, "/v1/chat/completions", chat=True)
-
-    @app.api_route("/v1/models", methods=["GET", "HEAD"])
-    async def models(request: Request) -> Response:
-        if not authorized(request, router.settings.api_key):
-            return JSONResponse(UNAUTHORIZED, 401)
-        data = [{"id": name, "object": "model", "owned_by": "fineslab",
-                 "max_model_len": route.context_tokens} for name, route in router.routes.items()]
-        return JSONResponse({"object": "list", "data": data})
-
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> Response:
-        serving, body = router.health()
-        return JSONResponse(body, 200 if serving else 503)
-
-    @app.api_route("/health/{model}", methods=["GET", "HEAD"])
-    async def model_health(model: str) -> Response:
-        status, body = router.model_health(model)
-        return JSONResponse(body, status)
-
-    install_admin(app, router)
-
-    @app.api_route("/metrics", methods=["GET", "HEAD"])
-    async def metrics() -> Response:
-        return Response(router.metrics.exposition(),
-                        media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    install_error_handlers(app)
-    return app
-
-
-async def guarded(work: Awaitable[Response]) -> Response:
-    """A defect in the router answers 500 in the OpenAI shape and keeps the connection."""
-    try:
-        return await work
-    except Exception:
-        logger.exception("the router failed a request (a defect; please report it)")
-        return JSONResponse(error_body("internal error in the router; it is logged there",
-                                       "internal_error", "internal_error"), 500)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """FastAPI's own errors (unknown path, wrong method, ...) in the one error shape."""
-
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        message = {404: f"no such endpoint: {request.method} {request.url.path}",
-                   405: f"{request.method} is not allowed on {request.url.path}"}.get(
-                       exc.status_code, str(exc.detail))
-        return JSONResponse(error_body(message, "invalid_request_error", kind),
-                            exc.status_code, headers=exc.headers)
-
-    async def validation_error(request: Request, exc: Exception) -> Response:
-        return JSONResponse(error_body("the request does not match the endpoint",
-                                       "invalid_request_error", "invalid_request"), 400)
-
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(RequestValidationError, validation_error)

@@ -108,3 +108,13 @@ class RouterSettings:
             raise ConfigError(f"drop_status must be 429 or 503, got {self.drop_status}")
         if self.upstream_timeout_s <= 0 or self.max_body_bytes < 1024:
             raise ConfigError("upstream_timeout_s must be positive and max_body_bytes >= 1024")
+
+
+@dataclass(frozen=True)
+class KVLimits:
+    """How the router reaches the KV limits of the slab tables (the fleet gives it; None when
+    the fleet has no arena)."""
+
+    set: Callable[[str, int | None], None]  # runtime id, bytes (None: no limit)
+    get: Callable[[str], int | None]  # runtime id -> its limit in bytes
+    slab_bytes: Callable[[str], int | None]  # runtime id -> its arena's slab size (None: none)

@@ -34,7 +34,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
@@ -42,7 +42,8 @@ from fineslab.errors import TransientError
 from fineslab.scheduler.elastic import ResidentView, lru_victims
 
 if TYPE_CHECKING:
-    from fineslab.router.app import Router
+    from fineslab.router.metrics import RouterMetrics
+    from fineslab.router.queues import ModelQueue
     from fineslab.router.replicas import Replica
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ IDLE_CHECK_S = 1.0
 #: Longest a runtime may take to answer one sleep or wake call.
 CONTROL_TIMEOUT_S = 120.0
 #: How long a wake with nothing left to evict waits for free slabs before its 503: the cache
-#: reclaimer (fineslab.launch.reclaim) flushes idle runtimes' prefix caches within about 1-2 s
+#: reclaimer (fineslab.fleet.reclaim) flushes idle runtimes' prefix caches within about 1-2 s
 #: once it sees the waiting request (Router.demand counts it).
 ROOM_WAIT_S = 3.0
 ROOM_POLL_S = 0.25
@@ -70,6 +71,20 @@ class ModelState(enum.Enum):
     SLEEPING = "sleeping"
     ASLEEP = "asleep"
     WAKING = "waking"
+
+
+class RouterState(Protocol):
+    """What the elastic models read of their router (`fineslab.router.app.Router` is one): its
+    replicas and queues by model, and its metrics."""
+
+    @property
+    def replicas(self) -> dict[str, list[Replica]]: ...
+
+    @property
+    def queues(self) -> dict[str, ModelQueue]: ...
+
+    @property
+    def metrics(self) -> RouterMetrics: ...
 
 
 class CannotWake(TransientError):
@@ -137,12 +152,12 @@ class Elastic:
         self.started_asleep = dict(asleep or {})
         self.arenas, self.retry_after_s, self.clock = arenas, retry_after_s, clock
         self.models: dict[str, ElasticModel] = {}
-        self.router: Router | None = None
+        self.router: RouterState | None = None
         self._task: asyncio.Task[None] | None = None
 
     # -- lifecycle (on the router's loop) -------------------------------------------------------
 
-    def start(self, router: Router) -> None:
+    def start(self, router: RouterState) -> None:
         self.router = router
         self.models = {name: ElasticModel(spec, last_used_s=self.clock())
                        for name, spec in self.specs.items()}
@@ -373,7 +388,7 @@ class Elastic:
                     self._live.metrics.evicted(victim.spec.name)
 
     @property
-    def _live(self) -> Router:
+    def _live(self) -> RouterState:
         assert self.router is not None, "Elastic.start was not called"
         return self.router
 

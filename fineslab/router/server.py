@@ -22,7 +22,8 @@ from typing import Any
 import uvicorn
 
 from fineslab.errors import EnvironmentSetupError
-from fineslab.router.app import Router, create_app
+from fineslab.router.app import Router
+from fineslab.router.http import create_app
 from fineslab.runtime import free_port
 
 logger = logging.getLogger(__name__)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from fineslab.env import (
     ARENA_VAR,
+    CONTRACT_VAR,
     ENGINE_POLICY_VAR,
     KEY_POOL_VAR,
     KV_FORMAT_VAR,
@@ -38,7 +39,8 @@ from fineslab.errors import ConfigError
 from fineslab.precisions import PLUGIN_KV_FORMATS
 from fineslab.scheduler.curves import PiecewiseLinear
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
-from fineslab.slabs.formats import KVDtype
+from fineslab.slabs.contract import PlannedBlock, RuntimeContract
+from fineslab.slabs.formats import BlockFormat, KVDtype
 
 #: The radix-cache backend of the lent tier (`sglang_plugin/prefix_tier.py`), registered by a
 #: join with `prefix_lending` and named by the launcher's `--radix-cache-backend`.
@@ -67,6 +69,10 @@ class ArenaJoin:
     #: on (the `fineslab_lent` radix-cache backend is registered) and may hold that many lent
     #: slabs until a lending round (the launcher's) moves the cap; 0 = none until then.
     prefix_lending: int | None = None
+    #: The block the launcher planned (its runtime contract); SGLang's must match at join.
+    planned_block: PlannedBlock | None = None
+    #: The contract this join was read from (None: from the separate variables).
+    contract_path: str | None = None
 
     def __post_init__(self) -> None:
         if not self.arena_name:
@@ -88,6 +94,8 @@ class ArenaJoin:
     def from_env(cls, env: FineslabEnv | None = None) -> ArenaJoin | None:
         """The join request in the environment, or None when the runtime is not asked to join."""
         env = env or FineslabEnv.from_environ()
+        if env.contract_path is not None:
+            return cls.from_contract(env)
         if env.arena_name is None and env.runtime_id is None:
             return None
         if env.arena_name is None or env.runtime_id is None:
@@ -104,6 +112,46 @@ class ArenaJoin:
                    env.layer_streaming, kv_format,
                    env.kv_scales_path if kv_format is KVDtype.FP8_E4M3 else None,
                    env.prefix_lending)
+
+    @classmethod
+    def from_contract(cls, env: FineslabEnv) -> ArenaJoin:
+        """The join in the runtime contract `FINESLAB_CONTRACT` names (fineslab.slabs.contract);
+        the arena and runtime id variables, when set, must name the same."""
+        assert env.contract_path is not None
+        contract = RuntimeContract.read(env.contract_path)
+        for var, given, written in ((ARENA_VAR, env.arena_name, contract.arena),
+                                    (RUNTIME_ID_VAR, env.runtime_id, contract.runtime_id)):
+            if given is not None and given != written:
+                raise ConfigError(f"{var}={given!r} but the runtime contract {CONTRACT_VAR}="
+                                  f"{env.contract_path} says {written!r}")
+        kv_format = None
+        if contract.kv_format is not None:
+            if contract.kv_format not in PLUGIN_KV_FORMATS:
+                raise ConfigError(f"runtime contract {env.contract_path}: kv_format "
+                                  f"{contract.kv_format!r}, expected one of "
+                                  f"{sorted(PLUGIN_KV_FORMATS)}")
+            kv_format = PLUGIN_KV_FORMATS[contract.kv_format]
+        return cls(contract.arena, contract.runtime_id, contract.key_pool,
+                   contract.weights_in_arena, contract.layer_streaming, kv_format,
+                   contract.kv_scales_path if kv_format is KVDtype.FP8_E4M3 else None,
+                   contract.prefix_lending, contract.block, env.contract_path)
+
+    def contract(self, device: str, planned: BlockFormat | None,
+                 files: Mapping[str, str] | None = None) -> RuntimeContract:
+        """This join as a runtime contract, with the block the plan gives it."""
+        return RuntimeContract(
+            self.arena_name, self.runtime_id, device, self.key_pool, self.weights_in_arena,
+            self.layer_streaming, None if self.kv_format is None else self.kv_format.config_name,
+            self.kv_scales_path, self.prefix_lending,
+            None if planned is None else PlannedBlock.of(planned), dict(files or {}))
+
+    def check_block(self, built: BlockFormat) -> None:
+        """ConfigError unless SGLang built the block the contract plans (none planned: none
+        to check)."""
+        if self.planned_block is None:
+            return
+        RuntimeContract(self.arena_name, self.runtime_id, "-", block=self.planned_block
+                        ).check_block(built)
 
     def environ(self) -> dict[str, str]:
         """The variables a launcher puts in a runtime's environment to make it join."""

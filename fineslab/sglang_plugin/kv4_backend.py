@@ -29,7 +29,7 @@ Falls back to torch_native's own decode (correct, not fast) for what the kernel 
 a pool that is not KV4 (logged once when the backend is built), a sliding-window or
 cross-attention layer, and K and V head sizes that differ. `logit_cap` is ignored, as
 torch_native ignores it. CUDA graphs are not supported (torch_native has none either): a GPU
-runtime disables them (`fineslab.quant.fleet._prepare_kv`).
+runtime disables them (`fineslab.quant.serving._prepare_kv`).
 
 Cost: under the Triton interpreter (CPU, `TRITON_INTERPRET=1`) the kernel is slow (tests only);
 on a GPU it reads head_dim / 2 + 4 bytes per token and head instead of the 2 * head_dim a

@@ -115,6 +115,7 @@ def join_arena(join: ArenaJoin, shape: KVShape, page_size: int, device: str) -> 
             f"runtimes ({exc})") from exc
     try:
         fmt = fit_to_arena(shape, arena.spec.slab_bytes, arena.spec.arena_bytes, page_size)
+        join.check_block(fmt)  # the launcher's plan (runtime contract), before any slab is ours
         views = layer_views(arena.tensor(), fmt)  # type: ignore[arg-type]
         source = arena.client(join.runtime_id, fmt, pooled=join.key_pool)
     except BaseException:

@@ -22,7 +22,7 @@ A runtime with `FINESLAB_LAYER_STREAMING=1` has each decoder layer on whole slab
 S changes only between forward passes: a pre-hook and a hook on the model bracket each pass
 with `lock`, and the watcher thread applies a new request (streamctl) under it. The same hooks
 time each decode pass, less the copies in it (`decode_compute_s`): the compute an active
-model's copies would have to hide under (launch/lending.py). Which copies a pass makes is
+model's copies would have to hide under (fleet/layer_lending.py). Which copies a pass makes is
 slabs/layer_copy.py's plan: here its `SyncCopies`, a synchronous copy (correctness; its cost is
 the `streamed_bytes` the state reports, timed by bench.streaming). On a GPU its `StreamCopies`
 runs the same plan on a copy stream with events (built and measured with torch on an H200,

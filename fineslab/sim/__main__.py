@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from fineslab.bench.report import add_json_flag, emit
 from fineslab.sim.config import SimConfig
 from fineslab.sim.experiments.common import Traces
+from fineslab.tables import add_json_flag, emit
 from fineslab.workload import AZURE_CONV, SHAREGPT_STATS
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def _capacity_parts(args: argparse.Namespace) -> int:
 
 def _fidelity(args: argparse.Namespace) -> int:
     from fineslab.env import FineslabEnv
-    from fineslab.profile.fleet import exit_on_sigterm
+    from fineslab.profile.one_model import exit_on_sigterm
     from fineslab.sim.experiments.fidelity import DEFAULT_PROFILE, FidelityConfig, run_fidelity
 
     exit_on_sigterm()  # a `timeout` stops the fleet through the `finally` blocks

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fineslab.bench.loadgen_metrics import RequestOutcome
 from fineslab.errors import ArenaExhausted, ConfigError
+from fineslab.loadgen.metrics import RequestOutcome
 from fineslab.scheduler.elastic import (
     ElasticPolicy,
     GpuView,

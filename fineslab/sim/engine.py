@@ -39,7 +39,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from fineslab.bench.loadgen_metrics import RequestOutcome
+from fineslab.loadgen.metrics import RequestOutcome
 from fineslab.scheduler.local import BatchLimits, BatchPolicy, QueueSnapshot, WaitingRequest
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
 from fineslab.scheduler.profile_schema import ModelProfile

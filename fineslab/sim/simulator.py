@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fineslab.bench.loadgen_metrics import RequestOutcome, Summary, summarize, summarize_by_model
+from fineslab.loadgen.metrics import RequestOutcome, Summary, summarize, summarize_by_model
 from fineslab.scheduler.local import get_batch_policy
 from fineslab.scheduler.placement import (
     GpuSpec,

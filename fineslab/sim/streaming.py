@@ -64,8 +64,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fineslab.bench.loadgen_metrics import RequestOutcome
 from fineslab.errors import ConfigError
+from fineslab.loadgen.metrics import RequestOutcome
 from fineslab.scheduler.local import get_batch_policy
 from fineslab.scheduler.oneiros import (
     LendingLedger,

@@ -20,14 +20,11 @@ lock; reads are lock-free (a field of a few bytes, read per carve and per availa
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from fineslab.errors import ConfigError
-
-if TYPE_CHECKING:
-    from fineslab.slabs.table import TableDims
 
 RUNTIME_ID_BYTES = 64
 #: The largest limit the table holds (an int64 field); a larger one is no limit a machine has.
@@ -42,10 +39,17 @@ def id_bytes(runtime_id: str) -> bytes:
     return name
 
 
+class _Rows(Protocol):
+    """The one size the limit rows need of the table's (`table.TableDims` is one)."""
+
+    @property
+    def max_runtimes(self) -> int: ...
+
+
 class KVLimitRows:
     """The KV limit operations of `SlabTable` (which provides the fields and the lock)."""
 
-    dims: TableDims
+    dims: _Rows
     rt_limited: np.ndarray
     rt_limit: np.ndarray
     lim_set: np.ndarray

@@ -206,6 +206,8 @@ class _TableLock:
 class SlabTable(KVLimitRows):
     """The shared slab table of one device. Use `create` (launcher) or `open` (everyone else)."""
 
+    dims: TableDims
+
     def __init__(self, path: Path, fd: int, dims: TableDims, writable: bool) -> None:
         offsets, size = dims.offsets()
         self.path, self.dims, self.writable = path, dims, writable

@@ -57,7 +57,7 @@ def _children() -> set[int]:
 
 
 def _config(fleet_id: str) -> Any:
-    from fineslab.launch.config import fleet_from_dict
+    from fineslab.fleet.config import fleet_from_dict
 
     data = yaml.safe_load((REPO / "examples" / "cpu-demo.yaml").read_text())
     data["fleet_id"] = fleet_id

@@ -11,8 +11,8 @@ import yaml
 
 from fineslab.cluster.plan import NodeDevices, make_cluster_plan, place_on_residual
 from fineslab.errors import ConfigError
-from fineslab.launch.config import FleetConfig, fleet_from_dict
-from fineslab.launch.plan import make_plan
+from fineslab.fleet.config import FleetConfig, fleet_from_dict
+from fineslab.fleet.plan import make_plan
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
@@ -103,8 +103,8 @@ def test_one_machine_never_imports_ray() -> None:
 
 def test_the_gpu_recipe_places_over_two_nodes_of_eight_h100s() -> None:
     """examples/gpu-cluster.yaml with its profiles (no model folder needed to place it)."""
-    from fineslab.launch.config import DeviceConfig, load_fleet_config
-    from fineslab.launch.profiles import find_profile, profile_dirs
+    from fineslab.fleet.config import DeviceConfig, load_fleet_config
+    from fineslab.fleet.profiles import find_profile, profile_dirs
 
     config = load_fleet_config(REPO / "examples" / "gpu-cluster.yaml")
     assert config.cluster is not None and config.cluster.min_nodes == 2

@@ -11,7 +11,7 @@ import yaml
 
 from fineslab.cluster.driver import ClusterFleet
 from fineslab.errors import ConfigError, EnvironmentSetupError
-from fineslab.launch.config import FleetConfig, fleet_from_dict
+from fineslab.fleet.config import FleetConfig, fleet_from_dict
 
 REPO = Path(__file__).resolve().parents[2]
 

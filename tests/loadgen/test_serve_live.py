@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from fineslab.bench.loadgen_client import ClientConfig
-from fineslab.bench.loadgen_metrics import RequestOutcome, summarize
-from fineslab.bench.serve import BenchConfig, main, run_benchmark
+from fineslab.bench.serve import main
+from fineslab.loadgen.client import ClientConfig
+from fineslab.loadgen.metrics import RequestOutcome, summarize
+from fineslab.loadgen.run import BenchConfig, run_benchmark
 from fineslab.runtime import ServerProcess, ServerSpec, free_port, start_server
 from fineslab.workload import Request
 

@@ -1,7 +1,7 @@
 """The mixed-precision fleet of test_precision_fleet.py: one arena, five runtimes (bf16, fp8,
 awq, kv4 and qoq).
 
-Started once for that module through the launcher (`fineslab.quant.fleet.run_fleet` ->
+Started once for that module through the launcher (`fineslab.quant.serving.run_fleet` ->
 `fineslab.launch.Fleet`; about 2-3 minutes on the 2-core CI machine: the SGLang servers start
 in parallel), stopped when the module ends. Not kept for the session: an in-process
 `sglang.Engine`'s shutdown kills every child process of the test process, so each later test
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from fineslab.launch.precision_fleet import RunningFleet, run_fleet
+from fineslab.bench.precision_fleet import RunningFleet, run_fleet
 from fineslab.models import smollm2
 from fineslab.precisions import FLEET_PRECISIONS
-from fineslab.quant.fleet import prepare_runtime
+from fineslab.quant.serving import prepare_runtime
 
 PAGE_SIZE_TOKENS = 16
 ARENA_BYTES = 48 << 20

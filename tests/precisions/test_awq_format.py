@@ -120,7 +120,7 @@ def test_header_reading_counts_each_dtype_by_its_width(tmp_path: Path) -> None:
     """The profile's weight bytes and parameter count come from the safetensors headers alone
     (one table of dtype widths, `quant.verify.DTYPE_BYTES`, shared with Select-N's sizing):
     an int16 or float64 tensor is counted by its elements, not its bytes."""
-    from fineslab.profile.measure import safetensors_bytes_and_params
+    from fineslab.models.checkpoint import safetensors_bytes_and_params
 
     tensors = {"a": torch.zeros(3, 5, dtype=torch.float64),
                "b": torch.zeros(7, dtype=torch.int16),

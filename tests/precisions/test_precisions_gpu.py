@@ -70,7 +70,7 @@ def test_awq_on_gpu_matches_dequantized_reference(model_cache: Path, tmp_path: P
 def test_fp8_w8a8kv8_on_gpu_within_gate(model_cache: Path, tmp_path: Path) -> None:
     import math
 
-    from fineslab.quant.fleet import prepare_runtime
+    from fineslab.quant.serving import prepare_runtime
 
     src = model_cache / "llama-tiny"
     fp8 = prepare_runtime("fp8", src, tmp_path, device="cuda")

@@ -1,4 +1,4 @@
-"""Preparing a model for a precision (fineslab.quant.fleet): what the launcher starts a runtime
+"""Preparing a model for a precision (fineslab.quant.serving): what the launcher starts a runtime
 with, reuse of an earlier preparation, and the checks before a runtime loads it (no SGLang)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from fineslab.env import KV_FORMAT_VAR, KV_SCALES_VAR
 from fineslab.errors import ConfigError
-from fineslab.quant.fleet import PrecisionRuntime, prepare_served_model, verify_runtime
+from fineslab.quant.serving import PrecisionRuntime, prepare_served_model, verify_runtime
 from fineslab.slabs.formats import KVDtype
 
 
@@ -80,7 +80,7 @@ def _prepare_after_barrier(src: Path, out: Path, start: Barrier,
                            results: Queue[tuple[PrecisionRuntime, list[str]]]) -> None:
     """A launch in a fresh process: prepare `src` as awq into `out` once both processes are
     ready, and report the runtime and this process's preparation log lines."""
-    log = logging.getLogger("fineslab.quant.fleet")
+    log = logging.getLogger("fineslab.quant.serving")
     handler = _LogLines()
     log.addHandler(handler)
     log.setLevel(logging.INFO)

@@ -101,7 +101,7 @@ def test_without_overlap_an_active_model_lends_while_its_copies_take_a_tenth_of_
 
 
 def test_an_unbounded_active_model_lends_up_to_its_cap_whatever_its_copies_cost() -> None:
-    # fineslab.launch.lending's stalled fleet: the bound is lifted for the active model only.
+    # fineslab.fleet.layer_lending's stalled fleet: the bound is lifted for the active model only.
     short = plan_lending(_device(), 10_000, T_T, {"x": 0.009}, copies_overlap=False,
                          unbounded={"x"})
     assert short.layers["x"] == (0, 2, 5), "its cap of 3, though no copy fits a 9 ms pass"

@@ -1,4 +1,4 @@
-"""The launcher's cache reclaimer (fineslab.launch.reclaim), round by round.
+"""The launcher's cache reclaimer (fineslab.fleet.reclaim), round by round.
 
 Found by the long fuzz run against the demo fleet (issue #15): the prefix caches of idle models
 kept nearly the whole arena and a neighbour's request waited for ever. The rule: when a runtime
@@ -15,8 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from fineslab.launch import reclaim
-from fineslab.launch.reclaim import CacheReclaimer
+from fineslab.fleet import reclaim
+from fineslab.fleet.reclaim import CacheReclaimer
 from fineslab.slabs.integrity import OwnerUsage, TableSnapshot
 
 NUM_SLABS = 56

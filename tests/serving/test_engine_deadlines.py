@@ -20,10 +20,10 @@ from fineslab.scheduler.predictors import ChunkedPrefillPredictor
 
 from fineslab.bench.engine_policy import EngineBenchConfig, _modes, fleet_config
 from fineslab.errors import ConfigError
-from fineslab.launch.config import fleet_from_dict
-from fineslab.launch.plan import make_plan
-from fineslab.launch.runtimes import server_spec
-from fineslab.quant.fleet import PrecisionRuntime
+from fineslab.fleet.config import fleet_from_dict
+from fineslab.fleet.plan import make_plan
+from fineslab.fleet.runtimes import server_spec
+from fineslab.quant.serving import PrecisionRuntime
 from fineslab.router.config import ModelRoute, ReplicaRoute, RouterSettings
 from fineslab.router.metrics import RouterMetrics
 from fineslab.router.proxy import engine_dropped, runtime_body

@@ -13,16 +13,16 @@ import pytest
 import yaml
 
 from fineslab.errors import ConfigError
-from fineslab.launch.config import fleet_from_dict, load_fleet_config
-from fineslab.launch.plan import (
+from fineslab.fleet.config import fleet_from_dict, load_fleet_config
+from fineslab.fleet.plan import (
     checkpoint_bytes,
     device_slab_plan,
     make_plan,
     prefill_chunk_args,
 )
-from fineslab.launch.profiles import find_profile
-from fineslab.launch.runtimes import server_spec
-from fineslab.quant.fleet import PrecisionRuntime
+from fineslab.fleet.profiles import find_profile
+from fineslab.fleet.runtimes import server_spec
+from fineslab.quant.serving import PrecisionRuntime
 from fineslab.slabs import KVDtype, KVShape
 
 REPO = Path(__file__).resolve().parents[2]
@@ -187,7 +187,7 @@ def test_a_block_beyond_the_key_sharing_range_falls_back_to_per_model_slabs(
         caplog: pytest.LogCaptureFixture) -> None:
     huge = KVShape("huge", 200, 64, 128, KVDtype.BF16)  # 6.5 MB a token: 105 MB blocks
     small = KVShape("small", 4, 2, 64, KVDtype.BF16)
-    with caplog.at_level(logging.WARNING, logger="fineslab.launch.plan"):
+    with caplog.at_level(logging.WARNING, logger="fineslab.fleet.plan"):
         plan = device_slab_plan([huge, small], 8 << 30, (16,))
     assert plan.slab_bytes > 64 << 20 and plan.within_bound, plan.slab_bytes
     assert "key-sharing slab plan not possible" in caplog.text
@@ -345,7 +345,7 @@ def test_a_max_total_tokens_that_is_not_a_positive_count_is_refused(value: str) 
 
 
 def test_the_routers_token_budget_is_the_runtimes_max_total_tokens_and_page() -> None:
-    from fineslab.launch.runtimes import OWN_POOL_MAX_TOTAL_TOKENS, token_budget
+    from fineslab.fleet.runtimes import OWN_POOL_MAX_TOTAL_TOKENS, token_budget
 
     data = _demo()
     data["models"][0]["extra_args"] = ["--max-total-tokens", "900", "--max-total-tokens=1024"]
@@ -361,7 +361,7 @@ def test_the_routers_token_budget_is_the_runtimes_max_total_tokens_and_page() ->
 
 
 def test_the_routers_context_is_the_runtimes_context_length() -> None:
-    from fineslab.launch.fleet import context_tokens
+    from fineslab.fleet.machine import context_tokens
 
     hf = {"max_position_embeddings": 4096}
     assert context_tokens((), hf) == 4096

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from fineslab.errors import EnvironmentSetupError
-from fineslab.launch.leftovers import FLEET_MARKER, RunRecord, record_path, sweep
+from fineslab.fleet.leftovers import FLEET_MARKER, RunRecord, record_path, sweep
 from fineslab.proctree import stop_group, tree_pids_of_group
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]

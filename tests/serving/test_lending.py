@@ -1,4 +1,4 @@
-"""Oneiros' lender in a launched fleet (launch/lending.py), against hand-worked rounds: the
+"""Oneiros' lender in a launched fleet (fleet/layer_lending.py), against hand-worked rounds: the
 arena is a TableSnapshot, the runtimes' stream states are real files, the requests it writes
 are read back. The real fleet is in test_streaming_fleet.py."""
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fineslab.launch import lending
-from fineslab.launch.lending import Lender, LenderSpec
+from fineslab.fleet import layer_lending as lending
+from fineslab.fleet.layer_lending import Lender, LenderSpec
 from fineslab.slabs.integrity import TableSnapshot
 from fineslab.slabs.streamctl import (
     StreamState,
@@ -222,7 +222,7 @@ def test_an_active_model_lends_beyond_its_bound_once_the_arena_has_stalled_for_a
     for _ in range(lending.STARVED_ROUNDS - 1):
         lender.run_once()
     assert world.requested("busy") is None, "stalled, not yet for STARVED_ROUNDS"
-    with caplog.at_level("WARNING", logger="fineslab.launch.lending"):
+    with caplog.at_level("WARNING", logger="fineslab.fleet.layer_lending"):
         lender.run_once()
     assert world.requested("busy") == [0, 2], "its cap of 2 at once (the first pays its slot)"
     assert "busy lends beyond its bound" in caplog.text, caplog.text

@@ -15,8 +15,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from fineslab.errors import ConfigError
-from fineslab.launch.config import fleet_from_dict
-from fineslab.launch.plan import make_plan
+from fineslab.fleet.config import fleet_from_dict
+from fineslab.fleet.plan import make_plan
 from fineslab.quant.awq import AWQConfig, write_awq_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]

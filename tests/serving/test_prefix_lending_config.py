@@ -12,11 +12,11 @@ import yaml
 
 from fineslab.env import FineslabEnv
 from fineslab.errors import ConfigError
-from fineslab.launch.config import fleet_from_dict
-from fineslab.launch.plan import make_plan
-from fineslab.launch.prefix_lending import BorrowerSpec, PrefixLending
-from fineslab.launch.runtimes import server_spec
-from fineslab.quant.fleet import PrecisionRuntime
+from fineslab.fleet.config import fleet_from_dict
+from fineslab.fleet.plan import make_plan
+from fineslab.fleet.prefix_lending import BorrowerSpec, PrefixLending
+from fineslab.fleet.runtimes import server_spec
+from fineslab.quant.serving import PrecisionRuntime
 from fineslab.sglang_plugin import ArenaJoin
 from fineslab.slabs import ArenaSpec, KVDtype, SlabArena
 from fineslab.slabs.lent import lent_slabs

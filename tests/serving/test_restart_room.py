@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from fineslab.launch import fleet as fleet_module
-from fineslab.launch.fleet import Fleet
+from fineslab.fleet import machine as fleet_module
+from fineslab.fleet.machine import Fleet
 
 
 class BusyNeighbour:
@@ -78,7 +78,7 @@ def test_the_wait_is_bounded_and_says_so(monkeypatch: pytest.MonkeyPatch,
                                         caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(fleet_module, "ROOM_WAIT_S", 0.2)
     neighbour, lines = BusyNeighbour(slabs=11, busy_rounds=10**9), []
-    with caplog.at_level(logging.WARNING, logger="fineslab.launch.fleet"):
+    with caplog.at_level(logging.WARNING, logger="fineslab.fleet.machine"):
         _wait(_fleet(neighbour, free=3, lines=lines), need=11)
     assert "starts without room for its weights" in caplog.text, caplog.text
     assert "3 of 11 slabs free, held by neighbour-r0 (11)" in caplog.text, caplog.text

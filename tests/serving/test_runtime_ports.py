@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fineslab.launch.config import DeviceConfig, ModelConfig, SupervisionPolicy
-from fineslab.launch.plan import RuntimePlan
-from fineslab.launch.supervisor import SupervisedRuntime, Supervisor
+from fineslab.fleet.config import DeviceConfig, ModelConfig, SupervisionPolicy
+from fineslab.fleet.plan import RuntimePlan
+from fineslab.fleet.supervisor import SupervisedRuntime, Supervisor
 from fineslab.runtime import PORT_BAND, ServerSpec, free_port, start_server
 
 
@@ -108,7 +108,7 @@ def test_a_runtime_whose_port_is_taken_at_start_up_comes_up_on_a_fresh_port(
 @pytest.mark.slow
 def test_a_port_still_taken_after_the_last_retry_fails_the_start_with_the_log_named(
         squatted: ServerSpec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("fineslab.launch.supervisor.PORT_RETRIES", 0)  # no retry left
+    monkeypatch.setattr("fineslab.fleet.supervisor.PORT_RETRIES", 0)  # no retry left
     _, supervisor = _supervised(squatted, tmp_path / "llama-r0.log", lambda _m: None)
     try:
         with pytest.raises(Exception, match="runtime llama-r0 did not start") as info:

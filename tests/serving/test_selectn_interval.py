@@ -12,10 +12,10 @@ from fineslab.scheduler.selectn import step_time_s
 from safetensors import safe_open
 
 from fineslab.errors import ConfigError
-from fineslab.launch.config import fleet_from_dict
-from fineslab.launch.lending import write_selectn_requests
-from fineslab.launch.plan import make_plan
-from fineslab.launch.selectn_interval import choose_interval, decoder_layer_bytes
+from fineslab.fleet.config import fleet_from_dict
+from fineslab.fleet.layer_lending import write_selectn_requests
+from fineslab.fleet.plan import make_plan
+from fineslab.fleet.selectn_interval import choose_interval, decoder_layer_bytes
 from fineslab.slabs.streamctl import read_request, request_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,7 +81,7 @@ def test_auto_picks_the_smallest_interval_whose_predicted_tpot_meets_the_slo() -
 
 def test_an_slo_nothing_meets_streams_nothing_and_says_why(
         caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, "fineslab.launch.selectn_interval"):
+    with caplog.at_level(logging.WARNING, "fineslab.fleet.selectn_interval"):
         plan, _, choice = _choice_at(1e-9)
     assert choice.interval == 0 and choice.layers == () and not choice.meets_slo
     assert "the SLO is missed even with every layer resident" in caplog.text
@@ -132,7 +132,7 @@ def test_auto_models_sharing_the_cpu_link_get_intervals_whose_copies_fit_it_toge
     data = _auto(100.0, host_link_gib_s=slow_link)
     data["models"][2]["layer_streaming"] = dict(data["models"][0]["layer_streaming"])
     config = fleet_from_dict(data, "test.yaml")
-    with caplog.at_level(logging.INFO, logger="fineslab.launch.selectn_interval"):
+    with caplog.at_level(logging.INFO, logger="fineslab.fleet.selectn_interval"):
         plan = make_plan(config)
     assert "select-n link:" in caplog.text
     coordinator = LinkCoordinator(slow_link * (1 << 30))

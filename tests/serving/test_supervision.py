@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fineslab.launch.config import DeviceConfig, ModelConfig, SupervisionPolicy
-from fineslab.launch.plan import RuntimePlan
-from fineslab.launch.supervisor import SupervisedRuntime, Supervisor
+from fineslab.fleet.config import DeviceConfig, ModelConfig, SupervisionPolicy
+from fineslab.fleet.plan import RuntimePlan
+from fineslab.fleet.supervisor import SupervisedRuntime, Supervisor
 from fineslab.runtime import ServerSpec, free_port
 
 pytestmark = pytest.mark.slow

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from fineslab.launch import supervisor as supervisor_module
-from fineslab.launch.config import SupervisionPolicy
-from fineslab.launch.supervisor import Supervisor
+from fineslab.fleet import supervisor as supervisor_module
+from fineslab.fleet.config import SupervisionPolicy
+from fineslab.fleet.supervisor import Supervisor
 
 POLICY = SupervisionPolicy(probe_interval_s=0.01, probe_timeout_s=0.01, probe_failures=2)
 

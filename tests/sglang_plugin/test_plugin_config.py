@@ -1,6 +1,6 @@
 """Bad configuration stops a runtime at start-up with a clear error; no silent fallback.
 
-The five start-up failures run as real SGLang servers, started together to share the wait. What
+The six start-up failures run as real SGLang servers, started together to share the wait. What
 needs no model is refused by the launching process before SGLang starts the scheduler (three of
 them: seconds, not a model load); the other two by the scheduler.
 """
@@ -22,6 +22,7 @@ from fineslab.sglang_plugin import ArenaJoin, Contact, Kind, check_contacts, ins
 from fineslab.sglang_plugin.config import TESTED_SGLANG_VERSION
 from fineslab.sglang_plugin.link import ArenaLink, fit_to_arena
 from fineslab.sglang_plugin.refusals import refuse_unsupported
+from fineslab.slabs.formats import BlockFormat
 from fineslab.slabs.views import layer_views
 
 #: case -> (dtype, flags, what the error names, refused before SGLang starts the scheduler)
@@ -37,6 +38,8 @@ BAD_STARTS = {
     "weights_do_not_fit": ("bfloat16", (), "do not fit the arena", False),
     # Issue #20: the lent tier asked for (FINESLAB_PREFIX_LENDING) on SGLang's own radix cache.
     "lent_tier_without_backend": ("bfloat16", (), "--radix-cache-backend fineslab_lent", True),
+    # Issue #37: the runtime contract plans float16 KV; SGLang builds bfloat16 (--dtype).
+    "plan_differs": ("bfloat16", (), "but the plan is 4 layers x", False),
 }
 EARLY = "refused before SGLang started the scheduler"
 
@@ -52,14 +55,20 @@ def failed_logs(model_cache: Path, tmp_path_factory: pytest.TempPathFactory
         "unsupported_flag": arena_for([shape], 16, 1 << 20, 2),
         "weights_do_not_fit": arena_for([shape], 16, 1 << 20, 3),
         "lent_tier_without_backend": arena_for([shape], 16, 1 << 20, 4),
+        "plan_differs": arena_for([shape], 16, 1 << 20, 2),
     }
     servers = {}
     for case, (dtype, flags, _, _) in BAD_STARTS.items():
+        join = dataclasses.replace(
+            arenas[case].join("m"), weights_in_arena=case == "weights_do_not_fit",
+            prefix_lending=2 if case == "lent_tier_without_backend" else None)
+        env = join.environ()
+        if case == "plan_differs":
+            planned = BlockFormat.unpadded(kv_shape("llama-tiny", "float16", "m"), 16)
+            path = join.contract("cpu", planned).write(logs / "m.contract.json")
+            env = {"FINESLAB_CONTRACT": str(path)}
         spec = ServerSpec(str(model_cache / "llama-tiny"), free_port(), extra_args=(
-            "--dtype", dtype, "--page-size", "16", *flags),
-            env=dataclasses.replace(
-                arenas[case].join("m"), weights_in_arena=case == "weights_do_not_fit",
-                prefix_lending=2 if case == "lent_tier_without_backend" else None).environ())
+            "--dtype", dtype, "--page-size", "16", *flags), env=env)
         servers[case] = ServerProcess(spec, logs / f"{case}.log")
     texts = {}
     try:

@@ -16,7 +16,7 @@ from fineslab.scheduler.profile_schema import load_profile
 
 from fineslab.bench.chaos_fleet import fleet_processes, leftover_files
 from fineslab.env import FineslabEnv
-from fineslab.launch.config import fleet_from_dict
+from fineslab.fleet.config import fleet_from_dict
 from fineslab.models.generate import ensure_model
 from fineslab.profile.measure import MeasureConfig
 from fineslab.profile.measure_http import fleet_spec, run_measure_http
@@ -99,7 +99,7 @@ def test_the_fleet_config_is_valid_and_sized_like_the_simulated_pool(tmp_path: P
 
 @pytest.mark.slow
 def test_http_profile_and_a_short_fidelity_run_on_one_fleet(tmp_path: Path) -> None:
-    from fineslab.profile.fleet import serve_one_model
+    from fineslab.profile.one_model import serve_one_model
 
     cache = Path(FineslabEnv.from_environ().model_cache_dir)
     measure = MeasureConfig("llama-tiny", cache, tmp_path, quick=True, repeats=2,

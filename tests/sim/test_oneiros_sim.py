@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fineslab.bench.loadgen_metrics import RequestOutcome
 from fineslab.errors import ConfigError
+from fineslab.loadgen.metrics import RequestOutcome
 from fineslab.sim.config import SimConfig
 from fineslab.sim.experiments.common import Traces
 from fineslab.sim.experiments.oneiros import (

@@ -58,7 +58,7 @@ def _fleet_tree(tool_pid: int) -> dict[int, str]:
     """The tool's descendants and its fleet's processes: runtimes are forks of the launcher's
     zygote, which leaves the launcher's tree (fineslab.zygote); they carry the fleet's marker."""
     tree = _descendants(tool_pid)
-    for pid in fleet_processes(f"measure-{tool_pid}"):  # fineslab.profile.fleet's fleet id
+    for pid in fleet_processes(f"measure-{tool_pid}"):  # fineslab.profile.one_model's fleet id
         try:
             tree[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
                 errors="replace")
@@ -81,7 +81,7 @@ def test_fidelity_killed_by_sigterm_leaves_no_sglang_process(tmp_path: Path) -> 
             time.sleep(0.5)
         assert any("sglang.launch_server" in c for c in tree.values()), tree
         assert any("fineslab.launch" in c for c in tree.values()), "the full stack, launched"
-        arena = f"fineslab-measure-{tool.pid}-*"  # fineslab.profile.fleet's fleet id
+        arena = f"fineslab-measure-{tool.pid}-*"  # fineslab.profile.one_model's fleet id
         assert list(default_shm_dir().glob(arena)), f"no arena file {arena} while serving"
         tool.send_signal(signal.SIGTERM)
         tool.wait(30)
@@ -102,7 +102,7 @@ def test_fidelity_killed_by_sigterm_leaves_no_sglang_process(tmp_path: Path) -> 
 
 
 def _fleet_folders(tool_pid: int) -> list[Path]:
-    """The /tmp folders of the fleet the tool started (fineslab.profile.fleet)."""
+    """The /tmp folders of the fleet the tool started (fineslab.profile.one_model)."""
     return [f for f in Path(tempfile.gettempdir()).glob("fineslab-fleet-*")
             if f"measure-{tool_pid}" in _read(f / "fleet.yaml")]
 

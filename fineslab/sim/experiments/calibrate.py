@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from fineslab.scheduler.curves import PiecewiseLinear
 from fineslab.scheduler.profile_schema import DecodeTable, ModelProfile
 
-from fineslab.bench.serve import BenchConfig
+from fineslab.loadgen.run import BenchConfig
 from fineslab.profile.http_probe import load_average, probe_tables
 
 __all__ = ["REPEATS", "calibrate", "load_average"]

@@ -34,7 +34,7 @@ from pathlib import Path
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
 from fineslab.scheduler.profile_schema import Workload
 
-from fineslab.bench.loadgen_metrics import summarize
+from fineslab.loadgen.metrics import summarize
 from fineslab.sim.config import SYSTEMS, SimConfig
 from fineslab.sim.elastic import ElasticSimConfig, simulate_elastic
 from fineslab.sim.experiments.common import (

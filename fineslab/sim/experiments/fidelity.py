@@ -2,7 +2,7 @@
 stored profile of the same stack; TTFT, TPOT, e2e and throughput side by side, with the
 relative error.
 
-Live side: the full stack by default, the one-model fleet of `fineslab.profile.fleet`
+Live side: the full stack by default, the one-model fleet of `fineslab.profile.one_model`
 (`python -m fineslab.launch`: one runtime with the plugin in a CPU `kv_pool: arena` of
 32,768 KV tokens, chunked prefill of `profile.chunk_tokens`, radix cache off, the router with
 the FCFS batch policy in front), the workload sent to the router, the fleet stopped afterwards;
@@ -33,9 +33,9 @@ from pathlib import Path
 from fineslab.scheduler.placement import GpuSpec
 from fineslab.scheduler.profile_schema import ModelProfile, load_profile, save_profile
 
-from fineslab.bench.loadgen_client import ClientConfig
-from fineslab.bench.loadgen_metrics import Summary
-from fineslab.bench.serve import BenchConfig, run_benchmark
+from fineslab.loadgen.client import ClientConfig
+from fineslab.loadgen.metrics import Summary
+from fineslab.loadgen.run import BenchConfig, run_benchmark
 from fineslab.sim.config import SimConfig, SystemSpec
 from fineslab.sim.experiments.calibrate import calibrate, load_average
 from fineslab.sim.experiments.report import markdown_table, write_report
@@ -84,9 +84,9 @@ def live_endpoint(cfg: FidelityConfig, profile: ModelProfile,
         return
     # Imported here: the simulator-only experiments need neither a model nor a launcher.
     from fineslab.models.generate import ensure_model
-    from fineslab.profile.fleet import serve_one_model
     from fineslab.profile.measure import MeasureConfig
     from fineslab.profile.measure_http import fleet_spec
+    from fineslab.profile.one_model import serve_one_model
 
     model_dir = ensure_model(profile.model, cfg.model_cache)
     measure = MeasureConfig(profile.model, cfg.model_cache, cfg.out_dir,

@@ -50,7 +50,7 @@ from fineslab.scheduler.devices import GIB
 from fineslab.scheduler.profile_schema import ModelProfile, ModelShape, Workload
 from fineslab.scheduler.roofline import analytical_profile
 
-from fineslab.bench.loadgen_metrics import RequestOutcome, summarize
+from fineslab.loadgen.metrics import RequestOutcome, summarize
 from fineslab.sim.config import SimConfig
 from fineslab.sim.experiments.common import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, Traces
 from fineslab.sim.experiments.report import markdown_table, write_report

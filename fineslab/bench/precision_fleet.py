@@ -2,7 +2,7 @@
 `fineslab.bench.precisions`.
 
 `run_fleet(runtimes, work_dir, fleet_id, arena_bytes=...)` takes runtimes prepared by
-`fineslab.quant.fleet.prepare_runtime` (one per named precision), writes the launcher fleet
+`fineslab.quant.serving.prepare_runtime` (one per named precision), writes the launcher fleet
 config that serves each source in its precision, starts it with the launcher's `Fleet` (which
 finds the prepared checkpoints by their stamps and reuses them) and yields a `RunningFleet`:
 each member's server URL and its block format in the arena. It lives in the launcher, not in
@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from fineslab.errors import ConfigError
-from fineslab.launch.config import fleet_from_dict
-from fineslab.launch.fleet import Fleet
-from fineslab.launch.plan import gpu_kind, make_plan
+from fineslab.fleet.config import fleet_from_dict
+from fineslab.fleet.machine import Fleet
+from fineslab.fleet.plan import gpu_kind, make_plan
 from fineslab.precisions import NAMED_PRECISIONS
-from fineslab.quant.fleet import PrecisionRuntime
+from fineslab.quant.serving import PrecisionRuntime
 from fineslab.runtime import free_port
 from fineslab.slabs import BlockFormat, SlabArena
 

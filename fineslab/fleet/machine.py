@@ -1,13 +1,13 @@
 """A running fleet: arenas, supervised runtimes and the router, started and stopped in order.
 
     start: router port bound (a taken port fails the launch at once) -> leftovers of a dead
-           launcher of this fleet_id swept, a live one refused (fineslab.launch.leftovers) ->
-           checkpoints (each model's precision prepared and verified, fineslab.quant.fleet) ->
+           launcher of this fleet_id swept, a live one refused (fineslab.fleet.leftovers) ->
+           checkpoints (each model's precision prepared and verified, fineslab.quant.serving) ->
            arenas (one per device, SlabArena.create) -> runtimes (all at once, each joining its
            device's arena through the plugin env) -> wait until healthy -> router -> supervisor
            -> cache reclaimer (idle runtimes flush their prefix caches when a neighbour
-           needs the arena: fineslab.launch.reclaim) -> layer lender and prefix lending
-           (each borrower's lent-slab cap: fineslab.launch.prefix_lending)
+           needs the arena: fineslab.fleet.reclaim) -> layer lender and prefix lending
+           (each borrower's lent-slab cap: fineslab.fleet.prefix_lending)
     stop:  layer lender, prefix lending, cache reclaimer -> router (no new requests) ->
            runtimes (all at once: process groups, SIGTERM then SIGKILL, SGLang's shm files
            removed) -> arenas (close unlinks
@@ -39,22 +39,22 @@ import httpx
 
 from fineslab.env import WEIGHTS_DIR_VAR
 from fineslab.errors import ConfigError, EnvironmentSetupError
-from fineslab.launch.config import flag_value
-from fineslab.launch.leftovers import RunRecord, sweep
-from fineslab.launch.lending import Lender, start_lender, stream_states, write_selectn_requests
-from fineslab.launch.plan import (
+from fineslab.fleet.config import flag_value
+from fineslab.fleet.layer_lending import Lender, start_lender, stream_states, write_selectn_requests
+from fineslab.fleet.leftovers import RunRecord, sweep
+from fineslab.fleet.plan import (
     START_KV_SLABS,
     FleetPlan,
     RuntimePlan,
     runtime_weight_slabs,
 )
-from fineslab.launch.prefix_lending import BorrowerSpec, PrefixLending, start_prefix_lending
-from fineslab.launch.reclaim import CacheReclaimer
-from fineslab.launch.runtimes import server_spec, token_budget
-from fineslab.launch.supervisor import SupervisedRuntime, Supervisor
-from fineslab.quant.fleet import PrecisionRuntime, prepare_served_model, verify_runtime
+from fineslab.fleet.prefix_lending import BorrowerSpec, PrefixLending, start_prefix_lending
+from fineslab.fleet.reclaim import CacheReclaimer
+from fineslab.fleet.runtimes import server_spec, token_budget
+from fineslab.fleet.supervisor import SupervisedRuntime, Supervisor
+from fineslab.quant.serving import PrecisionRuntime, prepare_served_model, verify_runtime
 from fineslab.router import ModelRoute, ReplicaRoute, Router, RouterServer, RouterSettings
-from fineslab.router.admin import KVLimits
+from fineslab.router.config import KVLimits
 from fineslab.router.elastic import CONTROL_TIMEOUT_S, SLEEP_CALLS, ArenaView, Elastic, ElasticSpec
 from fineslab.router.server import bind_router_socket
 from fineslab.runtime import ServerSpec, prestart_zygote
@@ -63,6 +63,7 @@ from fineslab.scheduler.predictors import ChunkedPrefillPredictor
 from fineslab.scheduler.refreshed import FollowedPredictor
 from fineslab.sglang_plugin.config import EngineSchedule
 from fineslab.slabs import ArenaSpec, SlabArena, TableSnapshot, snapshot
+from fineslab.slabs.formats import BlockFormat
 from fineslab.slabs.shm import arena_device
 from fineslab.slabs.streamctl import StreamState
 from fineslab.slabs.table import SlabTable
@@ -218,11 +219,19 @@ class Fleet:
         spec = server_spec(r, self.prepared[r.model.name], config.fleet_id,
                            config.kv_pool == "arena",
                            max_running_requests=config.router.max_running_requests,
-                           schedule=schedule)
+                           schedule=schedule, contract_dir=self.log_dir,
+                           planned=self._planned_block(r))
         if r.weights_in_arena and self.weights_dir is not None:
             spec = dataclasses.replace(spec, env={**spec.env,
                                                   WEIGHTS_DIR_VAR: str(self.weights_dir)})
         return spec
+
+    def _planned_block(self, r: RuntimePlan) -> BlockFormat | None:
+        """The block the device's slab plan gives runtime `r` (None on SGLang's own pool)."""
+        for arena in self.plan.arenas:
+            if arena.device.name == r.device.name:
+                return arena.slab_plan.format_of(r.runtime_id)
+        return None
 
     def _elastic(self, asleep: dict[str, int]) -> Elastic | None:
         """The elastic models' manager (fineslab.router.elastic), None when there are none;

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fineslab.bench.loadgen_metrics import RequestOutcome
+from fineslab.loadgen.metrics import RequestOutcome
 
 
 def _pyplot():  # type: ignore[no-untyped-def]

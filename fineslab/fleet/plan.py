@@ -23,7 +23,7 @@ from pathlib import Path
 from fineslab import cpu_mode
 from fineslab.env import FineslabEnv
 from fineslab.errors import ConfigError, PlacementInfeasible
-from fineslab.launch.config import (
+from fineslab.fleet.config import (
     AUTO_CPU_ARENA_BYTES,
     AUTO_CPU_MEMORY_FRACTION,
     DeviceConfig,
@@ -31,11 +31,11 @@ from fineslab.launch.config import (
     ModelConfig,
     flag_value,
 )
-from fineslab.launch.profiles import find_profile, profile_dirs
-from fineslab.launch.selectn_interval import resolve_intervals
+from fineslab.fleet.profiles import find_profile, profile_dirs
+from fineslab.fleet.selectn_interval import resolve_intervals
 from fineslab.models.generate import ensure_model
 from fineslab.quant.checkpoint import read_config
-from fineslab.quant.fleet import describe_serving, served_dir_name
+from fineslab.quant.serving import describe_serving, served_dir_name
 from fineslab.scheduler.placement import GpuSpec, ModelDemand, PlacementPlan, get_placement_policy
 from fineslab.scheduler.profile_schema import ModelProfile
 from fineslab.slabs import KVShape, SlabPlan, plan_slabs
@@ -108,7 +108,7 @@ class FleetPlan:
     prepared_dir: str  # where quantized checkpoints and FP8 KV scales are prepared
 
     def prepared_dir_of(self, runtime: RuntimePlan) -> Path:
-        """The folder `fineslab.quant.fleet.prepare_served_model` writes this model into."""
+        """The folder `fineslab.quant.serving.prepare_served_model` writes this model into."""
         return Path(self.prepared_dir) / served_dir_name(
             Path(runtime.model_dir), runtime.model.precision, runtime.model.resolved_kv_dtype,
             runtime.prepare_device)

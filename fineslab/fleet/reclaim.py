@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import httpx
 
-from fineslab.launch.rounds import Rounds
+from fineslab.fleet.rounds import Rounds
 from fineslab.slabs.integrity import OwnerUsage, TableSnapshot
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ rules that span fields (unique names, KV dtype vs activation dtype, precision pe
       - name: llama-bf16            # the OpenAI `model` field
         preset: llama-tiny          # or path: /models/x (exactly one of them)
         precision: bf16             # weights: bf16 | fp16 | fp8 | awq | qoq (W4A8; checkpoints
-                                    #   prepared by fineslab.quant.fleet at start)
+                                    #   prepared by fineslab.quant.serving at start)
         kv_dtype: auto              # auto (qoq: int4) | bf16 | fp16 | fp8_e4m3 | int4 (KV4,
                                     #   arena only)
         tp: 1
@@ -121,7 +121,7 @@ class StreamingConfig:
     priority: int = 0
     slots: int = 1
     #: selectn `interval: auto`: the smallest interval whose predicted TTFT (the model's
-    #: ttft_slo_s) and TPOT (`tpot_slo_s`) hold (launch/selectn_interval.py)
+    #: ttft_slo_s) and TPOT (`tpot_slo_s`) hold (fleet/selectn_interval.py)
     auto: bool = False
     tpot_slo_s: float | None = None
     #: host -> device copy bandwidth the interval is sized for (default per device kind)

@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from fineslab.launch.reclaim import LOW_FREE_FRACTION
-from fineslab.launch.rounds import Rounds
+from fineslab.fleet.reclaim import LOW_FREE_FRACTION
+from fineslab.fleet.rounds import Rounds
 from fineslab.scheduler.swiftcache import ElasticAllocation, lend_budget
 from fineslab.slabs.integrity import snapshot
 from fineslab.slabs.lent import set_lend_cap

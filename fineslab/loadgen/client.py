@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from fineslab.bench.loadgen_metrics import RequestOutcome
+from fineslab.loadgen.metrics import RequestOutcome
 from fineslab.workload import Request
 
 logger = logging.getLogger(__name__)

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fineslab.errors import EnvironmentSetupError
-from fineslab.launch.config import SupervisionPolicy
-from fineslab.launch.plan import RuntimePlan
+from fineslab.fleet.config import SupervisionPolicy
+from fineslab.fleet.plan import RuntimePlan
 from fineslab.runtime import PortInUse, ServerProcess, ServerSpec, free_port
 from fineslab.zygote import dead_zygotes, revive_dead_zygotes
 

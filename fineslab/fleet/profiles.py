@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fineslab.errors import ConfigError
-from fineslab.launch.config import ModelConfig
+from fineslab.fleet.config import ModelConfig
 from fineslab.scheduler.curves import PiecewiseLinear
 from fineslab.scheduler.devices import DeviceSpec
 from fineslab.scheduler.kv_format import kv_token_bytes
@@ -106,7 +106,7 @@ def find_profile(model: ModelConfig, device_kind: str, dirs: Sequence[Path],
 
 def cpu_estimate_profile(model: ModelConfig, model_dir: Path) -> ModelProfile:
     """A roofline profile with CPU constants, from the model folder (no SGLang, milliseconds)."""
-    from fineslab.profile.measure import read_shape, safetensors_bytes_and_params
+    from fineslab.models.checkpoint import read_shape, safetensors_bytes_and_params
 
     shape, _ = read_shape(model_dir)
     weights_bytes, num_params = safetensors_bytes_and_params(model_dir)

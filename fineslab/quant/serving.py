@@ -26,7 +26,7 @@ models: weight conversion, and a float32 transformers pass for the FP8 KV scales
 unchanged. Two launches preparing the same folder take turns on `<out_dir>.lock` (an exclusive
 `flock`): the second waits, then reuses the first's result through the stamp. `verify_runtime`
 checks the result before a runtime loads it. The launcher (`fineslab.launch`) is the one place
-that starts runtimes; `fineslab.launch.precision_fleet.run_fleet` is a thin door to it for the
+that starts runtimes; `fineslab.bench.precision_fleet.run_fleet` is a thin door to it for the
 precision tests and the precision benchmark.
 
 What a precision is (its weight format, KV storage, SGLang arguments) is the registry's,

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fineslab.errors import ConfigError
-from fineslab.launch.config import FleetConfig, ModelConfig
+from fineslab.fleet.config import FleetConfig, ModelConfig
 from fineslab.quant.verify import DTYPE_BYTES, read_headers
 from fineslab.scheduler.profile_schema import ModelProfile
 from fineslab.scheduler.selectn import (

@@ -1,12 +1,13 @@
 """SGLang runtimes of a fleet: their command lines, one way for every precision.
 
 `server_spec(plan, prepared)` turns a `RuntimePlan` and its model's prepared checkpoint
-(`fineslab.quant.fleet.PrecisionRuntime`) into the SGLang server: the served name is the
+(`fineslab.quant.serving.PrecisionRuntime`) into the SGLang server: the served name is the
 model's name in the fleet (the OpenAI `model` field), the page size is the arena block's
 tokens, the precision's arguments (`--dtype`, `--quantization`, `--kv-cache-dtype`, ...) come
-from the prepared checkpoint, and the environment carries the plugin's join request
-(`FINESLAB_ARENA=<fleet_id>`, `FINESLAB_RUNTIME_ID=<runtime id>`), the quantized KV format
-(`FINESLAB_KV_FORMAT`, `FINESLAB_KV_SCALES`), the engine schedule (`FINESLAB_ENGINE_POLICY`,
+from the prepared checkpoint, and the plugin's join goes to the runtime as its
+contract (`FINESLAB_CONTRACT`: the arena, runtime id, key pool, weights and streaming flags, the
+quantized KV format and the planned block, fineslab.slabs.contract; `FINESLAB_ARENA` and
+`FINESLAB_RUNTIME_ID` too, which mark its processes), the engine schedule (`FINESLAB_ENGINE_POLICY`,
 with `local_scheduler: engine`) and the model's `env`. This is the one way
 fineslab starts a runtime of any precision.
 
@@ -16,16 +17,19 @@ The supervision of the processes started from these specs is in `supervisor.py`.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
+from fineslab.env import ARENA_VAR, CONTRACT_VAR, RUNTIME_ID_VAR, FineslabEnv
 from fineslab.errors import EnvironmentSetupError
-from fineslab.launch.config import flag_value
-from fineslab.launch.leftovers import FLEET_MARKER
-from fineslab.launch.plan import RuntimePlan, prefill_chunk_args
-from fineslab.quant.fleet import PrecisionRuntime
+from fineslab.fleet.config import flag_value
+from fineslab.fleet.leftovers import FLEET_MARKER
+from fineslab.fleet.plan import RuntimePlan, prefill_chunk_args
+from fineslab.quant.serving import PrecisionRuntime
 from fineslab.router.config import TokenBudget
 from fineslab.runtime import ServerSpec, free_port
 from fineslab.sglang_plugin import ArenaJoin
 from fineslab.sglang_plugin.config import LENT_RADIX_BACKEND, EngineSchedule
+from fineslab.slabs.formats import BlockFormat
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +52,13 @@ def token_budget(plan: RuntimePlan, use_arena: bool) -> TokenBudget | None:
 
 def server_spec(plan: RuntimePlan, prepared: PrecisionRuntime, fleet_id: str, use_arena: bool,
                 port: int | None = None, max_running_requests: int | None = None,
-                schedule: EngineSchedule | None = None) -> ServerSpec:
+                schedule: EngineSchedule | None = None, contract_dir: Path | None = None,
+                planned: BlockFormat | None = None) -> ServerSpec:
     """The SGLang server for one runtime of the plan (see the module docstring); `schedule`:
-    the local scheduler inside the runtime (`local_scheduler: engine`)."""
+    the local scheduler inside the runtime (`local_scheduler: engine`). With `contract_dir`, the
+    join goes to the runtime as its contract (`<contract_dir>/<runtime id>.contract.json`,
+    fineslab.slabs.contract), with `planned`, the block the plan gives it, which the plugin
+    checks at join."""
     model = plan.model
     args = ["--served-model-name", model.name, *prepared.server_args]
     if prepared.kv_env and not use_arena:
@@ -74,10 +82,19 @@ def server_spec(plan: RuntimePlan, prepared: PrecisionRuntime, fleet_id: str, us
         env.update(schedule.environ())
     if use_arena:
         # A lent tier starts with no slabs: the launcher's lending round sets its cap.
-        env.update(ArenaJoin(fleet_id, plan.runtime_id, plan.key_pool, plan.weights_in_arena,
-                             model.layer_streaming is not None,
-                             prefix_lending=None if model.prefix_lending is None else 0
-                             ).environ(), **prepared.kv_env)
+        join = ArenaJoin.from_env(FineslabEnv.from_environ({
+            **ArenaJoin(fleet_id, plan.runtime_id, plan.key_pool, plan.weights_in_arena,
+                        model.layer_streaming is not None,
+                        prefix_lending=None if model.prefix_lending is None else 0).environ(),
+            **prepared.kv_env}))
+        assert join is not None
+        if contract_dir is None:
+            env.update(join.environ())
+        else:
+            path = join.contract(plan.device.name, planned).write(
+                contract_dir / f"{plan.runtime_id}.contract.json")
+            env.update({ARENA_VAR: join.arena_name, RUNTIME_ID_VAR: join.runtime_id,
+                        CONTRACT_VAR: str(path)})
         if model.prefix_lending is not None:
             args += ["--radix-cache-backend", LENT_RADIX_BACKEND]
     return ServerSpec(str(prepared.model_path), port or free_port(), cpu=cpu,

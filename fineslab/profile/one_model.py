@@ -55,7 +55,7 @@ class FleetSpec:
     request_rate_per_s: float = 0.25
 
     def config(self, fleet_id: str) -> dict[str, Any]:
-        """The launcher's YAML config (fineslab/launch/config.py) as a dict."""
+        """The launcher's YAML config (fineslab/fleet/config.py) as a dict."""
         arena_mib = self.kv_pool_tokens * self.kv_token_bytes / MIB
         return {
             "fleet_id": fleet_id,

@@ -7,7 +7,7 @@ the launcher tells each runtime its set S of streamed layers through its stream 
     selectn   S = the last layer of every `interval` (`offload_layers`), written before the
               runtime starts, so it streams from its first forward pass, for its whole life
     oneiros   S starts empty. Every INTERVAL_S, per device (the `Lender`):
-              - pressed (the cache reclaimer's rule, launch/reclaim.py: some runtime there has
+              - pressed (the cache reclaimer's rule, fleet/reclaim.py: some runtime there has
                 work and the arena is low or its blocks have stalled) for PRESSED_ROUNDS in a
                 row (the reclaimer's flushes go first): lend one more layer's worth, planned by
                 `fineslab.scheduler.oneiros.plan_lending` over the device's oneiros models:
@@ -45,9 +45,9 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fineslab.launch.plan import FleetPlan, num_layers
-from fineslab.launch.reclaim import LOW_FREE_FRACTION
-from fineslab.launch.rounds import Rounds
+from fineslab.fleet.plan import FleetPlan, num_layers
+from fineslab.fleet.reclaim import LOW_FREE_FRACTION
+from fineslab.fleet.rounds import Rounds
 from fineslab.scheduler.oneiros import (
     LendingLedger,
     LendPlan,

@@ -13,11 +13,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fineslab.errors import FatalError
-from fineslab.launch.config import FleetConfig
-from fineslab.launch.plan import FleetPlan
+from fineslab.fleet.plan import FleetPlan
 
 if TYPE_CHECKING:
-    from fineslab.launch.fleet import Fleet
+    from fineslab.fleet.machine import Fleet
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +25,7 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _progress(message: str) -> None:
+def progress(message: str) -> None:
     print(message, flush=True)
 
 
@@ -59,10 +58,10 @@ def serve_until_signal(start: Callable[[], None], stop: Callable[[], None], what
         stop_with_fd(stop_fd)
     try:
         start()
-        _progress("ready")
+        progress("ready")
         threading.Event().wait()
     except KeyboardInterrupt:
-        _progress(f"stopping the {what}")
+        progress(f"stopping the {what}")
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -76,9 +75,9 @@ def run_fleet(plan: FleetPlan, port: int | None = None, log_dir: str | None = No
     """Start the fleet, serve until SIGINT/SIGTERM, stop the router, every runtime's process
     group and the arenas. `on_ready(fleet)` runs once everything serves (a cluster node
     reports its router there)."""
-    from fineslab.launch.fleet import Fleet
+    from fineslab.fleet.machine import Fleet
 
-    fleet = Fleet(plan, port, log_dir, _progress)
+    fleet = Fleet(plan, port, log_dir, progress)
 
     def start() -> None:
         fleet.start()
@@ -86,19 +85,3 @@ def run_fleet(plan: FleetPlan, port: int | None = None, log_dir: str | None = No
             on_ready(fleet)
 
     return serve_until_signal(start, fleet.stop, "fleet", stop_fd)
-
-
-def run_cluster(config: FleetConfig, address: str | None, port: int | None = None,
-                log_dir: str | None = None, stop_fd: int | None = None,
-                dry_run: bool = False) -> int:
-    """`run_fleet` over a Ray cluster (fineslab.cluster.driver); `dry_run`: the placement."""
-    from fineslab.cluster.driver import ClusterFleet
-
-    fleet = ClusterFleet(config, port, log_dir, _progress, address)
-    if dry_run:
-        try:
-            fleet.make_plan()
-        finally:
-            fleet.stop()
-        return 0
-    return serve_until_signal(fleet.start, fleet.stop, "cluster fleet", stop_fd)
