@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fineslab.fleet.plan import FleetPlan, num_layers
-from fineslab.fleet.reclaim import LOW_FREE_FRACTION
 from fineslab.fleet.rounds import Rounds
 from fineslab.scheduler.oneiros import (
     LendingLedger,
@@ -55,11 +54,15 @@ from fineslab.scheduler.oneiros import (
     plan_lending,
     plan_reversion,
 )
+from fineslab.scheduler.reclaim import ReclaimConfig
 from fineslab.scheduler.selectn import offload_layers
 from fineslab.slabs.integrity import TableSnapshot
 from fineslab.slabs.streamctl import StreamState, read_state, write_request
 
 logger = logging.getLogger(__name__)
+
+#: The cache reclaimer's low-water mark (fineslab.scheduler.reclaim), which this loop keeps free.
+LOW_FREE_FRACTION = ReclaimConfig().low_free_fraction
 
 INTERVAL_S = 0.5
 PRESSED_ROUNDS = 2

@@ -29,14 +29,17 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from fineslab.fleet.reclaim import LOW_FREE_FRACTION
 from fineslab.fleet.rounds import Rounds
+from fineslab.scheduler.reclaim import ReclaimConfig
 from fineslab.scheduler.swiftcache import ElasticAllocation, lend_budget
 from fineslab.slabs.integrity import snapshot
 from fineslab.slabs.lent import set_lend_cap
 from fineslab.slabs.table import SlabTable
 
 logger = logging.getLogger(__name__)
+
+#: The cache reclaimer's low-water mark (fineslab.scheduler.reclaim), which this loop keeps free.
+LOW_FREE_FRACTION = ReclaimConfig().low_free_fraction
 
 INTERVAL_S = 0.5
 

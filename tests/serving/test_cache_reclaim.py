@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from fineslab.scheduler.reclaim import ReclaimConfig
 
-from fineslab.fleet import reclaim
 from fineslab.fleet.reclaim import CacheReclaimer
 from fineslab.slabs.integrity import OwnerUsage, TableSnapshot
 
@@ -63,6 +63,9 @@ class Clock:
         return self.now_s
 
 
+CONFIG = ReclaimConfig()
+
+
 def _reclaimer(urls: dict[str, str], snap: list[TableSnapshot], demand: dict[str, int],
                clock: Clock) -> CacheReclaimer:
     return CacheReclaimer({"cpu": ["busy", "idle", "idle2"]}, lambda _: snap[0],
@@ -78,7 +81,7 @@ def test_few_free_slabs_flush_every_idle_holder_once_per_gap(runtimes: tuple) ->
     assert calls == ["idle /flush_cache"]
     clock.now_s += 1
     assert reclaimer.run_once() == [], "at most once per MIN_GAP_S"
-    clock.now_s += reclaim.MIN_GAP_S
+    clock.now_s += CONFIG.min_gap_s
     assert reclaimer.run_once() == ["idle"]
 
 
@@ -91,12 +94,12 @@ def test_a_stalled_runtime_is_helped_although_free_slabs_are_not_low(runtimes: t
     reclaimer = _reclaimer(urls, snap, demand, clock)
     assert reclaimer.run_once() == [], "20 free slabs and no stall yet"
     assert reclaimer.stalled == {"cpu": False}
-    clock.now_s += reclaim.STALL_S
+    clock.now_s += CONFIG.stall_s
     assert reclaimer.run_once() == ["idle", "idle2"]
     assert reclaimer.stalled == {"cpu": True}, "the layer lender reads it"
     # Progress (the block count moves) is not a stall.
     snap[0] = _snap(20, {"busy": 41, "idle": 0, "idle2": 0})
-    clock.now_s += reclaim.MIN_GAP_S + reclaim.STALL_S
+    clock.now_s += CONFIG.min_gap_s + CONFIG.stall_s
     assert reclaimer.run_once() == []
     assert reclaimer.stalled == {"cpu": False}
 
@@ -110,7 +113,7 @@ def test_a_stall_with_most_of_the_arena_free_presses_nobody(runtimes: tuple) -> 
     reclaimer = _reclaimer(urls, snap, demand, clock)
     for _ in range(3):
         assert reclaimer.run_once() == []
-        clock.now_s += reclaim.STALL_S + reclaim.MIN_GAP_S
+        clock.now_s += CONFIG.stall_s + CONFIG.min_gap_s
     assert reclaimer.stalled == {"cpu": True} and reclaimer.pressed == {"cpu": False}
     assert calls == []
 
@@ -141,5 +144,5 @@ def test_a_restart_flushes_every_idle_holder_at_once_but_itself(runtimes: tuple)
     assert reclaimer.flush_idle("gpu") == [], "a device with no runtimes"
     snap[0] = _snap(2, {"busy": 40, "idle": 300, "idle2": 8})  # pressed: few free slabs
     assert reclaimer.run_once() == [], "the round's gap counts from the restart's flush"
-    clock.now_s += reclaim.MIN_GAP_S
+    clock.now_s += CONFIG.min_gap_s
     assert reclaimer.run_once() == ["idle", "idle2"], "and ends like any other"
