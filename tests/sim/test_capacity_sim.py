@@ -150,7 +150,10 @@ def test_the_experiment_reports_every_cell_and_the_json_keys(tmp_path: Path) -> 
             for system in SYSTEM_NAMES:
                 assert f"{system}_capacity_{arrival}_slo{slo:g}" in figures
     json.dumps(figures, allow_nan=False)  # one strict JSON line: no NaN or Infinity
+    for system in SYSTEM_NAMES:  # goodput beside attainment (issue #39): req/s meeting the SLO
+        assert figures[f"{system}_goodput_per_s"] > 0, f"{system} met its SLO at its capacity"
     report = (tmp_path / "capacity.md").read_text()
+    assert "goodput at capacity (req/s)" in report
     rows = [line for line in report.splitlines() if line.startswith(("| poisson |",
                                                                       "| replay |"))]
     cells = len(ARRIVALS) * len(SLO_SCALES) * len(cfg.seeds)

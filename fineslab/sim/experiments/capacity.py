@@ -208,6 +208,17 @@ def _mean_capacity(cells: Sequence[Cell], system: str, arrival: str, slo: float)
                             if (c.arrival, c.slo_scale) == (arrival, slo))
 
 
+def _mean_goodput(cells: Sequence[Cell], system: str, arrival: str, slo: float) -> float:
+    """The mean over seeds of the goodput (req/s meeting the SLO) at each seed's capacity."""
+    found = []
+    for c in cells:
+        if (c.arrival, c.slo_scale) == (arrival, slo):
+            capacity = c.capacity[system]
+            point = capacity.points.get(capacity.search.capacity)
+            found.append(0.0 if point is None else point.goodput_per_s)
+    return statistics.fmean(found)
+
+
 def _mean_gpus(cells: Sequence[Cell], system: str, arrival: str, slo: float) -> float | None:
     """The mean over seeds of the GPUs for 99%; None if some seed met it nowhere."""
     found = [c.gpus[system].num_gpus for c in cells if (c.arrival, c.slo_scale) == (arrival, slo)]
@@ -218,6 +229,8 @@ def acceptance(cells: Sequence[Cell], cfg: CapacityConfig) -> dict[str, float]:
     """The headline (Poisson, SLO 5, mean over seeds), its ratios, and every cell's mean."""
     figures: dict[str, float] = {f"{s}_capacity": _mean_capacity(cells, s, *HEADLINE)
                                  for s in SYSTEM_NAMES}
+    figures.update({f"{s}_goodput_per_s": round(_mean_goodput(cells, s, *HEADLINE), 4)
+                    for s in SYSTEM_NAMES})
     for baseline in ("prism", "static"):
         # A baseline with capacity 0 has no finite ratio (JSON has no Infinity): left out.
         if figures[f"{baseline}_capacity"] > 0:
@@ -251,17 +264,20 @@ def _mean_rows(cells: Sequence[Cell]) -> tuple[list[str], list[list[object]]]:
 
 def _cell_rows(cells: Sequence[Cell]) -> tuple[list[str], list[list[object]]]:
     headers = ["workload", "SLO scale", "seed", "system", "capacity", "missed at",
-               "attainment at capacity", "probes (rate: attainment [unplaced])", "GPUs for 99%",
+               "attainment at capacity", "goodput at capacity (req/s)",
+               "probes (rate: attainment [unplaced])", "GPUs for 99%",
                "GPU probes (GPUs: attainment [unplaced])"]
     rows: list[list[object]] = []
     for c in cells:
         for s in SYSTEM_NAMES:
             search, scan = c.capacity[s].search, c.gpus[s]
             at_capacity = dict(search.probes).get(search.capacity)
+            point = c.capacity[s].points.get(search.capacity)
             rows.append([
                 c.arrival, f"{c.slo_scale:g}", c.seed, s, f"{search.capacity:g}",
                 "-" if search.missed_at is None else f"{search.missed_at:g}",
                 "-" if at_capacity is None else f"{at_capacity:.3f}",
+                "-" if point is None else f"{point.goodput_per_s:.3g}",
                 ", ".join(_probe(r, a, c.capacity[s].unplaced[r]) for r, a in search.probes),
                 "-" if scan.num_gpus is None else scan.num_gpus,
                 ", ".join(_probe(n, a, scan.unplaced[n]) for n, a in scan.probes)])

@@ -81,6 +81,8 @@ class PointResult:
     by_model: dict[str, float] = field(default_factory=dict)  # model -> attainment
     by_model_req_s: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0
+    #: requests per second that met their TTFT SLO (AIPerf's and `vllm bench serve`'s goodput)
+    goodput_per_s: float = 0.0
 
 
 def profile_for(entry: MixEntry, device: str, workload: Workload) -> ModelProfile:
@@ -143,7 +145,7 @@ def point_result(name: str, spec: PointSpec, result: SimResult) -> PointResult:
         unplaced=tuple(u.model for u in result.plan.unplaced),
         by_model={m: s.slo_attainment or 0.0 for m, s in by_model.items()},
         by_model_req_s={m: s.num_completed / spec.duration_s for m, s in by_model.items()},
-        wall_s=result.wall_s)
+        wall_s=result.wall_s, goodput_per_s=summary.goodput_per_s)
 
 
 def _label(spec: PointSpec) -> str:
