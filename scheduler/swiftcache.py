@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from fineslab.errors import ConfigError
 
@@ -128,3 +129,77 @@ def lend_budget(free: int, headrooms: Sequence[int], lent: int, cap: int,
         raise ConfigError(f"lend budget: negative input (free {free}, lent {lent}, cap {cap}, "
                           f"low_water {low_water}, headrooms {list(headrooms)})")
     return max(0, min(cap, lent + free - sum(headrooms) - low_water))
+
+
+@dataclass(frozen=True)
+class BorrowerTerms:
+    """A borrower's lending terms (its model's `prefix_lending:`): a cap as a fraction of the
+    arena's slabs, and the lenders' scale-down window and check period it asks for."""
+
+    runtime_id: str
+    cap: float
+    window_s: float
+    check_s: float
+
+
+@dataclass(frozen=True)
+class LendingUse:
+    """One device's arena as the lending policy sees it: every runtime there, its slabs, what
+    each live runtime holds, and what each borrower holds lent."""
+
+    device: str
+    runtime_ids: Sequence[str]
+    num_slabs: int
+    free_slabs: int
+    held: Mapping[str, int]
+    lent: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class LendCaps:
+    """Each borrower's cap (slabs it may hold lent) on one device, and why."""
+
+    device: str
+    caps: Mapping[str, int]
+    reason: str
+
+
+class PrefixLendPolicy:
+    """SwiftCache's lending on each device (Algorithm 1 per lender, `lend_budget` per borrower):
+
+        lenders   every runtime on the device that is not a borrower; each has an
+                  `ElasticAllocation` over its demand D_i = slabs it holds now, K_i = the
+                  arena's slabs, an elastic unit of one slab
+        budget    per borrower: lend_budget(free unlent slabs / borrowers, the lenders'
+                  headrooms, its lent slabs, cap x arena slabs, low water), so the borrowers of
+                  a device split what the lenders do not keep
+
+    `low_free_fraction`: the slabs always left free (the cache reclaimer's low-water mark).
+    Snapshot in, caps out; the lenders' allocations are the policy's memory."""
+
+    def __init__(self, borrowers: Sequence[BorrowerTerms], low_free_fraction: float) -> None:
+        self.borrowers = {b.runtime_id: b for b in borrowers}
+        self.low_free_fraction = low_free_fraction
+        self._lenders: dict[str, ElasticAllocation] = {}
+
+    def decide(self, use: LendingUse, now_s: float) -> LendCaps | None:
+        """The caps of the device's borrowers; None when it has none."""
+        mine = [self.borrowers[r] for r in use.runtime_ids if r in self.borrowers]
+        if not mine:
+            return None
+        headrooms = []
+        for runtime_id in use.runtime_ids:
+            if runtime_id in self.borrowers or runtime_id not in use.held:
+                continue
+            lender = self._lenders.setdefault(runtime_id, ElasticAllocation(
+                use.num_slabs, 1, max(b.window_s for b in mine), min(b.check_s for b in mine)))
+            lender.observe(now_s, use.held[runtime_id])
+            headrooms.append(lender.headroom(use.held[runtime_id]))
+        free_unlent = max(0, use.free_slabs - sum(use.lent.values()))
+        low_water = int(self.low_free_fraction * use.num_slabs)
+        caps = {b.runtime_id: lend_budget(free_unlent // len(mine), headrooms,
+                                          use.lent.get(b.runtime_id, 0),
+                                          int(b.cap * use.num_slabs), low_water)
+                for b in mine}
+        return LendCaps(use.device, caps, f"free {free_unlent} unlent slab(s), lenders' "
+                                          f"headroom {sum(headrooms)}, low water {low_water}")

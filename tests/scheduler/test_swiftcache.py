@@ -144,3 +144,21 @@ def test_the_live_allocation_gives_the_simulators_offers_at_every_check() -> Non
             simulated.append([b for s, b in points if s <= t][-1])
     assert live == simulated, "Algorithm 1 live and offline agree at the check ticks"
     assert len(set(live)) > 3, "control: the offers do change over the run"
+
+
+def test_the_lending_policy_splits_what_the_lenders_do_not_keep() -> None:
+    from fineslab.scheduler.swiftcache import BorrowerTerms, LendingUse, PrefixLendPolicy
+
+    policy = PrefixLendPolicy([BorrowerTerms("chat", 0.5, 10.0, 1.0),
+                               BorrowerTerms("chat2", 0.5, 10.0, 1.0)], low_free_fraction=0.1)
+    use = LendingUse("cpu", ("chat", "chat2", "idle"), 100, 60, {"chat": 10, "chat2": 10,
+                                                                 "idle": 20}, {"chat": 4})
+    caps = policy.decide(use, 0.0)
+    assert caps is not None
+    # free unlent 56, split 28 each; the lender (first sample, N = K = 100) keeps 80 of
+    # headroom: nothing to lend beyond what chat holds already (budget min(50, 4 + 28 - 80 -
+    # 10) = 0).
+    assert caps.caps == {"chat": 0, "chat2": 0} and "headroom 80" in caps.reason
+    later = policy.decide(use, 2.0)  # the check shrank N to the window's largest D (20)
+    assert later is not None and later.caps == {"chat": 22, "chat2": 18}
+    assert policy.decide(LendingUse("cpu", ("idle",), 100, 60, {"idle": 20}, {}), 3.0) is None
