@@ -37,6 +37,35 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     check_phase(_starts, item, outcome.get_result())
 
 
+class _WorkerStarts:
+    """Under pytest-xdist: a worker hands its start counts to the controller as it ends."""
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: object, error: object) -> None:
+        counts = getattr(node, "workeroutput", {}).get("fineslab_starts")
+        if counts:
+            _starts.merge(counts)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files with slow tests first, each file's tests in their order: `make test` hands
+    whole files to its workers in this order, and the long ones started last left one worker
+    running them alone at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_WorkerStarts(), "fineslab-worker-starts")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker
+        workeroutput["fineslab_starts"] = _starts.to_json()
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.section("SGLang and Ray starts")
     for line in _starts.summary_lines():

@@ -6,10 +6,13 @@ conftest.py points `FINESLAB_START_LOG` at a file of the run's own before any te
 every process the suite starts (launchers, node fleets, benchmarks) appends to it
 (fineslab.startlog). After each phase of each test (setup, call, teardown) the new lines are
 read: they belong to that test (a module fixture's starts to the first test that uses it).
+Under pytest-xdist each worker counts its own tests' starts in a file of its own and hands its
+counts to the controller when it ends (`to_json` / `merge`), which prints the whole run's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -42,6 +45,22 @@ class StartCounter:
             self.begun[(r.what, r.how)] += 1
         self.by_test[nodeid] += len(begins)
         return begins
+
+    def to_json(self) -> str:
+        """This process's counts (an xdist worker's, for the controller)."""
+        self.new_begins("(after the last test)")
+        return json.dumps({"begun": [[w, h, n] for (w, h), n in self.begun.items()],
+                           "seconds": [[w, h, s] for (w, h), s in self.seconds.items()],
+                           "by_test": dict(self.by_test)})
+
+    def merge(self, text: str) -> None:
+        """Add a worker's counts (`to_json`)."""
+        data = json.loads(text)
+        for what, how, n in data["begun"]:
+            self.begun[(what, how)] += n
+        for what, how, seconds in data["seconds"]:
+            self.seconds[(what, how)] += seconds
+        self.by_test.update(data["by_test"])
 
     def remove(self) -> None:
         """The run's start log goes with the run (its counts were printed)."""
