@@ -33,6 +33,7 @@ class StartCounter:
         self.begun: Counter[tuple[str, str]] = Counter()
         self.seconds: defaultdict[tuple[str, str], float] = defaultdict(float)
         self.by_test: Counter[str] = Counter()
+        self.workers = 0  # xdist workers whose counts were merged
         os.environ[START_LOG_VAR] = str(self.path)
 
     def new_begins(self, nodeid: str) -> list[startlog.StartRecord]:
@@ -61,6 +62,7 @@ class StartCounter:
         for what, how, seconds in data["seconds"]:
             self.seconds[(what, how)] += seconds
         self.by_test.update(data["by_test"])
+        self.workers += 1
 
     def remove(self) -> None:
         """The run's start log goes with the run (its counts were printed)."""
@@ -72,7 +74,9 @@ class StartCounter:
                  for (what, how), n in sorted(self.begun.items())]
         total = sum(self.begun.values())
         busiest = ", ".join(f"{nodeid} {n}" for nodeid, n in self.by_test.most_common(5) if n)
-        return [f"starts: {total} ({START_LOG_VAR}={self.path})", *lines,
+        where = (f"counted by {self.workers} workers, each in a {START_LOG_VAR} of its own"
+                 if self.workers else f"{START_LOG_VAR}={self.path}")
+        return [f"starts: {total} ({where})", *lines,
                 f"most starts: {busiest or 'none'}"]
 
 
