@@ -99,3 +99,21 @@ def test_bad_spec_is_refused_clearly(field: str, value: object, message: str) ->
 def test_unknown_preset_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown model preset"):
         ensure_model("gpt-5", tmp_path)
+
+
+def test_the_smollm2_preset_is_the_installed_model_or_a_clear_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fleet may name the real SmolLM2 as `preset: smollm2-135m-instruct` (issue #39): it is
+    # never generated; set-up installs it, and a fleet without it says how to install it.
+    from fineslab.errors import ConfigError
+    from fineslab.models import smollm2
+
+    monkeypatch.setattr(smollm2, "DEFAULT_CACHE", tmp_path / "default")
+    with pytest.raises(ConfigError, match="fineslab models smollm2"):
+        ensure_model(smollm2.MODEL_NAME, tmp_path / "cache")
+    installed = tmp_path / "default" / smollm2.MODEL_NAME
+    installed.mkdir(parents=True)
+    (installed / "model.safetensors").write_bytes(b"")
+    assert ensure_model(smollm2.MODEL_NAME, tmp_path / "cache") == installed
+    with pytest.raises(ConfigError, match="smollm2-135m-instruct"):
+        ensure_model("no-such-model", tmp_path / "cache")

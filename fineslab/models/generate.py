@@ -218,9 +218,16 @@ def ensure_model(name: str, cache_dir: str | os.PathLike[str], **overrides: obje
 
     `overrides` replace fields of the preset (for example `dtype="float32"`); the directory name
     then carries a digest of the overrides so that variants do not overwrite each other.
+    The real SmolLM2-135M-Instruct (`smollm2-135m-instruct`) is not generated: set-up installs
+    it (`fineslab models smollm2`); it is looked for in `cache_dir`, then in the default cache.
     """
+    from fineslab.models import smollm2
+
+    if name == smollm2.MODEL_NAME and not overrides:
+        return smollm2.require(Path(cache_dir))
     if name not in PRESETS:
-        raise ConfigError(f"unknown model preset {name!r}: expected one of {sorted(PRESETS)}")
+        raise ConfigError(f"unknown model preset {name!r}: expected one of "
+                          f"{[*sorted(PRESETS), smollm2.MODEL_NAME]}")
     spec = replace(PRESETS[name], **overrides)  # type: ignore[arg-type]
     suffix = "".join(f"-{key}={value}" for key, value in sorted(overrides.items()))
     out = Path(cache_dir) / f"{name}{suffix}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from fineslab.errors import EnvironmentSetupError
+from fineslab.errors import ConfigError, EnvironmentSetupError
 
 logger = logging.getLogger(__name__)
 
@@ -92,3 +93,19 @@ def find(cache_dir: Path) -> Path | None:
     """The converted SmolLM2 directory if set-up installed it, else None."""
     out = cache_dir / MODEL_NAME
     return out if (out / "model.safetensors").exists() else None
+
+
+#: Where set-up installs it when FINESLAB_MODEL_CACHE is not set.
+DEFAULT_CACHE = Path(os.path.expanduser("~")) / ".cache" / "fineslab" / "models"
+
+
+def require(cache_dir: Path) -> Path:
+    """The installed SmolLM2 (in `cache_dir`, else in the default cache), or ConfigError saying
+    how to install it: a fleet asked for it by `preset: smollm2-135m-instruct`."""
+    for folder in (cache_dir, DEFAULT_CACHE):
+        found = find(folder)
+        if found is not None:
+            return found
+    raise ConfigError(f"{MODEL_NAME} is not installed (in {cache_dir} or {DEFAULT_CACHE}): "
+                      "`fineslab models smollm2` installs it (about 30 s; make setup does it "
+                      "unless SETUP_ARGS=--no-smollm2)")
