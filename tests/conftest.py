@@ -49,8 +49,9 @@ class _WorkerStarts:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The files with slow tests first, each file's tests in their order: `make test` hands
-    whole files to its workers in this order, and the long ones started last left one worker
-    running them alone at the end."""
+    whole files to its workers in this order (`--no-loadscope-reorder`: xdist's own order puts
+    the files with the most tests first, and the long one-test files, a cluster's kills, a
+    benchmark, came last and ran alone at the end)."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.path not in slow_files)
 
