@@ -10,10 +10,10 @@ setup:  ## install everything into .venv/ (CPU mode unless a GPU is found; SETUP
 	bash scripts/setup.sh $(SETUP_ARGS)
 
 test:  ## the CPU test suite (unit + real SGLang integration tests), on TEST_WORKERS processes
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-fast:  ## the suite without the slow integration tests
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow and not gpu"
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow and not gpu"
 
 lint:  ## ruff, and the import contracts of pyproject.toml (docs/structure.md)
 	$(PY) -m ruff check fineslab scheduler tests scripts

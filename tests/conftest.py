@@ -48,10 +48,10 @@ class _WorkerStarts:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The files with slow tests first, each file's tests in their order: `make test` hands
-    whole files to its workers in this order (`--no-loadscope-reorder`: xdist's own order puts
-    the files with the most tests first, and the long one-test files, a cluster's kills, a
-    benchmark, came last and ran alone at the end)."""
+    """The files with slow tests first, each file's tests in their order. Under `make test`
+    xdist then orders the files by their number of tests (this order breaks its ties): keeping
+    this order instead (`--no-loadscope-reorder`) put two heavy fleets on the two workers at
+    once for the first half of a run, and two tests failed under that load (2026-11-29)."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.path not in slow_files)
 
