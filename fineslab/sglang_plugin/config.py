@@ -148,10 +148,8 @@ class ArenaJoin:
     def check_block(self, built: BlockFormat) -> None:
         """ConfigError unless SGLang built the block the contract plans (none planned: none
         to check)."""
-        if self.planned_block is None:
-            return
-        RuntimeContract(self.arena_name, self.runtime_id, "-", block=self.planned_block
-                        ).check_block(built)
+        if self.planned_block is not None:
+            self.planned_block.check(built, self.runtime_id)
 
     def environ(self) -> dict[str, str]:
         """The variables a launcher puts in a runtime's environment to make it join."""

@@ -55,6 +55,15 @@ class PlannedBlock:
         return cls(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.kv_dtype.value,
                    fmt.tokens_per_block, fmt.token_stride_bytes)
 
+    def check(self, built: BlockFormat, runtime_id: str) -> None:
+        """ConfigError unless SGLang built this block, naming both."""
+        actual = PlannedBlock.of(built)
+        if actual != self:
+            raise ConfigError(
+                f"runtime {runtime_id}: SGLang built a KV block of {actual.describe()}, "
+                f"but the plan is {self.describe()}; the model folder, --dtype, "
+                "--kv-cache-dtype or --page-size differ from what the launcher planned")
+
     def describe(self) -> str:
         return (f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim} "
                 f"dims in {self.kv_dtype}, {self.tokens_per_block}-token blocks, "
@@ -125,11 +134,5 @@ class RuntimeContract:
     def check_block(self, built: BlockFormat) -> None:
         """ConfigError unless SGLang built the planned block (nothing planned: nothing to
         check)."""
-        if self.block is None:
-            return
-        actual = PlannedBlock.of(built)
-        if actual != self.block:
-            raise ConfigError(
-                f"runtime {self.runtime_id}: SGLang built a KV block of {actual.describe()}, "
-                f"but the plan is {self.block.describe()}; the model folder, --dtype, "
-                "--kv-cache-dtype or --page-size differ from what the launcher planned")
+        if self.block is not None:
+            self.block.check(built, self.runtime_id)
