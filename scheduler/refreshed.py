@@ -94,8 +94,8 @@ class RefreshedPredictor:
     overall: _Mean = field(default_factory=_Mean)
     buckets: dict[int, _Mean] = field(default_factory=dict)
     _logged_log_scale: float = 0.0
-    #: _floors[b]: the longest scaled step of any bucket below b + 1 (see `step_s`).
-    _floors: list[float] = field(default_factory=list)
+    #: _bounds[b]: the (least, most) a step of bucket b may take (see `_rebound`).
+    _bounds: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def chunk_tokens(self) -> int:
@@ -103,31 +103,54 @@ class RefreshedPredictor:
 
     def scale(self, tokens: int) -> float:
         """The factor applied to the profiled time of a step of `tokens` new tokens."""
-        mean = self.buckets.get(bucket_of(tokens))
-        chosen = mean if mean is not None and mean.samples >= MIN_SAMPLES else self.overall
-        return math.exp(chosen.log_scale)
+        bucket = bucket_of(tokens)
+        return math.exp((self.buckets[bucket] if self._own(bucket) else self.overall).log_scale)
 
     def _scaled(self, tokens: int) -> float:
         return self.scale(tokens) * self.base.prefill_s(tokens)
 
+    def _own(self, bucket: int) -> bool:
+        """Whether `bucket` has seen enough steps to use its own scale."""
+        mean = self.buckets.get(bucket)
+        return mean is not None and mean.samples >= MIN_SAMPLES
+
     def step_s(self, tokens: int) -> float:
         """One prefill step of `tokens` new tokens, as this runtime runs it now: the scaled
-        profile, and never less than the longest scaled step of fewer tokens (bucket scales
-        differ, and Algorithm 2 relies on a TTFT that never shrinks as tokens are added)."""
+        profile, kept within its bucket's bounds (`_rebound`), so that the TTFT never shrinks
+        as tokens are added (Algorithm 2 relies on it)."""
         if tokens <= 0:
             return 0.0
         bucket = bucket_of(tokens)
-        floor = self._floors[bucket - 1] if 0 < bucket <= len(self._floors) else 0.0
-        return max(self._scaled(tokens), floor)
+        scaled = self._scaled(tokens)
+        if bucket >= len(self._bounds):  # more than a chunk: never less than a chunk
+            return max(scaled, self.step_s(self.chunk_tokens)) if self._bounds else scaled
+        low, high = self._bounds[bucket]
+        return min(max(scaled, low), high)
 
-    def _refloor(self) -> None:
-        """Recompute `_floors` after the scales moved: the running maximum of each bucket's
-        longest scaled step (its top, 2^(b+1) - 1 tokens), up to the chunk's bucket."""
-        floors, longest = [], 0.0
-        for bucket in range(bucket_of(self.chunk_tokens)):
-            longest = max(longest, self._scaled(2 ** (bucket + 1) - 1))
-            floors.append(longest)
-        self._floors = floors
+    def _rebound(self) -> None:
+        """Recompute `_bounds` after the scales moved: per bucket up to the chunk's, the
+        (least, most) a step of it may take. A bucket with MIN_SAMPLES steps of its own takes at
+        least the longest step of any such bucket below it (bucket scales differ). A bucket
+        without (it has the overall scale) is held between those around it: at least the
+        longest step below, at most the shortest step above. So the chunk's own measured steps
+        are never overridden by the overall mean of other sizes (short requests' steps, with
+        their fixed cost, or a machine that was slower before), and a small step is never
+        predicted slower than a measured larger one."""
+        top = bucket_of(self.chunk_tokens)
+        lows, shortest = [], {}
+        longest = 0.0
+        for bucket in range(top + 1):
+            lows.append(longest)
+            if self._own(bucket):
+                shortest[bucket] = max(longest, self._scaled(2 ** bucket))
+                longest = max(longest, self._scaled(2 ** (bucket + 1) - 1))
+        highs, cap = [math.inf] * (top + 1), math.inf
+        for bucket in range(top, -1, -1):
+            if bucket in shortest:
+                cap = min(cap, shortest[bucket])
+            else:
+                highs[bucket] = cap
+        self._bounds = list(zip(lows, highs, strict=True))
 
     def to_doc(self) -> dict[str, Any]:
         """The scales as the file the router's gate follows (module doc)."""
@@ -143,7 +166,7 @@ class RefreshedPredictor:
         keys = sorted({int(k) for d in docs for k in d["buckets"]})
         predictor.buckets = {k: _Mean.merged([d["buckets"][str(k)] for d in docs
                                               if str(k) in d["buckets"]]) for k in keys}
-        predictor._refloor()
+        predictor._rebound()
         return predictor
 
     def prefill_tokens_s(self, total_tokens: int) -> float:
@@ -161,7 +184,7 @@ class RefreshedPredictor:
         log_ratio = min(bound, max(-bound, math.log(seconds / profiled)))
         self.overall.add(log_ratio)
         self.buckets.setdefault(bucket_of(tokens), _Mean()).add(log_ratio)
-        self._refloor()
+        self._rebound()
         if abs(self.overall.log_scale - self._logged_log_scale) >= math.log(LOG_FACTOR):
             self._logged_log_scale = self.overall.log_scale
             logger.info("fineslab engine scheduler: prefill steps run at %.2fx the profile "

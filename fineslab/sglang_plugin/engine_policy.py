@@ -81,6 +81,13 @@ def deadline_from_priority(priority: object, now_s: float) -> float | None:
     return deadline_s if abs(deadline_s - now_s) <= PLAUSIBLE_DEADLINE_S else None
 
 
+def _prefilled(chunked: Any) -> int:
+    """The prompt tokens of the request being prefilled in chunks that are done: up to the end
+    of the chunk its last step extended (`extend_end`). SGLang moves `prefix_len` up to there
+    only when it forms the next chunk, after this decision."""
+    return max(chunked.prefix_len, getattr(chunked, "extend_end", None) or 0)
+
+
 def drop_reason(left_s: float, ttft_s: float, ahead_tokens: int) -> str:
     """Why a request is dropped, in words a client can act on (no clock readings)."""
     behind = f" behind {ahead_tokens} prompt tokens already being prefilled" if ahead_tokens \
@@ -216,7 +223,7 @@ class EngineBatchPolicy:
                              max(1, min(scheduler.max_prefill_tokens, room)))
         chunked = scheduler.chunked_req
         ahead = 0 if chunked is None else max(0, len(chunked.origin_input_ids)
-                                              - chunked.prefix_len)
+                                              - _prefilled(chunked))
         predictor = AheadPredictor(self.predictor, ahead)
         decision = self.policy.decide(QueueSnapshot(waiting, now_s, slo_s, limits), predictor)
         dropped = [(by_id[d.request.request_id], d.request) for d in decision.dropped]

@@ -79,6 +79,25 @@ def test_the_refreshed_ttft_never_shrinks_as_tokens_are_added() -> None:
     assert predictor.step_s(100) == pytest.approx(3 * 0.63)
 
 
+def test_the_chunks_own_steps_are_not_overridden_by_the_mean_of_other_sizes() -> None:
+    """A runtime that ran short steps slowly (ten 4-token steps at 2x the profile: a fixed
+    cost, or a machine busy with other work) and then MIN_SAMPLES 100-token chunks at 0.2x:
+    a chunk is predicted at its own 0.2 s, not at the overall mean (still pulled up by the
+    short steps) of the never-timed 32-63-token bucket below it, which is held under the
+    chunk instead; the TTFT still never shrinks as tokens are added."""
+    predictor = RefreshedPredictor(BASE)
+    for _ in range(10):
+        predictor.observe(4, 0.04 * 2)
+    for _ in range(MIN_SAMPLES):
+        predictor.observe(100, 1.0 * 0.2)
+    assert math.exp(predictor.overall.log_scale) > 0.5, "the overall mean is still high"
+    assert predictor.step_s(100) == pytest.approx(0.2)
+    assert predictor.ttft_s([300]) == pytest.approx(0.6)
+    assert predictor.step_s(63) <= predictor.step_s(64) <= predictor.step_s(100)
+    times = [predictor.ttft_s([n]) for n in range(0, 450)]
+    assert all(b >= a for a, b in itertools.pairwise(times)), "monotone in tokens"
+
+
 def test_one_outlier_step_moves_the_scale_by_a_bounded_factor() -> None:
     predictor = RefreshedPredictor(BASE)
     for _ in range(10):
@@ -167,6 +186,23 @@ def test_a_policy_that_timed_fast_steps_admits_what_the_stale_profile_drops(
     scheduler.waiting_queue = [_req("r", 250, 1_002_000)]
     policy.around(lambda s, *a, **k: (None, None), scheduler)
     assert scheduler.aborted == dropped
+
+
+def test_the_work_ahead_leaves_out_the_chunk_the_last_step_prefilled() -> None:
+    """A 1,000-token prompt whose second chunk (tokens 100-199) was just prefilled: SGLang
+    still says prefix_len 100 until it forms the next chunk. A request behind it waits for
+    800 tokens (8 steps of the profile's 1 s), not 900."""
+    scheduler = _scheduler([_req("short", 10, 1_005_000)])
+    scheduler.chunked_req = SimpleNamespace(origin_input_ids=[1] * 1000, prefix_len=100,
+                                            extend_end=200, rid="long")
+    messages: list[str] = []
+    abort = scheduler.abort_request
+    scheduler.abort_request = lambda r: (messages.append(r.finished_reason["message"]), abort(r))
+    policy = EngineBatchPolicy(EngineSchedule.for_model("adaptive", 2.0, BASE, refresh=False),
+                               clock=lambda: 1000.0)
+    policy.around(lambda s, *a, **k: (None, None), scheduler)
+    assert scheduler.aborted == ["short"]
+    assert "about 8.10 s behind 800 prompt tokens" in messages[0], messages
 
 
 def test_a_scheduler_without_a_step_count_turns_the_refresh_off_and_keeps_deciding(

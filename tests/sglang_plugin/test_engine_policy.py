@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fineslab.scheduler.local import ENGINE_DROP_PREFIX
-from fineslab.scheduler.refreshed import FollowedPredictor, read_scales
+from fineslab.scheduler.refreshed import MIN_SAMPLES, FollowedPredictor, read_scales
 from plugin_test_support import arena_for, kv_shape, prompts
 
 from fineslab.runtime import ServerProcess, ServerSpec, free_port
@@ -34,6 +34,7 @@ CHUNK = 64
 SCHEDULE = EngineSchedule("adaptive", 3.0, CHUNK, ((0.0, 0.0), (float(CHUNK), 1.0)))
 LONG_TOKENS = 3000
 PREDICTED = re.compile(r"would take about ([0-9.]+) s")
+BEHIND = re.compile(r"behind ([0-9]+) prompt tokens")
 
 
 @pytest.fixture(scope="module")
@@ -154,17 +155,20 @@ def test_a_short_request_behind_a_long_prefill_is_dropped_naming_the_work_ahead(
 def test_a_refreshed_profile_predicts_the_work_ahead_at_this_machines_speed(
         servers: dict[str, str]) -> None:
     """The same scenario on "plain", whose profile (1 s a chunk, tens of times too slow here)
-    is refreshed from the chunks it times: the long prompt's first chunk already rescales it,
-    so a short request is dropped only if the machine itself is that slow, and any drop names
-    a predicted wait near the work that was really left: at most twice the time until the long
-    prompt's answer came, plus 2 s (on an idle machine a chunk takes 40-260 ms, so about 12 s
-    at most; on a machine loaded by other work, more, and the prediction follows). The "arena"
-    test above, refresh off, is the control: there the early drops predict tens of seconds,
-    the profile's 1 s a chunk, whatever the machine does."""
+    is refreshed from the chunks it times: once the long prompt's first MIN_SAMPLES chunks
+    are timed, the chunk's own scale decides (whatever the steps of other sizes before them
+    said), so a short request is dropped only if the machine itself is that slow, and any drop
+    names a predicted wait near the work that was really left: at most twice the time until
+    the long prompt's answer came, plus 2 s (on an idle machine a chunk takes 40-260 ms, so
+    about 12 s at most; on a machine loaded by other work, more, and the prediction follows).
+    The "arena" test above, refresh off, is the control: there the early drops predict tens
+    of seconds, the profile's 1 s a chunk, whatever the machine does."""
     timed, start_s, done_s = _timed_short_requests(servers["plain"])
     answers = [answer for _, answer in timed]
     late = [(seconds, round(done_s - sent, 2)) for sent, a in timed if a.status_code == 429
             for m in [PREDICTED.search(a.json()["message"])] if m
+            for b in [BEHIND.search(a.json()["message"])]
+            if b and LONG_TOKENS - int(b.group(1)) >= MIN_SAMPLES * CHUNK
             for seconds in [float(m.group(1))] if seconds > 2.0 * (done_s - sent) + 2.0]
     assert late == [], f"(predicted s, really left s) of drops predicted far too late: {late}"
     predicted = [float(m.group(1)) for a in answers if a.status_code == 429
