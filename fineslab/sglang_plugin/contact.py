@@ -478,10 +478,11 @@ ENGINE_POLICY_CONTACTS: tuple[Contact, ...] = (
     *_members("sglang.srt.managers.io_struct.AbortReq", _ATTRIBUTE,
               ("rid", "finished_reason"), "fields of the engine policy's abort"),
     _REQ_RID,
-    *_members(_REQ, _ATTRIBUTE, ("priority", "origin_input_ids", "output_ids", "prefix_len"),
+    *_members(_REQ, _ATTRIBUTE, ("priority", "origin_input_ids", "output_ids", "prefix_len",
+                                 "extend_end"),
               "a waiting request's deadline (the router's priority), prompt, whether it "
-              "already produced tokens, and a chunked request's prefilled length",
-              in_source_of=("__init__",)),
+              "already produced tokens, and how much of a chunked request is prefilled (up to "
+              "the end of the chunk its last step extended)", in_source_of=("__init__",)),
     Contact(f"{_BATCH}.reqs", _ATTRIBUTE, "the running requests, for N_max"),
     Contact(f"{_SCHEDULER}.tree_cache", _ATTRIBUTE, "its evictable tokens count for T_max",
             in_source_of=("__init__",)),
