@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 from fleet_support import (
+    REPO,
     START_TIMEOUT_S,
     LaunchedFleet,
     execute_notebook,
@@ -36,7 +37,7 @@ from fineslab.proctree import running_routers
 
 pytestmark = pytest.mark.slow
 
-MODELS = ("llama-bf16", "llama-small-fp16", "qwen2-bf16")
+MODELS = ("llama-bf16", "llama-small-fp16", "qwen2-bf16", "smollm2")
 #: The tokenizer of each model, for sglang.bench_serving.
 MODEL_DIRS = {"llama-bf16": "llama-tiny", "llama-small-fp16": "llama-small",
               "qwen2-bf16": "qwen2-tiny"}
@@ -52,7 +53,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> Iterat
 
 def test_launch_reports_progress_and_every_runtime_up(fleet: LaunchedFleet) -> None:
     out = fleet.output.read_text()
-    assert "placement by mme" in out and re.search(r"\[3/3\] runtime .* healthy", out), out
+    assert "placement by mme" in out and re.search(r"\[4/4\] runtime .* healthy", out), out
     health = fleet.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert sorted(health.json()["models"]) == sorted(MODELS)
@@ -74,6 +75,24 @@ def test_openai_client_streaming_and_not_against_each_model(fleet: LaunchedFleet
         stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text, f"{model}: the stream carried text"
+
+
+def test_the_readmes_first_request_is_answered_in_words(fleet: LaunchedFleet) -> None:
+    """The README's first request, its body read from the README: SmolLM2-135M-Instruct,
+    greedy, knows a fact. The control: the same body to a generated model (random weights)
+    gets tokens, not the fact."""
+    readme = (REPO / "README.md").read_text()
+    found = re.search(r"/v1/chat/completions .* -d '(\{.*?\})'", readme, re.DOTALL)
+    assert found, "the README's demo sends a chat request"
+    body = json.loads(found.group(1))
+    answers = {}
+    # (the control with a token limit: random weights may never reach end-of-sequence)
+    for asked in (body, {**body, "model": "llama-bf16", "max_tokens": 16}):
+        reply = httpx.post(fleet.base_url + "/v1/chat/completions", json=asked, timeout=300)
+        assert reply.status_code == 200, reply.text
+        answers[asked["model"]] = reply.json()["choices"][0]["message"]["content"]
+    assert body["model"] == "smollm2" and "Paris" in answers["smollm2"], answers
+    assert "Paris" not in answers["llama-bf16"], f"the control, random weights: {answers}"
 
 
 def test_runtimes_keep_their_kv_in_the_shared_arena(fleet: LaunchedFleet) -> None:
@@ -213,12 +232,13 @@ def test_killing_a_runtime_mid_load_errors_its_requests_restarts_it_and_others_a
 def test_the_demo_notebook_drives_this_fleet(fleet: LaunchedFleet) -> None:
     """examples/cpu-demo.ipynb with FINESLAB_FLEET_URL set, against this module's fleet (the
     notebook's own start would be one more fleet of the same file, a minute and a half here):
-    the openai client gets a completion and a streamed chat from every model, the burst is
-    answered or dropped with 429, /metrics has a TTFT for every model, and the notebook leaves
-    the fleet running."""
+    SmolLM2 answers its question in words, the openai client gets a completion and a streamed
+    chat from every model, the burst is answered or dropped with 429, /metrics has a TTFT for
+    every model, and the notebook leaves the fleet running."""
     outputs = execute_notebook("cpu-demo.ipynb", {
         "FINESLAB_MODEL_CACHE": str(fleet.model_cache), "FINESLAB_FLEET_URL": fleet.base_url})
     assert outputs.count("chat(stream)=") == len(MODELS), outputs[:3000]
+    assert "smollm2 says:" in outputs and "Paris" in outputs, outputs[:3000]
     outcomes = ast.literal_eval(outputs.split("samples of /metrics; ")[1].splitlines()[0])
     assert sum(outcomes.values()) == 18 and set(outcomes) <= {"served", "dropped"}, outcomes
     ttft = ast.literal_eval(outputs.split("TTFT measured for ")[1].split(" owners")[0])
@@ -245,4 +265,4 @@ def test_shutdown_leaves_no_process_and_no_shared_memory(fleet: LaunchedFleet) -
     assert not [f for f in sglang_files if Path(f).exists()], sglang_files
     assert not Path(f"/dev/shm/fineslab-{fleet.fleet_id}.run").exists()
     out = fleet.output.read_text()
-    assert "fleet stopped" in out and "[3/3] runtime" in out and "stopped after" in out
+    assert "fleet stopped" in out and "[4/4] runtime" in out and "stopped after" in out

@@ -39,9 +39,11 @@ def _error_of(data: object) -> str:
     return str(info.value)
 
 
-def test_demo_config_loads_with_three_models_of_two_kv_dtypes() -> None:
+def test_demo_config_loads_with_four_models_of_two_kv_dtypes_one_of_them_real() -> None:
     config = load_fleet_config(DEMO)
-    assert [m.name for m in config.models] == ["llama-bf16", "llama-small-fp16", "qwen2-bf16"]
+    assert [m.name for m in config.models] == ["llama-bf16", "llama-small-fp16", "qwen2-bf16",
+                                               "smollm2"]
+    assert config.model("smollm2").preset == "smollm2-135m-instruct", "a model with words"
     assert {m.resolved_kv_dtype for m in config.models} == {"bf16", "fp16"}
     assert config.router.host == "127.0.0.1", "the router binds loopback by default"
 
@@ -111,11 +113,11 @@ def test_measured_profile_beats_analytical_and_kv_bytes_follow_the_served_dtype(
     assert found.kv_dtype == "fp16" and found.kv_token_bytes == estimate.kv_token_bytes
 
 
-def test_demo_plan_puts_three_runtimes_in_one_cpu_arena() -> None:
+def test_demo_plan_puts_four_runtimes_in_one_cpu_arena() -> None:
     plan = make_plan(load_fleet_config(DEMO))
     assert len(plan.arenas) == 1 and plan.arenas[0].device.name == "cpu"
     assert sorted(r.model.name for r in plan.runtimes) == [
-        "llama-bf16", "llama-small-fp16", "qwen2-bf16"]
+        "llama-bf16", "llama-small-fp16", "qwen2-bf16", "smollm2"]
     slab_bytes = plan.arenas[0].slab_plan.slab_bytes
     assert plan.arenas[0].arena_bytes % slab_bytes == 0
     assert all(r.page_size and r.page_size > 0 for r in plan.runtimes)
@@ -228,7 +230,7 @@ def test_elastic_fields_are_checked_and_set_the_weights_in_arena() -> None:
     data["models"][0]["idle_timeout_s"] = 30
     data["models"][1]["pinned"] = True
     config = fleet_from_dict(data, "test.yaml")
-    assert [m.elastic for m in config.models] == [True, True, False]
+    assert [m.elastic for m in config.models] == [True, True, False, False]
     data["models"][2].update(pinned=True, idle_timeout_s=5)
     assert "not both" in _error_of(data)
     data["models"][2].update(pinned=False, idle_timeout_s=0)
@@ -295,8 +297,8 @@ def test_layer_streaming_fields_are_checked_and_set_the_weights_in_arena() -> No
     data["models"][0]["layer_streaming"] = {"policy": "selectn", "interval": 2}
     data["models"][1]["layer_streaming"] = {"policy": "oneiros", "cap": 1, "priority": 3}
     config = fleet_from_dict(data, "test.yaml")
-    assert [m.weights_in_arena for m in config.models] == [True, True, False]
-    assert [m.elastic for m in config.models] == [False, False, False], "streaming never sleeps"
+    assert [m.weights_in_arena for m in config.models] == [True, True, False, False]
+    assert not any(m.elastic for m in config.models), "streaming never sleeps"
     streaming = config.models[1].layer_streaming
     assert streaming is not None and (streaming.cap, streaming.priority) == (1, 3)
     for bad, why in [({"policy": "selectn"}, "give interval"),
