@@ -47,6 +47,8 @@ import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from fineslab.scheduler.reclaim import ReclaimConfig
+
 from fineslab.errors import ConfigError
 
 #: Without overlap, the most an active model's decode step may lengthen by its copies.
@@ -286,3 +288,219 @@ class LendingLedger:
     def with_lent(self, models: Sequence[ModelState]) -> list[ModelState]:
         """`models` with their lent sets as this ledger holds them."""
         return [replace(m, lent=self.lent_of(m.name)) for m in models]
+
+
+# --- the fleet's lending loop: when to lend and when to take back ------------------------------
+
+
+def _or(measured: float | None, otherwise: float) -> float:
+    return otherwise if measured is None else measured
+
+
+@dataclass(frozen=True)
+class LayerLendConfig:
+    """The thresholds of `LayerLendPolicy` (the loop that applies it:
+    `fineslab.fleet.layer_lending`)."""
+
+    #: Seconds between rounds.
+    interval_s: float = 0.5
+    #: Rounds in a row a device must be pressed (the cache reclaimer's rule,
+    #: `fineslab.scheduler.reclaim`) before a layer is lent: the reclaimer's flushes go first.
+    pressed_rounds: int = 2
+    #: T_T before a runtime has timed a copy of its own (bytes/s): CPU memcpy, about.
+    host_link_bytes_s: float = float(8 << 30)
+    #: Decode passes a runtime must have timed before its T_compute is believed.
+    min_decode_passes: int = 3
+    #: Rounds a device must stay stalled with nothing lent before active models lend unbounded.
+    starved_rounds: int = 4
+    #: Whether a streamed layer's copy runs under compute (False: the CPU streamer copies first).
+    copies_overlap: bool = False
+    #: Free slabs (a fraction of the arena) kept free when layers come back: the cache
+    #: reclaimer's low-water mark, so that taking a layer back never presses the device.
+    low_free_fraction: float = ReclaimConfig().low_free_fraction
+
+    def __post_init__(self) -> None:
+        if min(self.interval_s, self.host_link_bytes_s) <= 0 or min(
+                self.pressed_rounds, self.starved_rounds) < 1 or self.min_decode_passes < 0 \
+                or not 0 <= self.low_free_fraction < 1:
+            raise ConfigError(f"layer lending thresholds out of range: {self}")
+
+
+@dataclass(frozen=True)
+class LenderView:
+    """One runtime that may lend, as this round sees it (its stream state and the router)."""
+
+    runtime_id: str
+    priority: int
+    #: most layers it may lend (None: half its layers); never all of them
+    cap: int | None
+    #: work in the router (requests in flight or queued)
+    active: bool
+    num_layers: int
+    layer_bytes: int
+    #: a layer's copy as the runtime timed its copies (None: none timed yet)
+    copy_s: float | None = None
+    #: its decode pass as it timed it, and how many passes fed that
+    decode_compute_s: float = 0.0
+    decode_passes: int = 0
+
+
+@dataclass(frozen=True)
+class DeviceLending:
+    """One device as `LayerLendPolicy` sees it: the reclaimer's verdicts, the arena's free
+    bytes, and the runtimes up on it that may lend (one without a stream state yet is absent;
+    a layer of it that comes back counts as one slab)."""
+
+    device: str
+    pressed: bool
+    stalled: bool
+    free_bytes: int
+    num_slabs: int
+    slab_bytes: int
+    runtimes: tuple[LenderView, ...]
+    now_s: float
+
+
+@dataclass(frozen=True)
+class LayerLendDecision:
+    """What to do on one device this round: layers to lend or to take back (runtime id,
+    layer, in order), and why; `warnings` name the runtimes lending beyond their bound."""
+
+    device: str
+    lend: tuple[tuple[str, int], ...] = ()
+    revert: tuple[tuple[str, int], ...] = ()
+    reason: str = ""
+    notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass
+class _DeviceRounds:
+    pressed: int = 0
+    stalled: int = 0  # rounds in a row the device stalled and nothing was lent
+    ledger: LendingLedger = field(default_factory=LendingLedger)
+
+
+class LayerLendPolicy:
+    """When a device's models lend layers and when they come back (Oneiros, issue #17):
+
+        pressed for `pressed_rounds` rounds in a row: lend one more layer's worth (the
+            narrowest model's), planned by `plan_lending` over the device's models: inactive
+            ones first (ascending priority, the most recently used among equals), up to their
+            caps (default half the layers), evenly spaced; then active ones, each only while
+            the copies of its lent layers fit its timed decode pass (`min_decode_passes`
+            passes timed; T_T its timed copies, else `host_link_bytes_s`). A model's first
+            lent layer frees nothing net: it takes its slot buffer, which the plan counts.
+            Once the device has also stalled for `starved_rounds` rounds with nothing lent,
+            active models lend up to their caps whatever their copies cost (a warning: a
+            request waiting for memory makes no progress at all, a slower decode step some)
+        not pressed, and the arena has more free than the last lent layer plus the
+            low-water mark: that layer comes back (`plan_reversion`, the latest lent first)
+
+    It keeps, per device, the rounds counted and the ledger of lent layers; snapshot in,
+    decision out (`decide` does no I/O and reads the clock it is given)."""
+
+    def __init__(self, config: LayerLendConfig | None = None) -> None:
+        self.config = config or LayerLendConfig()
+        self._devices: dict[str, _DeviceRounds] = {}
+        self._last_used: dict[str, float] = {}
+
+    def ledger(self, device: str) -> LendingLedger:
+        return self._devices.setdefault(device, _DeviceRounds()).ledger
+
+    def follow(self, device: str, runtime_id: str, streams: Collection[int]) -> bool:
+        """A runtime refused what it was asked and streams `streams`: the ledger believes it
+        (so that a later round asks again). True when the ledger changed."""
+        ledger = self.ledger(device)
+        if set(streams) == ledger.lent_of(runtime_id):
+            return False
+        ledger.order = [(n, layer) for n, layer in ledger.order
+                        if n != runtime_id or layer in streams]
+        return True
+
+    def decide(self, view: DeviceLending) -> LayerLendDecision:
+        rounds = self._devices.setdefault(view.device, _DeviceRounds())
+        for runtime in view.runtimes:
+            if runtime.active:
+                self._last_used[runtime.runtime_id] = view.now_s
+        rounds.pressed = rounds.pressed + 1 if view.pressed else 0
+        rounds.stalled = rounds.stalled + 1 if rounds.pressed and view.stalled else 0
+        if rounds.pressed >= self.config.pressed_rounds:
+            return self._lend(view, rounds)
+        if rounds.pressed == 0 and rounds.ledger.order:
+            return self._revert(view, rounds)
+        return LayerLendDecision(view.device, reason="pressed, waiting for the reclaimer"
+                                 if rounds.pressed else "not pressed, nothing lent")
+
+    def _lend(self, view: DeviceLending, rounds: _DeviceRounds) -> LayerLendDecision:
+        cfg = self.config
+        models = [ModelState(r.runtime_id, r.priority, self._last_used.get(r.runtime_id, 0.0),
+                             r.active, r.num_layers, r.layer_bytes,
+                             rounds.ledger.lent_of(r.runtime_id),
+                             max(min(r.cap or r.num_layers // 2, r.num_layers - 1), 1))
+                  for r in view.runtimes if r.num_layers >= 2]
+        if not models:
+            return LayerLendDecision(view.device, reason="pressed, nothing that can lend")
+        by_id = {r.runtime_id: r for r in view.runtimes}
+        transfer = {m.name: _or(by_id[m.name].copy_s, m.layer_bytes / cfg.host_link_bytes_s)
+                    for m in models}
+        compute = {m.name: by_id[m.name].decode_compute_s for m in models
+                   if by_id[m.name].decode_passes >= cfg.min_decode_passes}
+        plan = self._plan(models, transfer, compute, rounds.ledger, ())
+        starved = rounds.stalled >= cfg.starved_rounds
+        unbounded = {m.name for m in models if m.active} if starved else set()
+        if not plan.layers and unbounded:
+            plan = self._plan(models, transfer, compute, rounds.ledger, unbounded)
+        if not plan.layers:
+            return LayerLendDecision(view.device, reason="pressed, every model at its cap or "
+                                     "bound")
+        notes, warnings = [], []
+        for m in models:
+            if m.name not in plan.layers:
+                continue
+            timed = f"{1e3 * compute[m.name]:.3f} ms" if m.name in compute else "not timed"
+            if m.name in unbounded:
+                warnings.append(
+                    f"{m.name} lends beyond its bound: the arena on {view.device} has stalled "
+                    f"for {rounds.stalled} rounds with nothing else to lend (a layer's copy "
+                    f"{1e3 * transfer[m.name]:.3f} ms, its decode pass {timed})")
+            if m.active:
+                notes.append(f"{m.name} lends while active: "
+                             f"{len(m.lent) + len(plan.layers[m.name])} layer(s) lent, a "
+                             f"layer's copy {1e3 * transfer[m.name]:.3f} ms, its decode pass "
+                             f"{1e3 * compute.get(m.name, 0.0):.3f} ms")
+        rounds.ledger.apply(plan)
+        rounds.pressed = rounds.stalled = 0  # give the runtimes a round to use it
+        return LayerLendDecision(
+            view.device, lend=plan.order, notes=tuple(notes), warnings=tuple(warnings),
+            reason=f"pressed for {cfg.pressed_rounds} rounds"
+                   + (", stalled" if unbounded else ""))
+
+    def _plan(self, models: list[ModelState], transfer: Mapping[str, float],
+              compute: Mapping[str, float], ledger: LendingLedger, unbounded: Collection[str]
+              ) -> LendPlan:
+        """One more layer's worth (the narrowest model's), counting each model's slot buffer."""
+        overlap = self.config.copies_overlap
+        need = min(m.layer_bytes for m in models)
+        width = {m.name: m.layer_bytes for m in models}
+        plan = plan_lending(models, need, transfer, compute, overlap, unbounded)
+        for _ in range(len(models)):  # a model's first lent layer pays for its slot buffer
+            slots = sum(width[name] for name in plan.layers if not ledger.lent_of(name))
+            if plan.lent_bytes - slots >= need or not plan.met:
+                break
+            plan = plan_lending(models, need + slots, transfer, compute, overlap, unbounded)
+        return plan
+
+    def _revert(self, view: DeviceLending, rounds: _DeviceRounds) -> LayerLendDecision:
+        low_water = int(self.config.low_free_fraction * view.num_slabs) * view.slab_bytes
+        spare = view.free_bytes - low_water
+        sizes = {r.runtime_id: r.layer_bytes for r in view.runtimes}
+        order = rounds.ledger.order
+        back = plan_reversion(order, {name: sizes.get(name, view.slab_bytes)
+                                      for name, _ in order}, spare)
+        if not back:
+            return LayerLendDecision(view.device, reason="not pressed, no room for a lent "
+                                     "layer above the low-water mark")
+        rounds.ledger.revert(back)
+        return LayerLendDecision(view.device, revert=back,
+                                 reason=f"not pressed, {spare} B free above the low-water mark")

@@ -36,6 +36,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from fineslab.scheduler.reclaim import ReclaimConfig
+
 from fineslab.errors import ConfigError
 
 
@@ -174,10 +176,12 @@ class PrefixLendPolicy:
                   headrooms, its lent slabs, cap x arena slabs, low water), so the borrowers of
                   a device split what the lenders do not keep
 
-    `low_free_fraction`: the slabs always left free (the cache reclaimer's low-water mark).
+    `low_free_fraction`: the slabs always left free (by default the cache reclaimer's
+    low-water mark, `ReclaimConfig`).
     Snapshot in, caps out; the lenders' allocations are the policy's memory."""
 
-    def __init__(self, borrowers: Sequence[BorrowerTerms], low_free_fraction: float) -> None:
+    def __init__(self, borrowers: Sequence[BorrowerTerms],
+                 low_free_fraction: float = ReclaimConfig().low_free_fraction) -> None:
         self.borrowers = {b.runtime_id: b for b in borrowers}
         self.low_free_fraction = low_free_fraction
         self._lenders: dict[str, ElasticAllocation] = {}

@@ -22,16 +22,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fineslab.fleet.rounds import Rounds
-from fineslab.scheduler.reclaim import ReclaimConfig
 from fineslab.scheduler.swiftcache import BorrowerTerms, LendingUse, PrefixLendPolicy
 from fineslab.slabs.integrity import snapshot
 from fineslab.slabs.lent import set_lend_cap
 from fineslab.slabs.table import SlabTable
 
 logger = logging.getLogger(__name__)
-
-#: The cache reclaimer's low-water mark (fineslab.scheduler.reclaim), which this loop keeps free.
-LOW_FREE_FRACTION = ReclaimConfig().low_free_fraction
 
 INTERVAL_S = 0.5
 
@@ -56,8 +52,7 @@ class PrefixLending(Rounds):
         self.devices = devices  # device -> every runtime id there
         self._table_of, self._clock = table_of, clock
         self.policy = PrefixLendPolicy(
-            [BorrowerTerms(b.runtime_id, b.cap, b.window_s, b.check_s) for b in borrowers],
-            LOW_FREE_FRACTION)
+            [BorrowerTerms(b.runtime_id, b.cap, b.window_s, b.check_s) for b in borrowers])
         self.caps: dict[str, int] = {}
 
     def run_once(self) -> dict[str, int]:

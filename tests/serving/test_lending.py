@@ -1,14 +1,15 @@
-"""Oneiros' lender in a launched fleet (fleet/layer_lending.py), against hand-worked rounds: the
-arena is a TableSnapshot, the runtimes' stream states are real files, the requests it writes
-are read back. The real fleet is in test_streaming_fleet.py."""
+"""Oneiros' lender in a launched fleet (fleet/layer_lending.py applying
+scheduler/oneiros.LayerLendPolicy), against hand-worked rounds: the arena is a TableSnapshot,
+the runtimes' stream states are real files, the requests it writes are read back. The policy
+alone: tests/scheduler/test_layer_lend_policy.py; the real fleet: test_streaming_fleet.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from fineslab.scheduler.oneiros import LayerLendConfig
 
-from fineslab.fleet import layer_lending as lending
 from fineslab.fleet.layer_lending import Lender, LenderSpec
 from fineslab.slabs.integrity import TableSnapshot
 from fineslab.slabs.streamctl import (
@@ -19,6 +20,7 @@ from fineslab.slabs.streamctl import (
     write_state,
 )
 
+CFG = LayerLendConfig()
 SLAB = 1 << 20
 NUM_SLABS = 40
 LAYER = 2 * SLAB  # each layer of the runtimes below is two slabs
@@ -107,7 +109,7 @@ def test_layers_come_back_latest_first_once_the_arena_has_room_for_them(
     lender.run_once()
     assert world.requested("idle-a") == [0, 2]
     world.pressed = False
-    low_water = int(lending.LOW_FREE_FRACTION * NUM_SLABS)
+    low_water = int(CFG.low_free_fraction * NUM_SLABS)
     world.free_slabs = low_water + 1  # not a whole layer above the low-water mark
     assert lender.run_once() == []
     world.free_slabs = low_water + 2
@@ -150,7 +152,7 @@ def test_a_refused_request_puts_the_ledger_back_to_what_the_runtime_streams(
     write_state(state_path("f", "idle-a", tmp_path), StreamState(
         seq=seq, layers=[], num_layers=4, layer_bytes=LAYER, error="0 free of 40"))
     lender.run_once()
-    assert lender.devices["cpu"].ledger.order == [], "the ledger follows the runtime"
+    assert lender.policy.ledger("cpu").order == [], "the ledger follows the runtime"
     assert lender.run_once() == [("idle-a", "lend", 0), ("idle-a", "lend", 2)], "asked again"
 
 
@@ -171,7 +173,7 @@ def test_an_active_model_lends_once_idle_ones_are_capped_while_its_copies_fit_it
     copies take at most a tenth of its timed decode pass (the streamer copies synchronously):
     a 25 ms pass and 1 ms copies (as it timed them) fit two layers, and a third would not."""
     world = World(tmp_path)
-    _timed(tmp_path, "busy", 0.025, lending.MIN_DECODE_PASSES, copy_s_per_layer=0.001)
+    _timed(tmp_path, "busy", 0.025, CFG.min_decode_passes, copy_s_per_layer=0.001)
     lender = world.lender(_specs(**{"idle-a": 1, "busy": 3}))
     world.pressed, world.demand = True, {"busy": 2}
     lender.run_once()
@@ -186,17 +188,17 @@ def test_an_active_model_lends_once_idle_ones_are_capped_while_its_copies_fit_it
 def test_an_active_model_with_too_few_timed_passes_or_too_short_a_step_lends_nothing(
         tmp_path: Path) -> None:
     world = World(tmp_path)
-    _timed(tmp_path, "busy", 0.025, lending.MIN_DECODE_PASSES - 1, copy_s_per_layer=0.001)
+    _timed(tmp_path, "busy", 0.025, CFG.min_decode_passes - 1, copy_s_per_layer=0.001)
     lender = world.lender(_specs(**{"busy": 3}))
     world.pressed, world.demand = True, {"busy": 2}
     for _ in range(4):
         lender.run_once()
     assert world.requested("busy") is None, "T_compute not yet believed"
-    _timed(tmp_path, "busy", 0.009, lending.MIN_DECODE_PASSES, copy_s_per_layer=0.001)
+    _timed(tmp_path, "busy", 0.009, CFG.min_decode_passes, copy_s_per_layer=0.001)
     for _ in range(4):
         lender.run_once()
     assert world.requested("busy") is None, "a 9 ms pass: no 1 ms copy fits a tenth of it"
-    _timed(tmp_path, "busy", 0.005, lending.MIN_DECODE_PASSES)  # no copy timed yet
+    _timed(tmp_path, "busy", 0.005, CFG.min_decode_passes)  # no copy timed yet
     for _ in range(8):
         lender.run_once()
     assert world.requested("busy") == [0, 2], (
@@ -212,14 +214,14 @@ def test_an_active_model_lends_beyond_its_bound_once_the_arena_has_stalled_for_a
     its cap, with a warning: its requests could make no progress at all (the CI case: a lender
     whose copies, timed on a loaded machine, never fitted, its requests waiting for ever)."""
     world = World(tmp_path)
-    _timed(tmp_path, "busy", 0.009, lending.MIN_DECODE_PASSES, copy_s_per_layer=0.001)
+    _timed(tmp_path, "busy", 0.009, CFG.min_decode_passes, copy_s_per_layer=0.001)
     lender = world.lender(_specs(**{"busy": 2}))
     world.pressed, world.demand = True, {"busy": 2}
-    for _ in range(3 * lending.STARVED_ROUNDS):
+    for _ in range(3 * CFG.starved_rounds):
         lender.run_once()
     assert world.requested("busy") is None, "pressed but not stalled: the bound holds"
     world.stalled = True
-    for _ in range(lending.STARVED_ROUNDS - 1):
+    for _ in range(CFG.starved_rounds - 1):
         lender.run_once()
     assert world.requested("busy") is None, "stalled, not yet for STARVED_ROUNDS"
     with caplog.at_level("WARNING", logger="fineslab.fleet.layer_lending"):
