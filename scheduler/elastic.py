@@ -86,6 +86,24 @@ def lru_victims(residents: Sequence[ResidentView], now_s: float,
                    and now_s - r.last_used_s >= min_idle_s), key=lambda r: r.last_used_s)
 
 
+@dataclass(frozen=True)
+class AwakeView:
+    """An awake elastic model, as the idle check sees it."""
+
+    name: str
+    last_used_s: float
+    idle_timeout_s: float | None  # None: it never sleeps on its own (pinned)
+    busy: bool  # requests queued or running, or a transition in flight
+
+
+def idle_sleepers(models: Sequence[AwakeView], now_s: float) -> tuple[str, ...]:
+    """lru-idle's own sleep (module doc): the models idle for their `idle_timeout_s` or longer,
+    least recently used first. (Prism* has none: it evicts only to make room.)"""
+    return tuple(m.name for m in sorted(models, key=lambda m: m.last_used_s)
+                 if m.idle_timeout_s is not None and not m.busy
+                 and now_s - m.last_used_s >= m.idle_timeout_s)
+
+
 def _room_with(gpu: GpuView, need: int, victims: list[ResidentView]) -> tuple[str, ...] | None:
     """The shortest LRU prefix of `victims` whose weight slabs, with the free ones, cover
     `need`; None when even all of them do not."""

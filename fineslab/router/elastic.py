@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import aiohttp
 
 from fineslab.errors import TransientError
-from fineslab.scheduler.elastic import ResidentView, lru_victims
+from fineslab.scheduler.elastic import AwakeView, ResidentView, idle_sleepers, lru_victims
 
 if TYPE_CHECKING:
     from fineslab.router.metrics import RouterMetrics
@@ -399,20 +399,21 @@ class Elastic:
         while True:
             await asyncio.sleep(IDLE_CHECK_S)
             now_s = self.clock()
-            for model in list(self.models.values()):
-                timeout_s = model.spec.idle_timeout_s
-                if model.state is not ModelState.AWAKE or timeout_s is None or \
-                        model.lock.locked():
+            awake = []
+            for model in self.models.values():
+                if model.state is not ModelState.AWAKE:
                     continue
-                if self.busy(model):
+                busy = model.lock.locked() or self.busy(model) > 0
+                if busy and not model.lock.locked():
                     model.last_used_s = now_s
-                    continue
-                if now_s - model.last_used_s < timeout_s:
-                    continue
+                awake.append(AwakeView(model.spec.name, model.last_used_s,
+                                       model.spec.idle_timeout_s, busy))
+            for name in idle_sleepers(awake, now_s):  # the policy (scheduler/elastic.py)
+                model = self.models[name]
                 try:
                     async with model.lock:
                         if model.state is ModelState.AWAKE and self.busy(model) == 0:
-                            await self._sleep(model, f"idle for {timeout_s:g} s")
+                            await self._sleep(model, f"idle for {model.spec.idle_timeout_s:g} s")
                 except Exception:  # a defect here must not end the idle checks for good
                     logger.exception("putting idle model %s to sleep failed", model.spec.name)
 

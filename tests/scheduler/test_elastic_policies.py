@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from fineslab.scheduler.elastic import (
+    AwakeView,
     GpuView,
     LruIdlePolicy,
     PrismPolicy,
@@ -15,6 +16,7 @@ from fineslab.scheduler.elastic import (
     WakeDecision,
     WakeRequest,
     get_elastic_policy,
+    idle_sleepers,
     lru_victims,
 )
 
@@ -80,3 +82,13 @@ def test_policies_are_chosen_by_name() -> None:
     assert get_elastic_policy("prism").name == "prism"
     with pytest.raises(ConfigError):
         get_elastic_policy("random")
+
+
+def test_idle_models_sleep_after_their_own_timeout_least_recently_used_first() -> None:
+    """At t=100: x idle 40 s of its 30, y idle 60 s of its 60, z busy, p pinned (no timeout),
+    w idle 10 s of its 30."""
+    awake = [AwakeView("x", 60.0, 30.0, False), AwakeView("y", 40.0, 60.0, False),
+             AwakeView("z", 0.0, 30.0, True), AwakeView("p", 0.0, None, False),
+             AwakeView("w", 90.0, 30.0, False)]
+    assert idle_sleepers(awake, 100.0) == ("y", "x")
+    assert idle_sleepers(awake, 69.0) == (), "none idle long enough yet"
