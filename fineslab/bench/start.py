@@ -155,10 +155,10 @@ def restarts(model: Path, logs: Path, repeats: int, warm: bool) -> list[float]:
     """SIGKILL a supervised runtime's server `repeats` times; seconds to its next token."""
     previous = os.environ.get(ZYGOTE_VAR)
     os.environ[ZYGOTE_VAR] = "1" if warm else "0"
-    model_cfg = ModelConfig(name="m", model_path=str(model), preset=None, precision="bf16",
-                            kv_dtype="auto", tp=1, ttft_slo_s=5.0, request_rate_per_s=1.0,
-                            replicas=1, profile=None, max_running_requests=None, extra_args=())
-    plan = RuntimePlan("m-r0", model_cfg, "", 0, DeviceConfig("cpu", "cpu", 0, None), None)
+    model_cfg = ModelConfig(name="m", path=str(model), ttft_slo_s=5.0, request_rate_per_s=1.0,
+                            replicas=1)
+    plan = RuntimePlan("m-r0", model_cfg, "", 0,
+                       DeviceConfig(name="cpu", kind="cpu", memory_gib=1), None)
     runtime = SupervisedRuntime(plan, ServerSpec(str(model), free_port(), extra_args=EXTRA_ARGS),
                                 logs / f"restart-{'warm' if warm else 'plain'}.log")
     up = threading.Event()

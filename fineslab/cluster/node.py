@@ -22,7 +22,6 @@ removes the arena files. Files in DIR, for the agent:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import pickle
@@ -99,8 +98,8 @@ def _serve(args: argparse.Namespace) -> int:
         spec = pickle.loads(Path(args.spec).read_bytes())
         if not isinstance(spec, Spec):
             raise FatalError(f"{args.spec} is not a node spec ({type(spec).__name__})")
-        config = dataclasses.replace(spec.config, router=dataclasses.replace(
-            spec.config.router, host=spec.host, port=0))
+        config = spec.config.model_copy(update={"router": spec.config.router.model_copy(
+            update={"host": spec.host, "port": 0})})
         plan = make_plan(config, placement=spec.placement)
         print(plan.describe(), flush=True)
         ready = args.work_dir / "ready.json"

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fineslab.errors import ConfigError, PlacementInfeasible
-from fineslab.fleet.config import DeviceConfig, FleetConfig
+from fineslab.fleet.config import GIB, DeviceConfig, FleetConfig
 from fineslab.fleet.plan import _demands, model_dir_of
 from fineslab.fleet.profiles import find_profile, profile_dirs
 from fineslab.scheduler.placement import GpuSpec, PlacementPlan, get_placement_policy
@@ -74,9 +74,9 @@ class ClusterPlan:
         devices = next(n.devices for n in self.nodes if n.node == node)
         names = set(self.models_on(node))
         suffix = f"-{node}" + (f"-g{generation}" if generation else "")
-        return dataclasses.replace(
-            self.config, fleet_id=f"{self.config.fleet_id}{suffix}"[:64], devices=devices,
-            models=tuple(m for m in self.config.models if m.name in names), cluster=None)
+        return self.config.model_copy(update={
+            "fleet_id": f"{self.config.fleet_id}{suffix}"[:64], "devices": devices,
+            "models": tuple(m for m in self.config.models if m.name in names), "cluster": None})
 
     def describe(self) -> str:
         lines = [self.placement.table(), "", "nodes"]
@@ -135,8 +135,8 @@ def place_on_residual(config: FleetConfig, survivors: Sequence[NodeDevices],
     All of them at once if they fit, else one by one in config order, skipping those that do
     not. Returns the plan (None when nothing fits) and the models left unplaced."""
     residual = tuple(
-        NodeDevices(n.node, tuple(dataclasses.replace(
-            d, memory_bytes=max(1, d.memory_bytes - used_bytes.get((n.node, d.name), 0)))
+        NodeDevices(n.node, tuple(d.model_copy(update={"memory_gib": max(
+            1, d.memory_bytes - used_bytes.get((n.node, d.name), 0)) / GIB})
             for d in n.devices))
         for n in survivors if n.devices)
     if not residual:
@@ -144,8 +144,7 @@ def place_on_residual(config: FleetConfig, survivors: Sequence[NodeDevices],
     wanted = [m.name for m in config.models if m.name in set(models)]
 
     def place(names: list[str]) -> ClusterPlan:
-        only = dataclasses.replace(config, models=tuple(m for m in config.models
-                                                        if m.name in set(names)))
+        only = config.with_models([m for m in config.models if m.name in set(names)])
         return make_cluster_plan(only, residual, profiles=profiles)
 
     try:

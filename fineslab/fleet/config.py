@@ -1,9 +1,11 @@
-"""The fleet configuration: YAML in, frozen dataclasses out, every problem a `ConfigError`.
+"""The fleet configuration: YAML in, one frozen `FleetConfig` out, every problem a `ConfigError`.
 
-pydantic checks the YAML's shape at the boundary (unknown keys, types, ranges) and the errors are
-rewritten into one message per problem naming the path in the file (`models[1].kv_dtype: ...`).
-What the rest of fineslab sees are the frozen dataclasses below, validated once more for the
-rules that span fields (unique names, KV dtype vs activation dtype, precision per device).
+The config is its pydantic models (one shape, from the file to every part of the fleet): they
+check the YAML's shape (unknown keys, types, ranges), and the errors are rewritten into one
+message per problem naming the path in the file (`models[1].kv_dtype: ...`); `check_fleet`
+adds the rules that span fields (unique names, KV dtype vs activation dtype, precision per
+device). Sizes stay in the YAML's units (`memory_gib`, `kv_arena_mib`, `max_body_mib`), with
+byte properties beside them; relative paths are resolved against the file's folder.
 
     fleet_id: demo                  # names the arenas: /dev/shm/fineslab-<fleet_id>-<device>.*
     devices: auto                   # or a list: [{name: cpu, kind: cpu, memory_gib: 8,
@@ -48,7 +50,6 @@ rules that span fields (unique names, KV dtype vs activation dtype, precision pe
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -57,7 +58,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -90,76 +93,187 @@ AUTO_CPU_MEMORY_FRACTION = 0.5
 AUTO_CPU_ARENA_BYTES = 256 * MIB
 
 
-@dataclass(frozen=True)
-class DeviceConfig:
-    """One device of the node: `name` is what runtimes use ("cpu", "cuda:0"), `kind` selects
-    profiles ("cpu", "h100", ...). `kv_arena_bytes` None: what the placement leaves free."""
+_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 
-    name: str
-    kind: str
-    memory_bytes: int
-    kv_arena_bytes: int | None
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _resolve_path(path: str | None, info: ValidationInfo) -> str | None:
+    """Relative paths in a config file are relative to the file's folder (the validation
+    context's `base_dir`; the working directory without one)."""
+    if path is None:
+        return None
+    base_dir = Path((info.context or {}).get("base_dir") or Path.cwd())
+    expanded = Path(path).expanduser()
+    return str(expanded if expanded.is_absolute() else (base_dir / expanded).resolve())
+
+
+class DeviceConfig(_Strict):
+    """One device of the node: `name` is what runtimes use ("cpu", "cuda:0"), `kind` selects
+    profiles ("cpu", "h100", ...). `kv_arena_mib` None: what the placement leaves free."""
+
+    name: str = Field(pattern=r"^(cpu|cuda:\d+)$")
+    kind: str = Field(min_length=1)
+    memory_gib: float = Field(gt=0)
+    kv_arena_mib: float | None = Field(default=None, gt=0)
     #: Room in the arena for elastic models' weights; None: all of them, awake at once. Less
     #: over-commits the device: the models that do not fit start asleep (plan.py).
-    weights_arena_bytes: int | None = None
+    weights_arena_mib: float | None = Field(default=None, ge=0)
+
+    @field_validator("kind")
+    @classmethod
+    def _lower(cls, value: str) -> str:
+        return value.lower()
+
+    @classmethod
+    def of_bytes(cls, name: str, kind: str, memory_bytes: int,
+                 kv_arena_bytes: int | None = None) -> DeviceConfig:
+        """A device measured in bytes (`devices: auto`, the cluster's residual memory)."""
+        return cls(name=name, kind=kind, memory_gib=memory_bytes / GIB,
+                   kv_arena_mib=None if kv_arena_bytes is None else kv_arena_bytes / MIB)
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * GIB)
+
+    @property
+    def kv_arena_bytes(self) -> int | None:
+        return None if self.kv_arena_mib is None else int(self.kv_arena_mib * MIB)
+
+    @property
+    def weights_arena_bytes(self) -> int | None:
+        return None if self.weights_arena_mib is None else int(self.weights_arena_mib * MIB)
 
     @property
     def is_cpu(self) -> bool:
         return self.kind == "cpu"
 
 
-@dataclass(frozen=True)
-class StreamingConfig:
+class StreamingConfig(_Strict):
     """A model's layer streaming (docs/streaming.md): `selectn` streams the last layer of every
     `interval` from the start; `oneiros` lends up to `cap` layers when a neighbour on its
-    device runs out of KV (lower `priority` lends first) and takes them back when it is over."""
+    device runs out of KV (lower `priority` lends first) and takes them back when it is over.
 
-    policy: str
-    #: selectn's interval; None with `auto` (below) until the plan resolves it
-    interval: int | None = None
-    cap: int | None = None
+    `interval: auto` (with `tpot_slo_s`): the plan picks the smallest interval whose predicted
+    TTFT (the model's ttft_slo_s) and TPOT hold (fleet/selectn_interval.py) and puts it in
+    `interval`; `auto` stays true on the resolved copy."""
+
+    policy: Literal["selectn", "oneiros"]
+    interval: Annotated[int, Field(ge=2)] | Literal["auto"] | None = None
+    cap: int | None = Field(default=None, ge=1)
     priority: int = 0
-    slots: int = 1
-    #: selectn `interval: auto`: the smallest interval whose predicted TTFT (the model's
-    #: ttft_slo_s) and TPOT (`tpot_slo_s`) hold (fleet/selectn_interval.py)
-    auto: bool = False
-    tpot_slo_s: float | None = None
+    slots: Literal[1, 2] = 1
+    tpot_slo_s: float | None = Field(default=None, gt=0, le=3600)
     #: host -> device copy bandwidth the interval is sized for (default per device kind)
-    host_link_gib_s: float | None = None
+    host_link_gib_s: float | None = Field(default=None, gt=0, le=10000)
+    _auto: bool = PrivateAttr(default=False)
+
+    @model_validator(mode="after")
+    def _policy_fields(self) -> StreamingConfig:
+        if self.policy == "selectn" and self.interval is None:
+            raise ValueError("selectn streams the last layer of every `interval` layers: give "
+                             "interval (>= 2, or auto with tpot_slo_s)")
+        if self.policy == "selectn" and self.cap is not None:
+            raise ValueError("`cap` is oneiros': selectn's `interval` decides its layers")
+        if self.policy == "oneiros" and self.interval is not None:
+            raise ValueError("`interval` is selectn's: oneiros lends up to `cap` layers")
+        auto = self.interval == "auto"
+        if auto and self.tpot_slo_s is None:
+            raise ValueError("interval: auto sizes the interval for the model's ttft_slo_s and "
+                             "a TPOT SLO: give tpot_slo_s (seconds)")
+        if not auto and (self.tpot_slo_s is not None or self.host_link_gib_s is not None):
+            raise ValueError("tpot_slo_s and host_link_gib_s size selectn's interval: they go "
+                             "with interval: auto")
+        self._auto = auto
+        return self
+
+    @property
+    def auto(self) -> bool:
+        """Whether the config asked for `interval: auto` (resolved or not)."""
+        return self._auto
+
+    @property
+    def layers_interval(self) -> int | None:
+        """selectn's interval once known (None: oneiros, or `auto` not yet resolved)."""
+        return self.interval if isinstance(self.interval, int) else None
+
+    def resolved(self, interval: int) -> StreamingConfig:
+        """This config with `interval: auto` resolved to `interval` (0: nothing streams)."""
+        return self.model_copy(update={"interval": interval})
 
 
-@dataclass(frozen=True)
-class PrefixLendingConfig:
+def _one_of(value: str, known: tuple[str, ...]) -> str:
+    """`value`, or pydantic's own error for a literal that is not one of `known`."""
+    if value not in known:
+        raise PydanticCustomError(
+            "literal_error", "Input should be {expected}",
+            {"expected": f"{', '.join(repr(k) for k in known[:-1])} or {known[-1]!r}"})
+    return value
+
+
+#: SGLang flags that would take the lent tier's radix cache away.
+_LENDING_CLASHES = ("--disable-radix-cache", "--radix-cache-backend",
+                    "--enable-hierarchical-cache", "--enable-hicache")
+
+
+class PrefixLendingConfig(_Strict):
     """A model's lent tier (SwiftCache, docs/prefix.md): its radix cache's evicted pages kept
     in the arena's free slabs, at most `cap` of the arena's slabs, less the headroom that
     Algorithm 1 (`window_s`, `check_s`) keeps for the device's other models."""
 
-    cap: float = 0.5
-    window_s: float = 10.0
-    check_s: float = 1.0
+    cap: float = Field(default=0.5, gt=0, le=1)
+    window_s: float = Field(default=10.0, ge=0, le=86400)
+    check_s: float = Field(default=1.0, gt=0, le=86400)
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    name: str
-    model_path: str | None
-    preset: str | None
-    precision: str
-    kv_dtype: str
-    tp: int
-    ttft_slo_s: float
-    request_rate_per_s: float
-    replicas: int | None
-    profile: str | None
-    max_running_requests: int | None
-    extra_args: tuple[str, ...]
-    env: tuple[tuple[str, str], ...] = ()
+class ModelConfig(_Strict):
+    name: str = Field(pattern=_NAME)
+    #: a model folder (relative to the config file's folder), or None with `preset`
+    path: str | None = None
+    preset: str | None = None
+    precision: str = "bf16"
+    kv_dtype: str = "auto"
+    tp: int = Field(default=1, ge=1)
+    ttft_slo_s: float = Field(gt=0)
+    request_rate_per_s: float = Field(gt=0)
+    replicas: int | None = Field(default=None, ge=1)
+    profile: str | None = None
+    max_running_requests: int | None = Field(default=None, ge=1)
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = Field(default_factory=dict)
     #: Elastic models (either field set) keep their weights in the arena and can sleep: an
     #: idle one sleeps after `idle_timeout_s`; a pinned one sleeps only when asked (`ctl`).
-    idle_timeout_s: float | None = None
+    idle_timeout_s: float | None = Field(default=None, gt=0, le=7 * 86400)
     pinned: bool = False
     layer_streaming: StreamingConfig | None = None
     prefix_lending: PrefixLendingConfig | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _resolve(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return _resolve_path(value, info)
+
+    @field_validator("precision")
+    @classmethod
+    def _known_precision(cls, value: str) -> str:
+        return _one_of(value, PRECISIONS)
+
+    @field_validator("kv_dtype")
+    @classmethod
+    def _known_kv_dtype(cls, value: str) -> str:
+        return _one_of(value, KV_DTYPES)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.path is None) == (self.preset is None):
+            raise ValueError("give exactly one of `path` (a model folder) or `preset` "
+                             "(a generated model: llama-tiny, qwen2-tiny, llama-small)")
+        if self.pinned and self.idle_timeout_s is not None:
+            raise ValueError("a pinned model never sleeps when idle: give `pinned` or "
+                             "`idle_timeout_s`, not both")
+        return self
 
     @property
     def elastic(self) -> bool:
@@ -199,100 +313,10 @@ class ModelConfig:
     @property
     def profile_model(self) -> str:
         """The model part of the default profile name: the preset, else the folder name."""
-        return self.preset or Path(self.model_path or self.name).name
+        return self.preset or Path(self.path or self.name).name
 
 
-@dataclass(frozen=True)
-class RouterConfig:
-    host: str
-    port: int
-    api_key_env: str | None
-    on_drop: str
-    drop_status: int
-    retry_after_s: int
-    max_running_requests: int
-    upstream_timeout_s: float = 600.0
-    max_body_bytes: int = 4 * MIB
-
-
-@dataclass(frozen=True)
-class SupervisionPolicy:
-    """How runtimes are watched and restarted (the fleet config's `supervision:` section)."""
-
-    probe_interval_s: float = 5.0
-    probe_timeout_s: float = 20.0
-    probe_failures: int = 2
-    backoff_max_s: float = 60.0
-    stable_after_s: float = 300.0
-    health_timeout_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        if min(self.probe_interval_s, self.probe_timeout_s, self.backoff_max_s,
-               self.health_timeout_s) <= 0 or self.probe_failures < 1:
-            raise ConfigError("supervision: intervals and timeouts must be positive and "
-                              "probe_failures at least 1")
-
-    def backoff_s(self, consecutive: int) -> float:
-        """The wait before the `consecutive`-th restart in a row (0-based)."""
-        return 0.0 if consecutive == 0 else min(self.backoff_max_s, 2.0 ** min(consecutive - 1, 62))
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    """The fleet over the nodes of a Ray cluster (docs/cluster.md): `address` is Ray's ("auto":
-    the cluster this machine is part of); start waits up to `wait_nodes_s` for `min_nodes`."""
-
-    engine: str = "ray"
-    address: str = "auto"
-    min_nodes: int = 1
-    wait_nodes_s: float = 60.0
-
-
-@dataclass(frozen=True)
-class FleetConfig:
-    fleet_id: str
-    devices: tuple[DeviceConfig, ...] | None  # None: "auto", resolved by the launcher
-    kv_pool: str
-    placement: str
-    batch_policy: str
-    router: RouterConfig
-    models: tuple[ModelConfig, ...]
-    profile_dirs: tuple[str, ...]
-    source: str = "<dict>"
-    supervision: SupervisionPolicy = SupervisionPolicy()
-    #: None: one machine, Ray never imported
-    cluster: ClusterConfig | None = None
-    #: "router": the batch policy gates requests at the router, SGLang forms the batches;
-    #: "engine": the same policy also picks SGLang's prefill batches (engine_policy.py)
-    local_scheduler: str = "router"
-    #: with "engine": scale the profile by the runtime's timed prefill steps (step_refresh.py)
-    engine_refresh: bool = True
-
-    def model(self, name: str) -> ModelConfig:
-        for model in self.models:
-            if model.name == name:
-                return model
-        raise ConfigError(f"no model named {name!r} in {self.source}")
-
-
-# --- the YAML boundary -------------------------------------------------------------------------
-
-_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _Device(_Strict):
-    name: str = Field(pattern=r"^(cpu|cuda:\d+)$")
-    kind: str = Field(min_length=1)
-    memory_gib: float = Field(gt=0)
-    kv_arena_mib: float | None = Field(default=None, gt=0)
-    weights_arena_mib: float | None = Field(default=None, ge=0)
-
-
-class _Router(_Strict):
+class RouterConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     api_key_env: str | None = None
@@ -303,103 +327,14 @@ class _Router(_Strict):
     upstream_timeout_s: float = Field(default=600.0, gt=0, le=86400)
     max_body_mib: float = Field(default=4.0, ge=0.01, le=1024)
 
-
-class _Streaming(_Strict):
-    policy: Literal["selectn", "oneiros"]
-    interval: Annotated[int, Field(ge=2)] | Literal["auto"] | None = None
-    cap: int | None = Field(default=None, ge=1)
-    priority: int = 0
-    slots: Literal[1, 2] = 1
-    tpot_slo_s: float | None = Field(default=None, gt=0, le=3600)
-    host_link_gib_s: float | None = Field(default=None, gt=0, le=10000)
-
-    @model_validator(mode="after")
-    def _policy_fields(self) -> _Streaming:
-        if self.policy == "selectn" and self.interval is None:
-            raise ValueError("selectn streams the last layer of every `interval` layers: give "
-                             "interval (>= 2, or auto with tpot_slo_s)")
-        if self.policy == "selectn" and self.cap is not None:
-            raise ValueError("`cap` is oneiros': selectn's `interval` decides its layers")
-        if self.policy == "oneiros" and self.interval is not None:
-            raise ValueError("`interval` is selectn's: oneiros lends up to `cap` layers")
-        auto = self.interval == "auto"
-        if auto and self.tpot_slo_s is None:
-            raise ValueError("interval: auto sizes the interval for the model's ttft_slo_s and "
-                             "a TPOT SLO: give tpot_slo_s (seconds)")
-        if not auto and (self.tpot_slo_s is not None or self.host_link_gib_s is not None):
-            raise ValueError("tpot_slo_s and host_link_gib_s size selectn's interval: they go "
-                             "with interval: auto")
-        return self
-
-    def resolved(self) -> StreamingConfig:
-        fields = self.model_dump()
-        fields["auto"] = fields["interval"] == "auto"
-        if fields["auto"]:
-            fields["interval"] = None
-        return StreamingConfig(**fields)
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mib * MIB)
 
 
-def _one_of(value: str, known: tuple[str, ...]) -> str:
-    """`value`, or pydantic's own error for a literal that is not one of `known`."""
-    if value not in known:
-        raise PydanticCustomError(
-            "literal_error", "Input should be {expected}",
-            {"expected": f"{', '.join(repr(k) for k in known[:-1])} or {known[-1]!r}"})
-    return value
+class SupervisionPolicy(_Strict):
+    """How runtimes are watched and restarted (the fleet config's `supervision:` section)."""
 
-
-#: SGLang flags that would take the lent tier's radix cache away.
-_LENDING_CLASHES = ("--disable-radix-cache", "--radix-cache-backend",
-                    "--enable-hierarchical-cache", "--enable-hicache")
-
-
-class _PrefixLending(_Strict):
-    cap: float = Field(default=0.5, gt=0, le=1)
-    window_s: float = Field(default=10.0, ge=0, le=86400)
-    check_s: float = Field(default=1.0, gt=0, le=86400)
-
-
-class _Model(_Strict):
-    name: str = Field(pattern=_NAME)
-    path: str | None = None
-    preset: str | None = None
-    precision: str = "bf16"
-    kv_dtype: str = "auto"
-    tp: int = Field(default=1, ge=1)
-    ttft_slo_s: float = Field(gt=0)
-    request_rate_per_s: float = Field(gt=0)
-    replicas: int | None = Field(default=None, ge=1)
-    profile: str | None = None
-    max_running_requests: int | None = Field(default=None, ge=1)
-    extra_args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
-    idle_timeout_s: float | None = Field(default=None, gt=0, le=7 * 86400)
-    pinned: bool = False
-    layer_streaming: _Streaming | None = None
-    prefix_lending: _PrefixLending | None = None
-
-    @field_validator("precision")
-    @classmethod
-    def _known_precision(cls, value: str) -> str:
-        return _one_of(value, PRECISIONS)
-
-    @field_validator("kv_dtype")
-    @classmethod
-    def _known_kv_dtype(cls, value: str) -> str:
-        return _one_of(value, KV_DTYPES)
-
-    @model_validator(mode="after")
-    def _one_source(self) -> _Model:
-        if (self.path is None) == (self.preset is None):
-            raise ValueError("give exactly one of `path` (a model folder) or `preset` "
-                             "(a generated model: llama-tiny, qwen2-tiny, llama-small)")
-        if self.pinned and self.idle_timeout_s is not None:
-            raise ValueError("a pinned model never sleeps when idle: give `pinned` or "
-                             "`idle_timeout_s`, not both")
-        return self
-
-
-class _Supervision(_Strict):
     probe_interval_s: float = Field(default=5.0, gt=0)
     probe_timeout_s: float = Field(default=20.0, gt=0)
     probe_failures: int = Field(default=2, ge=1)
@@ -407,27 +342,68 @@ class _Supervision(_Strict):
     stable_after_s: float = Field(default=300.0, ge=0)
     health_timeout_s: float = Field(default=600.0, gt=0)
 
+    def backoff_s(self, consecutive: int) -> float:
+        """The wait before the `consecutive`-th restart in a row (0-based)."""
+        return 0.0 if consecutive == 0 else min(self.backoff_max_s, 2.0 ** min(consecutive - 1, 62))
 
-class _Cluster(_Strict):
+
+class ClusterConfig(_Strict):
+    """The fleet over the nodes of a Ray cluster (docs/cluster.md): `address` is Ray's ("auto":
+    the cluster this machine is part of); start waits up to `wait_nodes_s` for `min_nodes`."""
+
     engine: Literal["ray"] = "ray"
     address: str = Field(default="auto", min_length=1)
     min_nodes: int = Field(default=1, ge=1, le=4096)
     wait_nodes_s: float = Field(default=60.0, ge=0, le=86400)
 
 
-class _Fleet(_Strict):
+class FleetConfig(_Strict):
+    """The fleet config: the YAML's shape as validated (module doc), one object from the file
+    to every part of the fleet. `fleet_from_dict` also checks the rules that span fields."""
+
     fleet_id: str = Field(default="fineslab", pattern=_NAME)
-    devices: Literal["auto"] | list[_Device] = "auto"
+    #: None: "auto", resolved by the launcher
+    devices: tuple[DeviceConfig, ...] | None = None
     kv_pool: Literal["arena", "sglang"] = "arena"
     placement: str = "mme"
     batch_policy: str = "adaptive-early-shed"
+    #: "router": the batch policy gates requests at the router, SGLang forms the batches;
+    #: "engine": the same policy also picks SGLang's prefill batches (engine_policy.py)
     local_scheduler: Literal["router", "engine"] = "router"
+    #: with "engine": scale the profile by the runtime's timed prefill steps (step_refresh.py)
     engine_refresh: bool = True
-    router: _Router = Field(default_factory=_Router)
-    models: list[_Model] = Field(min_length=1)
-    profile_dirs: list[str] = Field(default_factory=list)
-    supervision: _Supervision = Field(default_factory=_Supervision)
-    cluster: _Cluster | None = None
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    models: tuple[ModelConfig, ...] = Field(min_length=1)
+    profile_dirs: tuple[str, ...] = ()
+    supervision: SupervisionPolicy = Field(default_factory=SupervisionPolicy)
+    #: None: one machine, Ray never imported
+    cluster: ClusterConfig | None = None
+    _source: str = PrivateAttr(default="<dict>")
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _auto_devices(cls, value: Any) -> Any:
+        return None if value == "auto" else value
+
+    @field_validator("profile_dirs")
+    @classmethod
+    def _resolve_dirs(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        return tuple(_resolve_path(d, info) or d for d in value)
+
+    @property
+    def source(self) -> str:
+        """Where the config came from (a file's path), for messages."""
+        return self._source
+
+    def model(self, name: str) -> ModelConfig:
+        for model in self.models:
+            if model.name == name:
+                return model
+        raise ConfigError(f"no model named {name!r} in {self.source}")
+
+    def with_models(self, models: Sequence[ModelConfig]) -> FleetConfig:
+        """This config serving `models` instead (the plan's resolved or chosen ones)."""
+        return self.model_copy(update={"models": tuple(models)})
 
 
 def _format_errors(exc: ValidationError, source: str) -> str:
@@ -436,43 +412,6 @@ def _format_errors(exc: ValidationError, source: str) -> str:
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
         lines.append(f"  {where.lstrip('.') or '(top level)'}: {err['msg']}")
     return f"invalid fleet config {source}:\n" + "\n".join(lines)
-
-
-def _to_dataclasses(fleet: _Fleet, source: str, base_dir: Path) -> FleetConfig:
-    devices = None if fleet.devices == "auto" else tuple(
-        DeviceConfig(d.name, d.kind.lower(), int(d.memory_gib * GIB),
-                     None if d.kv_arena_mib is None else int(d.kv_arena_mib * MIB),
-                     None if d.weights_arena_mib is None else int(d.weights_arena_mib * MIB))
-        for d in fleet.devices)
-    models = tuple(
-        ModelConfig(m.name, _resolve_path(m.path, base_dir), m.preset, m.precision, m.kv_dtype,
-                    m.tp, m.ttft_slo_s, m.request_rate_per_s, m.replicas, m.profile,
-                    m.max_running_requests, tuple(m.extra_args), tuple(sorted(m.env.items())),
-                    m.idle_timeout_s, m.pinned,
-                    None if m.layer_streaming is None else m.layer_streaming.resolved(),
-                    None if m.prefix_lending is None else PrefixLendingConfig(
-                        m.prefix_lending.cap, m.prefix_lending.window_s,
-                        m.prefix_lending.check_s))
-        for m in fleet.models)
-    r = fleet.router
-    router = RouterConfig(r.host, r.port, r.api_key_env, r.on_drop, r.drop_status,
-                          r.retry_after_s, r.max_running_requests, r.upstream_timeout_s,
-                          int(r.max_body_mib * MIB))
-    dirs = tuple(_resolve_path(d, base_dir) or d for d in fleet.profile_dirs)
-    return FleetConfig(fleet.fleet_id, devices, fleet.kv_pool, fleet.placement,
-                       fleet.batch_policy, router, models, dirs, source,
-                       SupervisionPolicy(**fleet.supervision.model_dump()),
-                       None if fleet.cluster is None else
-                       ClusterConfig(**fleet.cluster.model_dump()), fleet.local_scheduler,
-                       fleet.engine_refresh)
-
-
-def _resolve_path(path: str | None, base_dir: Path) -> str | None:
-    """Relative paths in a config file are relative to the file's folder."""
-    if path is None:
-        return None
-    expanded = Path(path).expanduser()
-    return str(expanded if expanded.is_absolute() else (base_dir / expanded).resolve())
 
 
 def check_fleet(config: FleetConfig) -> None:
@@ -526,7 +465,7 @@ def _model_problems(model: ModelConfig, config: FleetConfig) -> list[str]:
     if flags:
         problems.append(f"extra_args may not set {flags}: the launcher derives them from "
                         "precision, kv_dtype and the plan (set precision / kv_dtype instead)")
-    names = sorted(k for k, _ in model.env if k.startswith(RESERVED_ENV_PREFIXES))
+    names = sorted(k for k in model.env if k.startswith(RESERVED_ENV_PREFIXES))
     if names:
         problems.append(f"env may not set {names}: the launcher sets them")
     if model.layer_streaming is not None and model.elastic:
@@ -563,10 +502,10 @@ def fleet_from_dict(data: Any, source: str = "<dict>", base_dir: Path | None = N
         raise ConfigError(f"invalid fleet config {source}: expected a mapping at the top level, "
                           f"got {type(data).__name__}")
     try:
-        fleet = _Fleet.model_validate(data)
+        config = FleetConfig.model_validate(data, context={"base_dir": base_dir or Path.cwd()})
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc, source)) from None
-    config = _to_dataclasses(fleet, source, base_dir or Path.cwd())
+    config._source = source
     check_fleet(config)
     return config
 

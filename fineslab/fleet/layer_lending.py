@@ -61,13 +61,14 @@ def write_selectn_requests(plan: FleetPlan, folder: Path) -> None:
     """Each selectn runtime's request, before it starts."""
     for r in plan.runtimes:
         streaming = r.model.layer_streaming
-        if streaming is None or streaming.policy != "selectn" or streaming.interval is None:
+        interval = streaming.layers_interval if streaming is not None else None
+        if streaming is None or streaming.policy != "selectn" or interval is None:
             continue
         total = num_layers(Path(r.model_dir))
-        layers = offload_layers(total, streaming.interval)
+        layers = offload_layers(total, interval)
         write_request(plan.config.fleet_id, r.runtime_id, layers, streaming.slots, folder)
         logger.info("%s streams layers %s (selectn, interval %d of %d layers)", r.runtime_id,
-                    layers, streaming.interval, total)
+                    layers, interval, total)
 
 
 def start_lender(plan: FleetPlan, folder: Path,

@@ -165,14 +165,15 @@ def _streams_cell(runtime: RuntimePlan) -> str:
     streaming = runtime.model.layer_streaming
     if streaming is None:
         return "-"
-    if streaming.policy == "selectn" and streaming.interval is not None:
+    interval = streaming.layers_interval
+    if streaming.policy == "selectn" and interval is not None:
         from fineslab.scheduler.selectn import offload_layers
 
         auto = " (auto)" if streaming.auto else ""
-        if streaming.interval == 0:
+        if interval == 0:
             return f"selectn i=0{auto}: nothing streams"
-        layers = offload_layers(num_layers(Path(runtime.model_dir)), streaming.interval)
-        return f"selectn i={streaming.interval}{auto}: layers {layers}"
+        layers = offload_layers(num_layers(Path(runtime.model_dir)), interval)
+        return f"selectn i={interval}{auto}: layers {layers}"
     cap = "half the layers" if streaming.cap is None else f"{streaming.cap} layers"
     return f"oneiros: lends up to {cap} under KV pressure"
 
@@ -185,14 +186,14 @@ def resolve_devices(config: FleetConfig) -> tuple[DeviceConfig, ...]:
         import psutil
 
         memory = int(psutil.virtual_memory().total * AUTO_CPU_MEMORY_FRACTION)
-        return (DeviceConfig("cpu", "cpu", memory, AUTO_CPU_ARENA_BYTES),)
+        return (DeviceConfig.of_bytes("cpu", "cpu", memory, AUTO_CPU_ARENA_BYTES),)
     import torch
 
     devices = []
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
-        devices.append(DeviceConfig(f"cuda:{i}", gpu_kind(props.name), int(props.total_memory),
-                                    None))
+        devices.append(DeviceConfig.of_bytes(f"cuda:{i}", gpu_kind(props.name),
+                                             int(props.total_memory)))
     return tuple(devices)
 
 
@@ -204,8 +205,8 @@ def gpu_kind(device_name: str) -> str:
 
 def model_dir_of(model: ModelConfig, cache_dir: str | None = None) -> Path:
     """The model folder: `path` as given, or the preset generated into the model cache."""
-    if model.model_path is not None:
-        path = Path(model.model_path)
+    if model.path is not None:
+        path = Path(model.path)
         if not (path / "config.json").is_file():
             raise ConfigError(f"model {model.name}: {path} has no config.json")
         return path

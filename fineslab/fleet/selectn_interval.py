@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from fineslab.errors import ConfigError
@@ -218,7 +218,7 @@ def resolve_intervals(config: FleetConfig, profiles: dict[str, ModelProfile],
         streaming = model.layer_streaming
         if model.name in choices and streaming is not None:
             logger.info("%s", choices[model.name].describe())
-            model = replace(model, layer_streaming=replace(
-                streaming, interval=choices[model.name].interval))
+            model = model.model_copy(update={
+                "layer_streaming": streaming.resolved(choices[model.name].interval)})
         models.append(model)
-    return replace(config, models=tuple(models)), choices
+    return config.with_models(models), choices

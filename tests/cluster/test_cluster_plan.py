@@ -110,7 +110,7 @@ def test_the_gpu_recipe_places_over_two_nodes_of_eight_h100s() -> None:
     assert config.cluster is not None and config.cluster.min_nodes == 2
     dirs = profile_dirs(config.profile_dirs)
     profiles = {m.name: find_profile(m, "h100", dirs, None) for m in config.models}
-    h100s = tuple(DeviceConfig(f"cuda:{i}", "h100", 80 * GIB, None) for i in range(8))
+    h100s = tuple(DeviceConfig(name=f"cuda:{i}", kind="h100", memory_gib=80) for i in range(8))
     plan = make_cluster_plan(config, [NodeDevices("n1", h100s), NodeDevices("n2", h100s)],
                              profiles=profiles)
     placed = {r.model.split("#")[0] for r in plan.placement.replicas}

@@ -51,11 +51,10 @@ def test_free_port_skips_a_port_someone_holds() -> None:
 
 
 def _plan(runtime_id: str) -> RuntimePlan:
-    model = ModelConfig(name="llama-tiny", model_path=None, preset="llama-tiny",
-                        precision="bf16", kv_dtype="auto", tp=1, ttft_slo_s=5.0,
-                        request_rate_per_s=1.0, replicas=1, profile=None,
-                        max_running_requests=None, extra_args=())
-    return RuntimePlan(runtime_id, model, "", 0, DeviceConfig("cpu", "cpu", 0, None), None)
+    model = ModelConfig(name="llama-tiny", preset="llama-tiny", ttft_slo_s=5.0,
+                        request_rate_per_s=1.0, replicas=1)
+    return RuntimePlan(runtime_id, model, "", 0,
+                       DeviceConfig(name="cpu", kind="cpu", memory_gib=1), None)
 
 
 @pytest.fixture

@@ -59,11 +59,10 @@ class Events:
 @pytest.fixture(scope="module")
 def supervised(model_cache: Path, tmp_path_factory: pytest.TempPathFactory,
                ) -> Iterator[tuple[SupervisedRuntime, Events]]:
-    model = ModelConfig(name="llama-tiny", model_path=None, preset="llama-tiny",
-                        precision="bf16", kv_dtype="auto", tp=1, ttft_slo_s=5.0,
-                        request_rate_per_s=1.0, replicas=1, profile=None,
-                        max_running_requests=None, extra_args=())
-    plan = RuntimePlan("llama-r0", model, "", 0, DeviceConfig("cpu", "cpu", 0, None), None)
+    model = ModelConfig(name="llama-tiny", preset="llama-tiny", ttft_slo_s=5.0,
+                        request_rate_per_s=1.0, replicas=1)
+    plan = RuntimePlan("llama-r0", model, "", 0,
+                       DeviceConfig(name="cpu", kind="cpu", memory_gib=1), None)
     spec = ServerSpec(str(model_cache / "llama-tiny"), free_port(),
                       extra_args=("--max-total-tokens", "2048"))
     runtime = SupervisedRuntime(plan, spec, tmp_path_factory.mktemp("sup") / "llama-r0.log")
