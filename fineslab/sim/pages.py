@@ -1,8 +1,8 @@
 """kvcached's KV memory, modelled for the simulator: 2 MB physical pages mapped on demand.
 
 The paper's Prism* runs on fineslab's slabs; the `kvcached` system runs the same policies on
-this model of kvcached's memory (Prism's paper, /work/shared/papers/ 002), so the difference
-between the two is what the slab mechanism buys. Read from kvcached's code
+this model of kvcached's memory (the memory Prism's paper runs on), so the difference between
+the two is what the slab mechanism buys. Read from kvcached's code
 (github.com/ovg-project/kvcached, commit e8e6406):
 
     page size       2 MB (`kvcached/utils.py`, `_get_page_size`, KVCACHED_PAGE_SIZE_MB)
