@@ -91,7 +91,7 @@ def test_the_import_contracts_catch_an_upward_import_and_a_cycle(tmp_path: Path)
 
 def test_no_main_module_holds_library_code() -> None:
     # A `__main__` module is a command line: a parser and a call. Library code there cannot be
-    # imported without running the command (cluster/node.py once imported run_fleet from one).
+    # imported without running the command (cluster/node_fleet.py once imported run_fleet from one).
     import ast
 
     heavy = {}

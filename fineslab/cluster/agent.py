@@ -3,7 +3,7 @@
     launcher (driver)                        node "a"
       spawn_agent("a") --------------------> NodeAgent("a")  (pinned to the node, no CPU slot)
       agent.devices(config) <--------------- the node's devices (`devices:` resolved there)
-      agent.start_fleet(name, NodeSpec) ---> python -m fineslab.cluster.node  (own session)
+      agent.start_fleet(name, NodeSpec) ---> python -m fineslab.cluster.node_fleet  (own session)
                                                arenas, supervised SGLang runtimes, node router
       agent.fleet_status() <---------------- starting | serving (router URL) | exited (log tail)
       agent.close() -----------------------> every node fleet stopped, its arenas unlinked
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fineslab.cluster.node import NodeSpec
+from fineslab.cluster.node_fleet import NodeSpec
 from fineslab.errors import ConfigError
 from fineslab.fleet.config import DeviceConfig, FleetConfig
 from fineslab.proctree import ProcessIdentity
@@ -52,7 +52,7 @@ KILL_WAIT_S = 10.0
 
 @dataclass
 class _NodeFleet:
-    """One node fleet and the files it reports through (fineslab.cluster.node). `starter` is
+    """One node fleet and the files it reports through (fineslab.cluster.node_fleet). `starter` is
     the process the agent started, which forks the node fleet and exits: the fleet is no child
     of the agent's worker, whose direct children Ray SIGKILLs when the worker exits. Its
     process group (the starter's pid) is the fleet's."""
@@ -204,7 +204,7 @@ class NodeAgent:
         log_path = Path(spec.log_dir) / "node-launcher.log"
         read_fd, write_fd = os.pipe()
         os.set_inheritable(write_fd, False)
-        argv = [sys.executable, "-m", "fineslab.cluster.node", "--spec",
+        argv = [sys.executable, "-m", "fineslab.cluster.node_fleet", "--spec",
                 str(work_dir / "spec.pickle"), "--work-dir", str(work_dir),
                 "--stop-with-fd", str(read_fd), "--agent-pid", str(os.getpid())]
         try:

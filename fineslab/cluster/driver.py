@@ -9,7 +9,7 @@
     stop:  watch -> front router -> every node fleet (runtimes, node routers, arenas) -> the
            agents -> Ray disconnected (when this driver connected it)
 
-Each node runs the one-machine launcher (fineslab.cluster.node); nothing here imports SGLang.
+Each node runs the one-machine launcher (fineslab.cluster.node_fleet); nothing here imports SGLang.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any
 
 from fineslab.cluster.front import FrontRouter, FrontSettings
 from fineslab.cluster.front_app import FrontServer
-from fineslab.cluster.node import NodeSpec
-from fineslab.cluster.nodes import (
+from fineslab.cluster.node_fleet import NodeSpec
+from fineslab.cluster.node_table import (
     Node,
     NodeFleet,
     NodeTable,

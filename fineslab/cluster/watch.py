@@ -24,7 +24,14 @@ from collections.abc import Callable
 from typing import Any
 
 from fineslab.cluster.front import FrontRouter
-from fineslab.cluster.nodes import Node, NodeFleet, NodeTable, RouterProbes, alive_nodes, node_name
+from fineslab.cluster.node_table import (
+    Node,
+    NodeFleet,
+    NodeTable,
+    RouterProbes,
+    alive_nodes,
+    node_name,
+)
 from fineslab.cluster.plan import ClusterPlan, NodeDevices, place_on_residual
 from fineslab.fleet.config import FleetConfig
 from fineslab.scheduler.profile_schema import ModelProfile

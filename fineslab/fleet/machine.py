@@ -54,8 +54,8 @@ from fineslab.fleet.runtimes import server_spec, token_budget
 from fineslab.fleet.supervisor import SupervisedRuntime, Supervisor
 from fineslab.quant.serving import PrecisionRuntime, prepare_served_model, verify_runtime
 from fineslab.router import ModelRoute, ReplicaRoute, Router, RouterServer, RouterSettings
-from fineslab.router.config import KVLimits
 from fineslab.router.elastic import CONTROL_TIMEOUT_S, SLEEP_CALLS, ArenaView, Elastic, ElasticSpec
+from fineslab.router.routes import KVLimits
 from fineslab.router.server import bind_router_socket
 from fineslab.runtime import ServerSpec, prestart_zygote
 from fineslab.scheduler.local import TtftPredictor

@@ -25,7 +25,7 @@ from fineslab.fleet.config import flag_value
 from fineslab.fleet.leftovers import FLEET_MARKER
 from fineslab.fleet.plan import RuntimePlan, prefill_chunk_args
 from fineslab.quant.serving import PrecisionRuntime
-from fineslab.router.config import TokenBudget
+from fineslab.router.routes import TokenBudget
 from fineslab.runtime import ServerSpec, free_port
 from fineslab.sglang_plugin import ArenaJoin
 from fineslab.sglang_plugin.config import LENT_RADIX_BACKEND, EngineSchedule

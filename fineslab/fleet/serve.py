@@ -1,6 +1,7 @@
 """Run a fleet until a signal: start it, print `ready`, serve until SIGINT or SIGTERM (or EOF on
 a pipe the starter holds), then stop it whatever phase its start reached. The launcher's CLI
-(`fineslab.launch.__main__`) and a cluster's node agent (`fineslab.cluster.node`) both use it."""
+(`fineslab.launch.__main__`) and a cluster's node fleet (`fineslab.cluster.node_fleet`) both use
+it."""
 
 from __future__ import annotations
 

@@ -15,9 +15,9 @@ in a thread). See docs/serving.md.
 from __future__ import annotations
 
 from fineslab.router.app import Router
-from fineslab.router.config import ModelRoute, ReplicaRoute, RouterSettings, TokenBudget
 from fineslab.router.http import create_app
 from fineslab.router.queues import RequestDropped
+from fineslab.router.routes import ModelRoute, ReplicaRoute, RouterSettings, TokenBudget
 from fineslab.router.server import RouterServer
 
 __all__ = [

@@ -16,7 +16,7 @@ import logging
 import sys
 
 from fineslab.router.app import Router
-from fineslab.router.config import ModelRoute, ReplicaRoute, RouterSettings
+from fineslab.router.routes import ModelRoute, ReplicaRoute, RouterSettings
 from fineslab.router.server import RouterServer
 from fineslab.scheduler.predictors import FlatPredictor
 

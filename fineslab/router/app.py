@@ -22,7 +22,6 @@ import aiohttp
 from starlette.responses import JSONResponse, Response
 
 from fineslab.router.attribution import CrashAttribution, fingerprint
-from fineslab.router.config import KVLimits, ModelRoute, RouterSettings
 from fineslab.router.elastic import CannotWake, Elastic
 from fineslab.router.metrics import LiveCollector, RouterMetrics
 from fineslab.router.proxy import drop_response, error_body, forward, runtime_body
@@ -35,6 +34,7 @@ from fineslab.router.requests import (
     parse_body,
     read_request,
 )
+from fineslab.router.routes import KVLimits, ModelRoute, RouterSettings
 from fineslab.scheduler.local import get_batch_policy
 from fineslab.slabs import TableSnapshot
 from fineslab.slabs.streamctl import StreamState

@@ -30,9 +30,9 @@ from typing import Any
 import aiohttp
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from fineslab.router.config import ModelRoute, RouterSettings
 from fineslab.router.queues import Lease, ModelQueue
 from fineslab.router.replicas import Replica, RuntimeDown
+from fineslab.router.routes import ModelRoute, RouterSettings
 from fineslab.scheduler.local import ENGINE_DROP_PREFIX
 
 logger = logging.getLogger(__name__)

@@ -37,9 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fineslab.errors import TransientError
-from fineslab.router.config import ModelRoute, RouterSettings
 from fineslab.router.metrics import RouterMetrics
 from fineslab.router.replicas import Replica
+from fineslab.router.routes import ModelRoute, RouterSettings
 from fineslab.scheduler.local import BatchLimits, BatchPolicy, QueueSnapshot, WaitingRequest
 
 logger = logging.getLogger(__name__)

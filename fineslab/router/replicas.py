@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from fineslab.router.config import ReplicaRoute
+from fineslab.router.routes import ReplicaRoute
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fineslab.router.config import TokenBudget
+from fineslab.router.routes import TokenBudget
 from fineslab.router.validation import (
     BadRequest,
     check_logit_bias,

@@ -24,10 +24,10 @@ from fineslab.fleet.config import fleet_from_dict
 from fineslab.fleet.plan import make_plan
 from fineslab.fleet.runtimes import server_spec
 from fineslab.quant.serving import PrecisionRuntime
-from fineslab.router.config import ModelRoute, ReplicaRoute, RouterSettings
 from fineslab.router.metrics import RouterMetrics
 from fineslab.router.proxy import engine_dropped, runtime_body
 from fineslab.router.queues import Lease, ModelQueue
+from fineslab.router.routes import ModelRoute, ReplicaRoute, RouterSettings
 from fineslab.sglang_plugin.config import EngineSchedule
 from fineslab.sglang_plugin.engine_policy import (
     AheadPredictor,

@@ -1,6 +1,6 @@
 """One node's share of a cluster fleet, run by that node's agent as its own process.
 
-    python -m fineslab.cluster.node --spec SPEC.pickle --work-dir DIR --stop-with-fd N
+    python -m fineslab.cluster.node_fleet --spec SPEC.pickle --work-dir DIR --stop-with-fd N
 
 SPEC (written by `NodeAgent.start_fleet`) holds the node's fleet config and its share of the
 global placement. This is the one-machine launcher (`fineslab.launch`) with the placement
@@ -60,7 +60,7 @@ def used_bytes(plan: FleetPlan) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fineslab.cluster.node", description=(
+    parser = argparse.ArgumentParser(prog="python -m fineslab.cluster.node_fleet", description=(
         "Run one node's share of a cluster fleet (started by the node agent)."))
     parser.add_argument("--spec", required=True)
     parser.add_argument("--work-dir", required=True, type=Path)
@@ -93,7 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         # written by our own agent; its class is this module's by its import name, not __main__
-        from fineslab.cluster.node import NodeSpec as Spec
+        from fineslab.cluster.node_fleet import NodeSpec as Spec
 
         spec = pickle.loads(Path(args.spec).read_bytes())
         if not isinstance(spec, Spec):
