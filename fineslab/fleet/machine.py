@@ -65,7 +65,7 @@ from fineslab.sglang_plugin.config import EngineSchedule
 from fineslab.slabs import ArenaSpec, SlabArena, TableSnapshot, snapshot
 from fineslab.slabs.formats import BlockFormat
 from fineslab.slabs.shm import arena_device
-from fineslab.slabs.streamctl import StreamState
+from fineslab.slabs.streamctl import StreamState, host_copy_path, request_path, state_path
 from fineslab.slabs.table import SlabTable
 from fineslab.slabs.weights import free_weight_slabs
 from fineslab.zygote import stop_shared_zygotes
@@ -220,11 +220,30 @@ class Fleet:
                            config.kv_pool == "arena",
                            max_running_requests=config.router.max_running_requests,
                            schedule=schedule, contract_dir=self.log_dir,
-                           planned=self._planned_block(r))
+                           planned=self._planned_block(r),
+                           files=self._control_files(r, schedule))
         if r.weights_in_arena and self.weights_dir is not None:
             spec = dataclasses.replace(spec, env={**spec.env,
                                                   WEIGHTS_DIR_VAR: str(self.weights_dir)})
         return spec
+
+    def _control_files(self, r: RuntimePlan, schedule: EngineSchedule | None
+                       ) -> dict[str, str]:
+        """The files runtime `r` and the launcher share, by purpose, for its contract: its
+        weights' host copy and its stream request and state (weights in the arena), its timed
+        prefill steps (the engine policy, refreshed)."""
+        files: dict[str, str] = {}
+        if r.weights_in_arena and self.weights_dir is not None:
+            fleet_id = self.plan.config.fleet_id
+            files.update(weights_host_copy=str(host_copy_path(fleet_id, r.runtime_id,
+                                                              self.weights_dir)))
+            if r.model.layer_streaming is not None:
+                files.update(
+                    stream_request=str(request_path(fleet_id, r.runtime_id, self.weights_dir)),
+                    stream_state=str(state_path(fleet_id, r.runtime_id, self.weights_dir)))
+        if schedule is not None and schedule.publish is not None:
+            files["step_scales"] = schedule.publish
+        return files
 
     def _planned_block(self, r: RuntimePlan) -> BlockFormat | None:
         """The block the device's slab plan gives runtime `r` (None on SGLang's own pool)."""

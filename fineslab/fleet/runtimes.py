@@ -17,6 +17,7 @@ The supervision of the processes started from these specs is in `supervisor.py`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 from fineslab.env import ARENA_VAR, CONTRACT_VAR, RUNTIME_ID_VAR, FineslabEnv
@@ -53,12 +54,13 @@ def token_budget(plan: RuntimePlan, use_arena: bool) -> TokenBudget | None:
 def server_spec(plan: RuntimePlan, prepared: PrecisionRuntime, fleet_id: str, use_arena: bool,
                 port: int | None = None, max_running_requests: int | None = None,
                 schedule: EngineSchedule | None = None, contract_dir: Path | None = None,
-                planned: BlockFormat | None = None) -> ServerSpec:
+                planned: BlockFormat | None = None, files: Mapping[str, str] | None = None,
+                ) -> ServerSpec:
     """The SGLang server for one runtime of the plan (see the module docstring); `schedule`:
     the local scheduler inside the runtime (`local_scheduler: engine`). With `contract_dir`, the
     join goes to the runtime as its contract (`<contract_dir>/<runtime id>.contract.json`,
     fineslab.slabs.contract), with `planned`, the block the plan gives it, which the plugin
-    checks at join."""
+    checks at join, and `files`, the control files it shares with the launcher by purpose."""
     model = plan.model
     args = ["--served-model-name", model.name, *prepared.server_args]
     if prepared.kv_env and not use_arena:
@@ -91,7 +93,7 @@ def server_spec(plan: RuntimePlan, prepared: PrecisionRuntime, fleet_id: str, us
         if contract_dir is None:
             env.update(join.environ())
         else:
-            path = join.contract(plan.device.name, planned).write(
+            path = join.contract(plan.device.name, planned, files).write(
                 contract_dir / f"{plan.runtime_id}.contract.json")
             env.update({ARENA_VAR: join.arena_name, RUNTIME_ID_VAR: join.runtime_id,
                         CONTRACT_VAR: str(path)})

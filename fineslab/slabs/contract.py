@@ -20,6 +20,8 @@ format the rest of the arena does not expect. docs/plugin.md describes every fie
     block            the planned block: layers, KV heads, head dim, KV dtype, tokens a block,
                      token stride (bytes); null when the plan has none to give
     files            the control files the launcher and this runtime share, by purpose
+                     (weights_host_copy, stream_request, stream_state, step_scales: written
+                     for operators and tools; the plugin derives the same paths itself)
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ than it holds. The checks run in file order against one fleet.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -98,6 +99,12 @@ def _flush_caches(fleet: LaunchedFleet) -> None:
 def test_selectn_streams_from_the_start_with_the_output_of_a_model_that_does_not(
         fleet: LaunchedFleet) -> None:
     assert _wait_lent(fleet, "llama-selectn", lambda layers: layers) == [1, 3]
+    # its runtime contract names the control files it shares with the launcher, in use
+    contract = json.loads((fleet.output.parent / "logs" / "llama-selectn-r0.contract.json")
+                          .read_text())
+    files = contract["files"]
+    assert set(files) == {"weights_host_copy", "stream_request", "stream_state"}, contract
+    assert all(Path(p).is_file() for p in files.values()), files
     assert _lent(fleet, "llama-lender") == [] and _lent(fleet, "llama-busy") == []
     busy = _text(fleet, "llama-busy")
     assert _text(fleet, "llama-selectn") == busy, "same weights, same greedy text"
