@@ -17,17 +17,27 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
+import numpy as np
 import torch
 
 from fineslab.runtime import cpu_engine_kwargs, shutdown_engine, start_engine
 from fineslab.sglang_plugin import ArenaJoin
-from fineslab.slabs import ArenaSpec, KVDtype, KVShape, RuntimeSlabs, SlabArena, snapshot
+from fineslab.slabs import (
+    ArenaSpec,
+    KVDtype,
+    KVShape,
+    RuntimeSlabs,
+    SlabArena,
+    check_integrity,
+    snapshot,
+)
 from fineslab.slabs.formats import BlockFormat
 from fineslab.slabs.sizing import fit_format
 from fineslab.slabs.views import layer_views
 
 if TYPE_CHECKING:
     from fineslab.sglang_plugin.allocator import SlabAllocator
+    from fineslab.slabs.table import SlabTable
 
 #: stock_outputs(model, page_size, dtype, prompts, max_new_tokens) -> outputs (conftest.py).
 Reference = Callable[[str, int, str, tuple[tuple[int, ...], ...], int], list[list[int]]]
@@ -85,6 +95,31 @@ def arena_for(models: Sequence[KVShape], page_size: int, slab_bytes: int,
         assert fmt is not None, f"{shape.name} must fit a {slab_bytes} B slab"
         bps.append(fmt.blocks_per_slab(slab_bytes))
     return ScratchArena.create(slab_bytes, num_slabs, max(bps))
+
+
+def settled_integrity(table: SlabTable, quiet_s: float = 0.3, timeout_s: float = 20.0) -> None:
+    """`check_integrity(table)` once the runtimes stop changing it.
+
+    A runtime takes and gives back blocks in its own slabs without the table lock, so the
+    per-slab counts (T3/T4) are exact only while it is quiescent; a request's answer can
+    reach the client before the scheduler's last frees (SGLang's overlap schedule frees a
+    finished request's look-ahead token one step later). Waits until the counts have not moved
+    for `quiet_s`, then checks; a table that never settles fails with its last error.
+    """
+    deadline = time.monotonic() + timeout_s
+    last, quiet_since = None, time.monotonic()
+    while True:
+        counts = (table.used.copy(), table.free_map.copy(), table.state.copy())
+        if last is None or any(not np.array_equal(a, b) for a, b in zip(counts, last,
+                                                                         strict=True)):
+            last, quiet_since = counts, time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            check_integrity(table)
+            return
+        if time.monotonic() > deadline:
+            check_integrity(table)  # raises what is wrong; passes if the table is sound
+            return
+        time.sleep(0.02)
 
 
 def slab_allocator(arena: ScratchArena, source: RuntimeSlabs, fmt: BlockFormat, page: int,

@@ -33,12 +33,12 @@ from plugin_test_support import (
     generate_http,
     kv_shape,
     prompts,
+    settled_integrity,
     tie_problem,
 )
 
 from fineslab.runtime import ServerProcess, ServerSpec, free_port
 from fineslab.sglang_plugin.accounting import read_memory
-from fineslab.slabs import check_integrity
 
 pytestmark = pytest.mark.slow
 
@@ -158,7 +158,7 @@ def test_two_precisions_serve_concurrently_with_correct_output(
     held = sum(m.held_bytes for m in memory.models)
     assert memory.free_bytes + held == memory.arena_bytes == arena.arena_bytes, (
         "free space plus every runtime's slabs must be the whole arena")
-    check_integrity(arena.arena.table)
+    settled_integrity(arena.arena.table)
 
 
 def wait_idle(arena: ScratchArena, timeout_s: float = 30.0) -> dict[str, int]:
@@ -281,11 +281,11 @@ def test_sigkill_returns_slabs_and_neighbour_keeps_serving(
     reclaimed = arena.arena.table.reclaim_dead_owners()
     assert "b" in reclaimed or "b" not in arena.used_bytes(), "B's slabs must be reclaimed"
     assert "b" not in arena.used_bytes(), "a dead runtime must hold no slabs"
-    check_integrity(arena.arena.table)
+    settled_integrity(arena.arena.table)
     out = generate_concurrently(shared.url("a"), LOADS["a"], NEW_TOKENS["a"])
     check_outputs(shared, stock_outputs, {"a": out}, "after its neighbour died")
     alone = generate_http(shared.url("a"), SMALL["a"][0], 24)
     problem = tie_problem(shared.url("a"), SMALL["a"][0],
                           reference(stock_outputs, "a", SMALL["a"], 24)[0], alone)
     assert problem is None, f"A must keep serving after its neighbour died: {problem}"
-    check_integrity(arena.arena.table)
+    settled_integrity(arena.arena.table)

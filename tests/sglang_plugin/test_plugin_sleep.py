@@ -19,10 +19,17 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from plugin_test_support import ScratchArena, arena_for, generate_http, kv_shape, prompts
+from plugin_test_support import (
+    ScratchArena,
+    arena_for,
+    generate_http,
+    kv_shape,
+    prompts,
+    settled_integrity,
+)
 
 from fineslab.runtime import ServerProcess, ServerSpec, free_port
-from fineslab.slabs import check_integrity, snapshot
+from fineslab.slabs import snapshot
 from fineslab.slabs.formats import BlockFormat
 from fineslab.slabs.streamctl import host_copy_path
 
@@ -82,7 +89,7 @@ def test_sleep_gives_weights_and_kv_back_and_wake_restores_identical_output(
         assert _held(arena)["m:w"] == awake["m:w"]
         after = [generate_http(server.spec.base_url, p, NEW_TOKENS) for p in PROMPTS]
         assert after == before, "greedy output after a wake equals the output before the sleep"
-        check_integrity(arena.arena.table)
+        settled_integrity(arena.arena.table)
     finally:
         neighbour.free(taken)
         neighbour.close()
@@ -136,4 +143,4 @@ def test_an_asleep_runtime_waits_on_its_sockets_instead_of_spinning(
         woke = time.monotonic() - start
     assert woke < 5.0, f"a waiting scheduler answers the wake at once ({woke:.2f} s)"
     assert generate_http(server.spec.base_url, PROMPTS[0], NEW_TOKENS), "it serves again"
-    check_integrity(arena.arena.table)
+    settled_integrity(arena.arena.table)

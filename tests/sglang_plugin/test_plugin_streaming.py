@@ -19,7 +19,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from plugin_test_support import ScratchArena, arena_for, generate_http, kv_shape, prompts
+from plugin_test_support import (
+    ScratchArena,
+    arena_for,
+    generate_http,
+    kv_shape,
+    prompts,
+    settled_integrity,
+)
 
 from fineslab.runtime import ServerProcess, ServerSpec, free_port
 from fineslab.slabs import check_integrity, snapshot
@@ -112,7 +119,7 @@ def test_streamed_output_is_identical_and_the_gain_is_the_lent_bytes(
         "decode passes are timed, prefill passes are not", state)
     assert 0 < state.decode_compute_s < 5, state
     assert _greedy(server) == reference
-    check_integrity(arena.arena.table)
+    settled_integrity(arena.arena.table)
 
 
 def test_a_request_the_model_cannot_take_is_refused_and_it_serves_on(

@@ -11,10 +11,10 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from plugin_test_support import Reference, arena_for, joined, kv_shape, prompts
+from plugin_test_support import Reference, arena_for, joined, kv_shape, prompts, settled_integrity
 
 from fineslab.runtime import cpu_engine_kwargs, shutdown_engine, start_engine
-from fineslab.slabs import check_integrity, snapshot
+from fineslab.slabs import snapshot
 
 PROMPTS = tuple(tuple(p) for p in prompts(3, 24, seed=11))
 NEW_TOKENS = 12
@@ -40,7 +40,7 @@ def test_weights_move_into_the_arena_and_output_equals_stock(
             assert weights.used_blocks == weights.num_slabs, "weight slabs are held whole"
             out = engine.generate(input_ids=[list(p) for p in PROMPTS], sampling_params={
                 "temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
-            check_integrity(arena.arena.table)
+            settled_integrity(arena.arena.table)
         finally:
             shutdown_engine(engine)
         # The runtime is gone: its weight and KV slabs come back with its dead owners.
