@@ -119,7 +119,7 @@ def _bench(base_url: str, cfg: EngineBenchConfig, progress: bool) -> BenchConfig
                        progress=progress, seed=cfg.seed)
 
 
-def _engine_drops(base_url: str) -> int:
+def engine_drops(base_url: str) -> int:
     try:
         text = httpx.get(base_url + "/metrics", timeout=10).text
     except httpx.HTTPError:
@@ -173,10 +173,10 @@ def run(cfg: EngineBenchConfig, progress: bool = False) -> dict[str, Any]:
                     requests = workload(cfg, rate_per_s)
                     logger.info("offered %.2f requests/s (%d requests)", rate_per_s,
                                 len(requests))
-                load_before, drops_before = load_average(), _engine_drops(fleet.base_url)
+                load_before, drops_before = load_average(), engine_drops(fleet.base_url)
                 result = run_benchmark(bench, requests)
                 results[mode] = _mode_figures(result, cfg.ttft_slo_s)
-                results[mode].update(engine_drops=_engine_drops(fleet.base_url) - drops_before,
+                results[mode].update(engine_drops=engine_drops(fleet.base_url) - drops_before,
                                      load_before=load_before, load_after=load_average(),
                                      wall_s=round(result.wall_s, 1))
                 logger.info("%s: %s", mode, results[mode])

@@ -80,31 +80,56 @@ class Search:
     probes: tuple[tuple[float, float], ...]  # (rate scale, attainment), in probe order
 
 
+class Bisection:
+    """The bisection of the module docstring as a state machine: `next_rate()` names the rate
+    to probe (None once the search is over), `record(attainment)` gives that probe's result.
+    A driver can so step several searches in turn (`fineslab.bench.capacity` interleaves the
+    live systems' probes so that a slow moment of the machine meets each of them)."""
+
+    def __init__(self, start: float, tolerance: float, ceiling: float,
+                 target: float = TARGET) -> None:
+        if not 0 < start <= ceiling or tolerance <= 0:
+            raise ValueError(f"need 0 < start <= ceiling and tolerance > 0, got start {start}, "
+                             f"ceiling {ceiling}, tolerance {tolerance}")
+        self.tolerance, self.ceiling, self.target = tolerance, ceiling, target
+        self.probes: list[tuple[float, float]] = []
+        self.lo: float | None = None  # the highest rate that met
+        self.hi: float | None = None  # the lowest rate above lo that missed
+        self._next: float | None = start
+
+    def next_rate(self) -> float | None:
+        return self._next
+
+    def record(self, attainment: float) -> None:
+        rate = self._next
+        if rate is None:
+            raise RuntimeError("the search is over: no probe was asked for")
+        self.probes.append((rate, attainment))
+        if attainment >= self.target:
+            self.lo = rate
+        else:
+            self.hi = rate
+        self._next = self._decide()
+
+    def _decide(self) -> float | None:
+        if self.lo is None:
+            return None  # the start missed: capacity 0
+        if self.hi is None:
+            return None if self.lo >= self.ceiling else min(2 * self.lo, self.ceiling)
+        return (self.lo + self.hi) / 2 if self.hi - self.lo > self.tolerance else None
+
+    def result(self) -> Search:
+        return Search(self.lo or 0.0, self.hi, tuple(self.probes))
+
+
 def bisect_capacity(attainment_at: Callable[[float], float], start: float, tolerance: float,
                     ceiling: float, target: float = TARGET) -> Search:
     """The largest rate meeting `target`: bracket by doubling from `start`, then bisect until
     the bracket is at most `tolerance` wide (module docstring)."""
-    if not 0 < start <= ceiling or tolerance <= 0:
-        raise ValueError(f"need 0 < start <= ceiling and tolerance > 0, got start {start}, "
-                         f"ceiling {ceiling}, tolerance {tolerance}")
-    probes: list[tuple[float, float]] = []
-
-    def meets(rate: float) -> bool:
-        probes.append((rate, attainment_at(rate)))
-        return probes[-1][1] >= target
-
-    if not meets(start):
-        return Search(0.0, start, tuple(probes))
-    lo, hi = start, None
-    while hi is None:
-        if lo >= ceiling:
-            return Search(lo, None, tuple(probes))
-        rate = min(2 * lo, ceiling)
-        lo, hi = (rate, None) if meets(rate) else (lo, rate)
-    while hi - lo > tolerance:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if meets(mid) else (lo, mid)
-    return Search(lo, hi, tuple(probes))
+    search = Bisection(start, tolerance, ceiling, target)
+    while (rate := search.next_rate()) is not None:
+        search.record(attainment_at(rate))
+    return search.result()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,596 @@
+"""Capacity measured live (issue #38): a multi-model fleet on real SGLang, fineslab against
+SGLang's own scheduling over the same shared arena and against static partitions.
+
+    python -m fineslab.bench.capacity [--json] [--quick] [--seed N ...] [--workload W ...]
+                                      [--systems fineslab,shared-fcfs,static]
+
+The fleet: three generated models of different sizes and precisions (llama-tiny BF16,
+qwen2-tiny BF16, llama-small FP16) in one slab arena small enough that KV memory binds at the
+rates probed, as it does on a GPU at high load. One fleet per system is launched and stays up
+for the whole run (the routers and asleep runtimes cost little when idle):
+
+    fineslab     shared slabs, the MME placement, `batch_policy: adaptive-early-shed` at the
+                 router and `local_scheduler: engine` (Algorithm 2 picks SGLang's prefills)
+    shared-fcfs  the same shared arena, `batch_policy: fcfs`: SGLang's own scheduling forms
+                 every batch (Prism's memory sharing without its scheduler)
+    static       the same arena cut into fixed partitions: each model's KV limit
+                 (`POST /admin/models/{m}/limit`, enforced by the allocator) is its share of the
+                 arena in proportion to the footprint F_M the placer sized it with (the
+                 simulator's Static*: `scheduler.placement.baselines.StaticPlacer`), and FCFS
+
+Workloads (each model's requests: ShareGPT or the Azure trace's lengths divided by
+`length_scale`, outputs capped at `max_output_tokens`):
+
+    shift    Poisson arrivals whose per-model rates move: the run is cut into one phase per
+             model, and in phase k model k gets `HOT` x its base rate, the others `COLD` x
+             (the mean over phases is the base rate): memory a static partition gives a cold
+             model is idle while the hot one queues
+    replay   the Azure conversation trace compressed to the mix's total rate, each arrival
+             given to a model in proportion to its base rate (bursts of the real trace)
+
+Rates and SLOs come from this machine in this run, on the first fleet launched (shared-fcfs):
+each model's profile is calibrated over HTTP (`sim.experiments.calibrate`), its TTFT SLO is
+`slo_scale` x the calibrated TTFT of the P95 prompt (the simulator's rule), and a burst
+measures the fleet's saturation throughput; rate scale 1 offers `BASE_LOAD` x that
+throughput, split by the mix's weights. Every system then sees the same requests at each rate
+scale (same seed, same scale: the same list).
+
+Capacity is the largest rate scale at which TTFT attainment (requests whose first token came
+within their model's SLO / all requests) stays >= the target, found by the simulator's
+bisection (`sim.experiments.capacity.Bisection`: bracket by doubling, bisect to `tolerance`),
+for targets 0.99 and 0.90. The systems' searches are interleaved, one probe each in turn, so a
+slow moment of the shared machine meets all of them. `sim` is the simulator's capacity for the
+same fleet, workload and calibrated profiles (one "GPU" with the arena as its KV space);
+`sim_capacity_error` is the largest relative error over the three systems.
+
+Figures (last line with --json): per cell (workload, seed) and system every probe (rate scale,
+attainment, goodput, drops, late, TTFT p99), capacities at 0.99 and 0.90, and at the top the
+headline cell's `fineslab_capacity`, `shared_fcfs_capacity`, `static_capacity`,
+`sim_capacity_error`, `fineslab_over_best_baseline`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from fineslab.bench.chaos_fleet import ChaosFleet
+from fineslab.bench.engine_policy import engine_drops
+from fineslab.fleet.config import fleet_from_dict
+from fineslab.fleet.plan import make_plan, model_dir_of
+from fineslab.fleet.profiles import find_profile
+from fineslab.loadgen.client import ClientConfig
+from fineslab.loadgen.run import BenchConfig, BenchResult, run_benchmark
+from fineslab.scheduler.placement import GpuSpec
+from fineslab.scheduler.predictors import ChunkedPrefillPredictor
+from fineslab.scheduler.profile_schema import ModelProfile, save_profile
+from fineslab.sim.config import SimConfig, SystemSpec
+from fineslab.sim.experiments.calibrate import calibrate, load_average
+from fineslab.sim.experiments.capacity import Bisection, Search
+from fineslab.sim.simulator import FleetModel, simulate
+from fineslab.tables import add_json_flag, emit
+from fineslab.workload import ModelLoad, Request, WorkloadSpec, build_workload
+from fineslab.workload.traces import AZURE_CONV, SHAREGPT_STATS, load_lengths
+
+logger = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[2]
+SYSTEMS = ("fineslab", "shared-fcfs", "static")
+WORKLOADS = ("shift", "replay")
+TARGETS = (0.99, 0.90)
+HOT, COLD = 2.0, 0.5
+#: Rate scale 1 offers this fraction of the measured saturation throughput.
+BASE_LOAD = 0.25
+SLO_PERCENTILE = 95.0
+WARM_UP = 24
+#: The simulator's systems for the live ones (placer, batch policy, KV mode).
+SIM_SYSTEMS = {
+    "fineslab": SystemSpec("fineslab", "mme", "adaptive", "shared"),
+    "shared-fcfs": SystemSpec("shared-fcfs", "mme", "fcfs", "shared"),
+    "static": SystemSpec("static", "static", "fcfs", "static"),
+}
+#: The simulated arena's smallest slab (the live planner's are about 1 MiB at these sizes).
+SIM_SLAB_BYTES = 1 << 20
+FLEET_IDS = {"fineslab": "capfs", "shared-fcfs": "capsh", "static": "capst"}
+
+
+@dataclass(frozen=True)
+class MixModel:
+    name: str
+    preset: str
+    precision: str
+    weight: float  # its share of the offered rate
+
+
+MIX = (MixModel("tiny-bf16", "llama-tiny", "bf16", 1.0),
+       MixModel("qwen-bf16", "qwen2-tiny", "bf16", 1.0),
+       MixModel("small-fp16", "llama-small", "fp16", 0.5))
+
+
+@dataclass(frozen=True)
+class CapacityBenchConfig:
+    workloads: tuple[str, ...] = WORKLOADS
+    seeds: tuple[int, ...] = (0, 1)
+    systems: tuple[str, ...] = SYSTEMS
+    duration_s: float = 40.0
+    slo_scale: float = 5.0
+    arena_mib: int = 12
+    length_scale: int = 8
+    max_prompt_tokens: int = 512
+    max_output_tokens: int = 8
+    max_running: int = 16
+    start: float = 1.0
+    tolerance: float = 0.25
+    ceiling: float = 16.0
+    mix: tuple[MixModel, ...] = MIX
+
+
+QUICK = CapacityBenchConfig(workloads=("shift",), seeds=(0,), duration_s=20.0, tolerance=0.5)
+
+
+# -- the fleets ---------------------------------------------------------------------------------
+
+def fleet_config(cfg: CapacityBenchConfig, system: str, fleet_id: str,
+                 calibration: Calibration | None) -> dict[str, Any]:
+    """The fleet of `system`; before the calibration (the first fleet) with the stored
+    profiles, a placeholder SLO and the mix's weights as rates (its FCFS uses none of them)."""
+    models = []
+    for m in cfg.mix:
+        slo_s = calibration.slo_s[m.name] if calibration else 5.0
+        rate = calibration.rates[m.name] if calibration else m.weight
+        model: dict[str, Any] = {"name": m.name, "preset": m.preset, "precision": m.precision,
+                                 "kv_dtype": m.precision, "ttft_slo_s": slo_s,
+                                 "request_rate_per_s": round(rate, 4)}
+        if calibration:
+            model["profile"] = str(calibration.profile_paths[m.name])
+        models.append(model)
+    return {"fleet_id": fleet_id, "kv_pool": "arena", "placement": "mme",
+            "batch_policy": "adaptive-early-shed" if system == "fineslab" else "fcfs",
+            "local_scheduler": "engine" if system == "fineslab" else "router",
+            "devices": [{"name": "cpu", "kind": "cpu", "memory_gib": 8,
+                         "kv_arena_mib": cfg.arena_mib}],
+            "router": {"host": "127.0.0.1", "max_running_requests": cfg.max_running},
+            "models": models}
+
+
+def static_limits(config: dict[str, Any], arena_bytes: int) -> dict[str, int]:
+    """Each model's KV limit: the arena cut in proportion to the F_M the static placer sized it
+    with (its partition of the device, scaled to the arena, which is what binds here)."""
+    plan = make_plan(fleet_from_dict({**config, "placement": "static"}, "capacity"))
+    footprints = {r.model: r.fixed_bytes for r in plan.placement.replicas}
+    total = sum(footprints.values())
+    return {name: arena_bytes * f // total for name, f in footprints.items()}
+
+
+def _set_limits(fleet: ChaosFleet, limits: dict[str, int]) -> None:
+    for model, limit in limits.items():
+        reply = httpx.post(f"{fleet.base_url}/admin/models/{model}/limit",
+                           json={"kv_bytes": limit}, timeout=30)
+        if reply.status_code != 200:
+            raise RuntimeError(f"static: the KV limit of {model} was refused: {reply.text}")
+
+
+# -- the workloads ------------------------------------------------------------------------------
+
+def _scaled(cfg: CapacityBenchConfig, requests: list[Request]) -> list[Request]:
+    return [replace(r, prompt_tokens=max(8, min(cfg.max_prompt_tokens,
+                                                 r.prompt_tokens // cfg.length_scale)),
+                    output_tokens=max(1, min(cfg.max_output_tokens, r.output_tokens)))
+            for r in requests]
+
+
+def workload(cfg: CapacityBenchConfig, kind: str, rates: dict[str, float], rate_scale: float,
+             seed: int) -> list[Request]:
+    """The requests of one probe: the same (kind, rates, scale, seed), the same list."""
+    loads = tuple(ModelLoad(m.name, rates[m.name]) for m in cfg.mix)
+    max_prompt = cfg.max_prompt_tokens * cfg.length_scale
+    if kind == "replay":
+        spec = WorkloadSpec(loads, cfg.duration_s, AZURE_CONV, arrival="replay",
+                            rate_scale=rate_scale, max_prompt_tokens=max_prompt,
+                            max_output_tokens=cfg.max_output_tokens, seed=seed)
+        return _scaled(cfg, build_workload(spec))
+    if kind != "shift":
+        raise ValueError(f"unknown workload {kind!r}; known: {', '.join(WORKLOADS)}")
+    phase_s = cfg.duration_s / len(loads)
+    requests: list[Request] = []
+    for k, hot in enumerate(loads):
+        phase = tuple(replace(load, rate_per_s=load.rate_per_s * (HOT if load is hot else COLD))
+                      for load in loads)
+        spec = WorkloadSpec(phase, phase_s, SHAREGPT_STATS, rate_scale=rate_scale,
+                            max_prompt_tokens=max_prompt,
+                            max_output_tokens=cfg.max_output_tokens, seed=seed * 1000 + k)
+        requests += [replace(r, request_id=f"p{k}-{r.request_id}", arrival_s=r.arrival_s +
+                             k * phase_s) for r in build_workload(spec)]
+    return _scaled(cfg, sorted(requests, key=lambda r: (r.arrival_s, r.request_id)))
+
+
+# -- what one run measures ----------------------------------------------------------------------
+
+@dataclass
+class Calibration:
+    """What the first fleet measured: profiles, SLOs, the saturation throughput, base rates."""
+
+    profiles: dict[str, ModelProfile]
+    profile_paths: dict[str, Path]
+    slo_s: dict[str, float]
+    saturation_per_s: float
+    rates: dict[str, float]
+
+
+def _bench(base_url: str, slo_s: dict[str, float], timeout_s: float, seed: int) -> BenchConfig:
+    return BenchConfig(ClientConfig(base_url, timeout_s=timeout_s), slo_s=dict(slo_s),
+                       progress=False, seed=seed)
+
+
+def measure_calibration(cfg: CapacityBenchConfig, fleet: ChaosFleet, folder: Path,
+                        config: dict[str, Any]) -> Calibration:
+    models = {m.name: m for m in fleet_from_dict(config, "capacity").models}
+    bench = _bench(fleet.base_url, {}, 120.0, 0)
+    profiles, paths, slo_s = {}, {}, {}
+    p95 = _p95_prompt(cfg)
+    for mix in cfg.mix:
+        model = models[mix.name]
+        base = find_profile(model, "cpu", [REPO / "profiles"], model_dir_of(model))
+        profiles[mix.name] = calibrate(base, bench, mix.name)
+        paths[mix.name] = save_profile(profiles[mix.name], folder / "profiles")
+        alone = ChunkedPrefillPredictor.from_profile(profiles[mix.name]).ttft_s([p95])
+        slo_s[mix.name] = round(cfg.slo_scale * alone, 3)
+        logger.info("%s: TTFT of the P95 prompt (%d tokens) alone %.3f s, SLO %.3f s",
+                    mix.name, p95, alone, slo_s[mix.name])
+    saturation = saturation_rate(cfg, bench)
+    weights = sum(m.weight for m in cfg.mix)
+    rates = {m.name: round(BASE_LOAD * saturation * m.weight / weights, 4) for m in cfg.mix}
+    return Calibration(profiles, paths, slo_s, saturation, rates)
+
+
+def _p95_prompt(cfg: CapacityBenchConfig) -> int:
+    table = load_lengths(SHAREGPT_STATS, cfg.max_prompt_tokens * cfg.length_scale,
+                         cfg.max_output_tokens)
+    return max(8, table.percentile_prompt_tokens(SLO_PERCENTILE) // cfg.length_scale)
+
+
+def saturation_rate(cfg: CapacityBenchConfig, bench: BenchConfig) -> float:
+    """Requests/s the fleet completes with work always waiting: 3 x max_running requests of
+    the mix's lengths, all at once (also the fleet's warm-up)."""
+    even = {m.name: m.weight for m in cfg.mix}
+    sample = workload(cfg, "shift", even, 10.0, 10_000)[: 3 * cfg.max_running]
+    burst = [replace(r, request_id=f"saturate-{i}", arrival_s=0.0) for i, r in enumerate(sample)]
+    result = run_benchmark(bench, burst)
+    done = sum(1 for o in result.outcomes if o.completed)
+    logger.info("saturation: %d of %d requests in %.1f s", done, len(burst), result.wall_s)
+    if done == 0:
+        raise RuntimeError("the saturation burst completed no request: is the fleet serving?")
+    return done / result.wall_s
+
+
+def warm_up(cfg: CapacityBenchConfig, fleet: ChaosFleet) -> None:
+    """A fresh CPU server's first requests are several times slower: every later fleet gets
+    `WARM_UP` requests of the mix, 0.3 s apart (a burst would be shed by fineslab's gate)."""
+    even = {m.name: m.weight for m in cfg.mix}
+    sample = workload(cfg, "shift", even, 10.0, 20_000)[:WARM_UP]
+    spaced = [replace(r, request_id=f"warm-{i}", arrival_s=0.3 * i) for i, r in enumerate(sample)]
+    run_benchmark(_bench(fleet.base_url, {}, 120.0, 0), spaced)
+
+
+@dataclass(frozen=True)
+class Probe:
+    rate_scale: float
+    attainment: float
+    figures: dict[str, Any]
+
+
+def probe_figures(result: BenchResult, wall_s: float) -> dict[str, Any]:
+    outcomes = result.outcomes
+    met = sum(1 for o in outcomes if o.met_slo)
+    refused = sum(1 for o in outcomes if (o.dropped or "").startswith(("HTTP 429", "HTTP 503")))
+    timed_out = sum(1 for o in outcomes if "Timeout" in (o.dropped or "").split(":")[0])
+    completed = sum(1 for o in outcomes if o.completed)
+    ttfts = sorted(o.ttft_s for o in outcomes if o.completed and o.ttft_s is not None)
+    p99 = ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None
+    by_model: dict[str, float] = {}
+    for model in sorted({o.model for o in outcomes}):
+        mine = [o for o in outcomes if o.model == model]
+        by_model[model] = round(sum(o.met_slo for o in mine) / len(mine), 4)
+    return {"requests": len(outcomes), "met": met, "late": completed - met,
+            "dropped": refused, "timed_out": timed_out,
+            "failed": len(outcomes) - completed - refused - timed_out,
+            "goodput_per_s": round(met / wall_s, 3), "ttft_p99_s": None if p99 is None
+            else round(p99, 3), "attainment_by_model": by_model,
+            "load_average": load_average()}
+
+
+def live_probe(cfg: CapacityBenchConfig, fleet: ChaosFleet, calibration: Calibration,
+               kind: str, seed: int, rate_scale: float) -> Probe:
+    requests = workload(cfg, kind, calibration.rates, rate_scale, seed)
+    # A request still waiting this long after its arrival has long missed its SLO: the client
+    # gives up (the router aborts it), so an overloaded probe ends instead of draining a queue.
+    timeout_s = 4 * max(calibration.slo_s.values()) + 30
+    drops_before = engine_drops(fleet.base_url)
+    result = run_benchmark(_bench(fleet.base_url, calibration.slo_s, timeout_s, seed), requests)
+    attainment = sum(o.met_slo for o in result.outcomes) / len(result.outcomes)
+    _wait_drained(fleet)
+    figures = probe_figures(result, cfg.duration_s)
+    figures["engine_drops"] = engine_drops(fleet.base_url) - drops_before
+    return Probe(rate_scale, round(attainment, 4), figures)
+
+
+def _wait_drained(fleet: ChaosFleet, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(fleet.held_slots(m) == 0 for m in fleet.models):
+            return
+        time.sleep(0.5)
+    logger.warning("%s: requests still held %.0f s after a probe", fleet.fleet_id, timeout_s)
+
+
+# -- the searches -------------------------------------------------------------------------------
+
+@dataclass
+class SystemSearch:
+    """One system's searches in one cell, one per target, probing shared rates once."""
+
+    system: str
+    searches: dict[float, Bisection]
+    probes: dict[float, Probe] = field(default_factory=dict)
+
+    def next_rate(self) -> float | None:
+        for search in self.searches.values():
+            rate = search.next_rate()
+            if rate is not None:
+                return rate
+        return None
+
+    def record(self, probe: Probe) -> None:
+        self.probes[probe.rate_scale] = probe
+        for search in self.searches.values():
+            # The 0.90 search asks for rates the 0.99 one probed already: answered from them.
+            while search.next_rate() in self.probes:
+                search.record(self.probes[search.next_rate()].attainment)  # type: ignore[index]
+
+    def results(self) -> dict[float, Search]:
+        return {target: s.result() for target, s in self.searches.items()}
+
+
+def new_search(cfg: CapacityBenchConfig, system: str) -> SystemSearch:
+    return SystemSearch(system, {t: Bisection(cfg.start, cfg.tolerance, cfg.ceiling, t)
+                                 for t in TARGETS})
+
+
+def interleave(searches: Sequence[SystemSearch],
+               probe: Callable[[str, float], Probe]) -> None:
+    """Probe the systems in turn, one probe each a round, until every search is over."""
+    while True:
+        pending = [s for s in searches if s.next_rate() is not None]
+        if not pending:
+            return
+        for search in pending:
+            rate = search.next_rate()
+            if rate is not None:
+                search.record(probe(search.system, rate))
+
+
+def sim_searches(cfg: CapacityBenchConfig, calibration: Calibration, kind: str, seed: int,
+                 arena_bytes: int) -> dict[str, SystemSearch]:
+    """The simulator's capacity for the same fleet and requests: one device whose memory is
+    the models' weights and activations plus the arena."""
+    models = [FleetModel(m.name, calibration.profiles[m.name], calibration.rates[m.name],
+                         calibration.slo_s[m.name]) for m in cfg.mix]
+    fixed = sum(p.weights_bytes + int(p.activation_bytes(1))
+                for p in calibration.profiles.values())
+    gpus = [GpuSpec(0, fixed + arena_bytes, "cpu")]
+    config = SimConfig(max_running_requests=cfg.max_running, min_slab_bytes=SIM_SLAB_BYTES)
+    out = {}
+    for system in cfg.systems:
+        search = new_search(cfg, system)
+
+        def simulated(system: str, rate: float) -> Probe:
+            requests = workload(cfg, kind, calibration.rates, rate, seed)
+            scaled = [replace(m, rate_per_s=m.rate_per_s * rate) for m in models]
+            summary = simulate(scaled, gpus, SIM_SYSTEMS[system], requests, cfg.duration_s,
+                               config).summary()
+            return Probe(rate, round(summary.slo_attainment or 0.0, 4), {})
+
+        interleave([search], simulated)
+        out[system] = search
+    return out
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+def run(cfg: CapacityBenchConfig) -> dict[str, Any]:
+    folder = Path(tempfile.mkdtemp(prefix="fineslab-capacity-"))
+    fleets: dict[str, ChaosFleet] = {}
+    started = time.monotonic()
+    try:
+        order = ["shared-fcfs", *(s for s in cfg.systems if s != "shared-fcfs")]
+        ids = {system: f"{FLEET_IDS[system]}{os.getpid() % 100_000}" for system in SYSTEMS}
+        first = fleet_config(cfg, "shared-fcfs", ids["shared-fcfs"], None)
+        fleets["shared-fcfs"] = ChaosFleet.launch(first, folder, "shared-fcfs")
+        calibration = measure_calibration(cfg, fleets["shared-fcfs"], folder, first)
+        limits: dict[str, int] = {}
+        arena_bytes = cfg.arena_mib << 20
+        for system in order[1:]:
+            config = fleet_config(cfg, system, ids[system], calibration)
+            fleets[system] = ChaosFleet.launch(config, folder, system)
+            if system == "static":
+                limits = static_limits(config, arena_bytes)
+                _set_limits(fleets[system], limits)
+            warm_up(cfg, fleets[system])
+        cells = []
+        for kind in cfg.workloads:
+            for seed in cfg.seeds:
+                cells.append(run_cell(cfg, fleets, calibration, kind, seed, arena_bytes))
+    finally:
+        for fleet in fleets.values():
+            fleet.interrupt()
+            fleet.cleanup()
+        shutil.rmtree(folder, ignore_errors=True)
+    return summarize(cfg, calibration, limits, cells, time.monotonic() - started)
+
+
+def run_cell(cfg: CapacityBenchConfig, fleets: dict[str, ChaosFleet], calibration: Calibration,
+             kind: str, seed: int, arena_bytes: int) -> dict[str, Any]:
+    logger.info("cell %s seed %d", kind, seed)
+    live = [new_search(cfg, system) for system in cfg.systems]
+
+    def probe(system: str, rate: float) -> Probe:
+        result = live_probe(cfg, fleets[system], calibration, kind, seed, rate)
+        logger.info("%s %s seed %d: rate x%g attainment %.3f %s", system, kind, seed, rate,
+                    result.attainment, result.figures)
+        return result
+
+    interleave(live, probe)
+    sim = sim_searches(cfg, calibration, kind, seed, arena_bytes)
+    systems = {}
+    for search in live:
+        found = search.results()
+        predicted = sim[search.system].results()
+        systems[search.system] = {
+            "capacity": found[0.99].capacity, "capacity_90": found[0.90].capacity,
+            "missed_at": found[0.99].missed_at,
+            "goodput_per_s_at_capacity": _goodput_at(search, found[0.99].capacity),
+            "probes": [{"rate_scale": p.rate_scale, "attainment": p.attainment, **p.figures}
+                       for p in search.probes.values()],
+            "sim_capacity": predicted[0.99].capacity,
+            "sim_capacity_90": predicted[0.90].capacity,
+            "sim_probes": [[p.rate_scale, p.attainment]
+                           for p in sim[search.system].probes.values()],
+        }
+    return {"workload": kind, "seed": seed, "systems": systems}
+
+
+def _goodput_at(search: SystemSearch, rate: float) -> float | None:
+    probe = search.probes.get(rate)
+    return None if probe is None else probe.figures.get("goodput_per_s")
+
+
+def _error(live: float, sim: float) -> float | None:
+    return None if live <= 0 else round(abs(sim - live) / live, 3)
+
+
+def summarize(cfg: CapacityBenchConfig, calibration: Calibration, limits: dict[str, int],
+              cells: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    head = cells[0]["systems"]
+
+    def cap(system: str) -> float | None:
+        return head[system]["capacity"] if system in head else None
+
+    errors = [e for s in head.values() if (e := _error(s["capacity"], s["sim_capacity"]))
+              is not None]
+    baselines = [c for s in ("shared-fcfs", "static") if (c := cap(s)) is not None]
+    ours, best = cap("fineslab"), max(baselines, default=None)
+    ratios = {}
+    for cell in cells:
+        systems = cell["systems"]
+        base = max((systems[s]["capacity"] for s in ("shared-fcfs", "static") if s in systems),
+                   default=0.0)
+        if "fineslab" in systems:
+            ratios[f"{cell['workload']}-{cell['seed']}"] = (
+                round(systems["fineslab"]["capacity"] / base, 3) if base else None)
+    return {"config": {**{k: v for k, v in cfg.__dict__.items() if k != "mix"},
+                       "mix": [m.__dict__ for m in cfg.mix]},
+            "headline": f"{cells[0]['workload']}-{cells[0]['seed']}",
+            "slo_s": calibration.slo_s, "base_rates_per_s": calibration.rates,
+            "saturation_per_s": round(calibration.saturation_per_s, 3),
+            "static_kv_limits_bytes": limits, "cells": cells,
+            "fineslab_capacity": ours, "shared_fcfs_capacity": cap("shared-fcfs"),
+            "static_capacity": cap("static"),
+            "fineslab_over_best_baseline": None if ours is None or not best
+            else round(ours / best, 3),
+            "fineslab_over_best_baseline_by_cell": ratios,
+            "sim_capacity_error": max(errors) if errors else None,
+            "wall_s": round(wall_s, 1)}
+
+
+# -- the command --------------------------------------------------------------------------------
+
+def _names(known: Sequence[str], what: str) -> Callable[[str], tuple[str, ...]]:
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"{what} are any of {', '.join(known)}; "
+                                             f"got {text!r}")
+        return names
+    return parse
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(dict.fromkeys(int(s) for s in text.split(",") if s.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"seeds are integers, comma-separated; got {text!r}") from None
+    if not seeds or min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"seeds are integers >= 0; got {text!r}")
+    return seeds
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def rows_of(out: dict[str, Any]) -> list[list[object]]:
+    rows: list[list[object]] = []
+    for cell in out["cells"]:
+        for system, s in cell["systems"].items():
+            probes = " ".join(f"{p['rate_scale']:g}:{p['attainment']:.3f}" for p in s["probes"])
+            rows.append([cell["workload"], cell["seed"], system, s["capacity"],
+                         s["capacity_90"], s["goodput_per_s_at_capacity"], s["sim_capacity"],
+                         probes])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    parser = argparse.ArgumentParser(prog="python -m fineslab.bench.capacity",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="the shift workload, seed 0, 20 s probes, tolerance 0.5")
+    parser.add_argument("--seeds", type=_seeds, default=None,
+                        help="comma-separated (default 0,1; --quick: 0)")
+    parser.add_argument("--workloads", type=_names(WORKLOADS, "workloads"), default=None,
+                        help=f"comma-separated, any of {','.join(WORKLOADS)}")
+    parser.add_argument("--systems", type=_names(SYSTEMS, "systems"), default=None,
+                        help=f"comma-separated, any of {','.join(SYSTEMS)} (default all)")
+    parser.add_argument("--duration", type=_positive, default=None,
+                        help="seconds of arrivals per probe")
+    parser.add_argument("--tolerance", type=_positive, default=None,
+                        help="the bisection stops when its bracket is this narrow (rate scale)")
+    parser.add_argument("--ceiling", type=_positive, default=None,
+                        help="the highest rate scale probed (default 16)")
+    add_json_flag(parser)
+    args = parser.parse_args(argv)
+    cfg = QUICK if args.quick else CapacityBenchConfig()
+    changes = {"seeds": args.seeds, "workloads": args.workloads, "systems": args.systems,
+               "duration_s": args.duration, "tolerance": args.tolerance,
+               "ceiling": args.ceiling}
+    cfg = replace(cfg, **{k: v for k, v in changes.items() if v is not None})
+    out = run(cfg)
+    emit(f"capacity (rate scale 1 = {out['base_rates_per_s']} requests/s), TTFT SLOs "
+         f"{out['slo_s']} s",
+         ["workload", "seed", "system", "capacity 99%", "capacity 90%", "goodput/s",
+          "sim 99%", "probes (rate:attainment)"], rows_of(out), out, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""`python -m fineslab.bench.capacity --quick --json` cut to its least (4 s probes, rate scales 1
+and 2 only): three real CPU fleets of three models (fineslab, shared-fcfs, static) under the same
+requests, each system's bisection probes reported, the static fleet's KV limits applied, and the
+simulator's capacity for the same fleet beside the live one. The full grid is in
+docs/evaluation.md; this checks the machinery that produces it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+SYSTEMS = {"fineslab", "shared-fcfs", "static"}
+
+
+def test_the_quick_capacity_run_bisects_each_system_on_the_same_requests(
+        model_cache: Path) -> None:
+    env = dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache))
+    done = subprocess.run([sys.executable, "-m", "fineslab.bench.capacity", "--quick", "--json",
+                           "--duration", "4", "--ceiling", "2", "--tolerance", "1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    (cell,) = figures["cells"]
+    systems = cell["systems"]
+    assert set(systems) == SYSTEMS
+    assert figures["saturation_per_s"] > 0 and all(s > 0 for s in figures["slo_s"].values())
+    limits = figures["static_kv_limits_bytes"]
+    assert set(limits) == set(figures["slo_s"]) and all(v > 0 for v in limits.values())
+    assert sum(limits.values()) <= figures["config"]["arena_mib"] << 20, "partitions of the arena"
+    requests: dict[float, set[int]] = {}
+    for name, s in systems.items():
+        probes = s["probes"]
+        assert probes and probes[0]["rate_scale"] == 1.0, (name, probes)
+        for p in probes:
+            requests.setdefault(p["rate_scale"], set()).add(p["requests"])
+            assert p["failed"] == 0, (name, p)
+            assert p["met"] + p["late"] + p["dropped"] + p["timed_out"] == p["requests"], p
+            assert p["attainment"] == round(p["met"] / p["requests"], 4), p
+        met = [p["rate_scale"] for p in probes if p["attainment"] >= 0.99]
+        assert s["capacity"] == max(met, default=0.0), (name, s["capacity"], probes)
+        assert 0 <= s["sim_capacity"] <= 2 and s["sim_probes"], (name, s)
+        assert figures[f"{name.replace('-', '_')}_capacity"] == s["capacity"]
+    assert all(len(counts) == 1 for counts in requests.values()), \
+        f"each rate scale offers every system the same requests: {requests}"
+    assert systems["shared-fcfs"]["probes"][0]["engine_drops"] == 0, "fcfs: no engine policy"
+    assert "sim_capacity_error" in figures and "fineslab_over_best_baseline" in figures
