@@ -272,7 +272,8 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         neighbours hold the memory; when they do not, waiting frees nothing."""
         pages = _ceil_div(num_tokens, self.page_size)
         limit = self._source.limit_blocks()
-        within_limit = limit is None or self._num_held - len(self._reserved) + pages <= limit
+        # Parked padding pages are not KV: the limit does not count them (slabs/pooled.py).
+        within_limit = limit is None or self._num_used() + pages <= limit
         return within_limit and self._num_used() + pages <= self._max_pages
 
     def _top_up(self, num_pages: int) -> bool:

@@ -304,12 +304,14 @@ class RuntimeSlabs(SlabClient):
         free_slabs = int(np.count_nonzero(self.table.state == SlabState.FREE))
         limit = self.table.kv_limit(self.slot)
         if limit is not None:
-            room = max(0, limit // self.table.dims.slab_bytes - self._num_slabs)
+            counted = self._num_slabs - int(self._mine[PADDING_SLAB])  # slab 0 is not counted
+            room = max(0, limit // self.table.dims.slab_bytes - counted)
             free_slabs = min(free_slabs, room)
         return self._num_free + free_slabs * self.blocks_per_slab
 
     def limit_blocks(self) -> int | None:
-        """The most blocks its KV limit lets it hold (whole slabs), None without a limit."""
+        """The most blocks of KV its limit lets it hold (whole slabs; the padding slab's
+        blocks, parked, come on top), None without a limit."""
         limit = self.table.kv_limit(self.slot)
         return None if limit is None else limit // self.table.dims.slab_bytes * self.blocks_per_slab
 

@@ -31,6 +31,8 @@ class OwnerUsage:
     pooled: bool = False
     kv_limit_bytes: int | None = None  # `fineslab ctl limit`; None: uncapped
     lent_slabs: int = 0  # FREE slabs holding its evicted prefix pages (lent.py)
+    #: Its blocks in the padding slab (slab 0: parked, never KV), which its limit does not count.
+    padding_blocks: int = 0
 
     @property
     def used_bytes(self) -> int:
@@ -43,9 +45,11 @@ class OwnerUsage:
         if self.kv_limit_bytes is None:
             return self.free_blocks + free_slabs * blocks_per_slab
         if self.pooled:
-            room = max(0, self.kv_limit_bytes // self.key - self.used_blocks)
+            room = max(0, self.kv_limit_bytes // self.key - self.used_blocks
+                       + self.padding_blocks)
             return min(self.free_blocks + free_slabs * blocks_per_slab, room)
-        room_slabs = max(0, self.kv_limit_bytes // slab_bytes - self.num_slabs)
+        counted = self.num_slabs - (1 if self.padding_blocks else 0)
+        room_slabs = max(0, self.kv_limit_bytes // slab_bytes - counted)
         return self.free_blocks + min(free_slabs, room_slabs) * blocks_per_slab
 
 
@@ -207,12 +211,15 @@ def snapshot(table: SlabTable) -> TableSnapshot:
             num_slabs, used_blocks = int(held.any(axis=1).sum()), int(held.sum())
             pool = partial & (owner == POOLED) & (key == slot_key)
             free_blocks = int((bps[pool] - used[pool]).sum())
+            padding = int(np.count_nonzero(table.block_owner[PADDING_SLAB] == slot + 1)) \
+                if owner[PADDING_SLAB] == POOLED else 0
         else:
             mine = owner == slot
             num_slabs, used_blocks = int(mine.sum()), int(used[mine].sum())
             free_blocks = int((bps[mine] - used[mine]).sum())
+            padding = int(used[PADDING_SLAB]) if owner[PADDING_SLAB] == slot else 0
         owners.append(OwnerUsage(name, identity.pid, identity.is_alive(), slot_key, num_slabs,
                                  used_blocks, free_blocks, bool(table.rt_pooled[slot]),
-                                 table.kv_limit(slot), int(lent[slot + 1])))
+                                 table.kv_limit(slot), int(lent[slot + 1]), padding))
     return TableSnapshot(table.dims.slab_bytes, table.dims.num_slabs, counts, tuple(owners),
                          bool(state[PADDING_SLAB] == SlabState.FREE))

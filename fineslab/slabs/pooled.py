@@ -57,7 +57,7 @@ from fineslab.slabs.client import RuntimeStats, SlabClient
 from fineslab.slabs.formats import BlockFormat
 from fineslab.slabs.integrity import check_integrity, snapshot
 from fineslab.slabs.pool_cache import BlockCache
-from fineslab.slabs.table import POOLED, SlabState, SlabTable
+from fineslab.slabs.table import PADDING_SLAB, POOLED, SlabState, SlabTable
 
 logger = logging.getLogger(__name__)
 
@@ -181,9 +181,16 @@ class PooledSlabs(SlabClient):
 
     def _limit_room(self) -> int | None:
         """Blocks it may still take from the pool under its KV limit (None: no limit); cached
-        blocks count as held."""
+        blocks count as held, its padding-slab blocks do not."""
         limit = self.limit_blocks()
-        return None if limit is None else max(0, limit - self._num_held)
+        return None if limit is None else max(0, limit - self._num_held + self._padding_held())
+
+    def _padding_held(self) -> int:
+        """Its blocks in the padding slab (slab 0): parked by the allocator for SGLang's padded
+        writes, never KV it can use, so not counted against its KV limit."""
+        if int(self.table.owner[PADDING_SLAB]) != POOLED:
+            return 0
+        return int(np.count_nonzero(self.table.block_owner[PADDING_SLAB] == self.mark))
 
     def _pool_slabs(self, locked: bool) -> np.ndarray:
         """The pool's slabs, ascending; cached by slab epoch, the cache refreshed only by a

@@ -431,7 +431,8 @@ class SlabTable(KVLimitRows):
                 + (f" from slab {lowest} on" if lowest else ""))
         limit = self.kv_limit(slot)
         if limit is not None and owner != POOLED:
-            held = int(np.count_nonzero(self.owner == slot))
+            # The padding slab holds no KV the runtime can use: it is not counted.
+            held = int(np.count_nonzero(self.owner == slot)) - int(self.owner[PADDING_SLAB] == slot)
             if (held + num_slabs) * self.dims.slab_bytes > limit:
                 raise ArenaExhausted(
                     f"{num_slabs} slab(s) wanted beyond the KV limit of {limit} B "

@@ -18,8 +18,15 @@ from fineslab.slabs.pooled import PooledSlabs
 TWO_SLABS = 2 * SLAB_BYTES
 
 
+def _padding_taken(arena: SlabArena) -> None:
+    """A neighbour draws first and so holds slab 0, the padding slab, which a KV limit does not
+    count: the tests that count slabs against a limit keep their runtime off it."""
+    arena.client("pad", FMT_A).alloc(1)
+
+
 def test_a_private_runtime_stops_at_its_limit_and_gets_the_rest_back_after(
         arena: SlabArena) -> None:
+    _padding_taken(arena)
     rt = arena.client("r0", FMT_A)
     arena.table.set_kv_limit("r0", TWO_SLABS)
     assert rt.available_blocks() == 16, "SGLang sees the limit, not the free arena"
@@ -30,24 +37,26 @@ def test_a_private_runtime_stops_at_its_limit_and_gets_the_rest_back_after(
     rt.check_integrity()
     assert rt.available_blocks() == 0 and len(ids) == 16
     arena.table.set_kv_limit("r0", None)
-    assert rt.available_blocks() == (NUM_SLABS - 2) * 8
+    assert rt.available_blocks() == (NUM_SLABS - 3) * 8
     assert len(rt.alloc(8)) == 8, "without the limit the free slabs serve again"
     rt.check_integrity()
 
 
 def test_the_limit_binds_only_its_runtime(arena: SlabArena) -> None:
+    _padding_taken(arena)
     capped, free = arena.client("capped", FMT_A), arena.client("free", FMT_A)
     arena.table.set_kv_limit("capped", SLAB_BYTES)
     capped.alloc(8)
     with pytest.raises(ArenaExhausted):
         capped.alloc(1)
-    assert len(free.alloc(8 * (NUM_SLABS - 1))) == 8 * (NUM_SLABS - 1), \
+    assert len(free.alloc(8 * (NUM_SLABS - 2))) == 8 * (NUM_SLABS - 2), \
         "a neighbour takes every other slab"
     for rt in (capped, free):
         rt.check_integrity()
 
 
 def test_a_limit_survives_the_runtimes_restart(arena: SlabArena) -> None:
+    _padding_taken(arena)
     first = arena.client("r0", FMT_A)
     arena.table.set_kv_limit("r0", SLAB_BYTES)
     first.close()
@@ -67,11 +76,13 @@ def test_a_limit_set_before_the_runtime_registers_applies_at_once(arena: SlabAre
 
 
 def test_lowering_a_limit_below_use_takes_nothing_back(arena: SlabArena) -> None:
+    _padding_taken(arena)
     rt = arena.client("r0", FMT_A)
     ids = rt.alloc(24)
     arena.table.set_kv_limit("r0", SLAB_BYTES)
     rt.check_integrity()
-    assert snapshot(arena.table).owners[0].used_blocks == 24, "held pages stay held"
+    (owner,) = [o for o in snapshot(arena.table).owners if o.runtime_id == "r0"]
+    assert owner.used_blocks == 24, "held pages stay held"
     assert rt.available_blocks() == 0
     rt.free(ids[8:])
     assert rt.available_blocks() == 0, "one slab held == the limit"
@@ -81,6 +92,7 @@ def test_lowering_a_limit_below_use_takes_nothing_back(arena: SlabArena) -> None
 
 
 def test_a_pooled_runtime_is_limited_by_the_blocks_it_holds(arena: SlabArena) -> None:
+    _padding_taken(arena)
     a = arena.client("a", FMT_A, pooled=True)
     b = arena.client("b", FMT_A, pooled=True)
     assert isinstance(a, PooledSlabs) and isinstance(b, PooledSlabs)
@@ -149,3 +161,41 @@ def test_a_free_padding_slab_is_not_counted_as_room_for_kv(arena: SlabArena) -> 
     drawn = snapshot(arena.table)
     assert not drawn.padding_slab_free and drawn.kv_free_slabs == drawn.free_slabs == NUM_SLABS - 1
     client.close()
+
+
+def test_the_padding_slab_is_not_counted_against_a_private_runtimes_limit(
+        arena: SlabArena) -> None:
+    """The runtime that draws first holds slab 0, where SGLang writes padded tokens (its
+    allocator parks it whole): a limit of one slab still leaves it one slab of KV. Counting it
+    left a runtime with no KV, and its requests waited until the client gave up (bench.capacity's
+    static partitions, 2026-11-29)."""
+    rt = arena.client("r0", FMT_A)
+    arena.table.set_kv_limit("r0", SLAB_BYTES)
+    padding = rt.alloc(8)  # slab 0, whole
+    assert snapshot(arena.table).owners[0].padding_blocks == 8
+    assert rt.available_blocks() == 8 == snapshot(arena.table).owners[0].available_blocks(
+        NUM_SLABS - 1, SLAB_BYTES), "a slab of KV besides the padding slab"
+    kv = rt.alloc(8)
+    with pytest.raises(ArenaExhausted, match="KV limit"):
+        rt.alloc(1)
+    rt.check_integrity()
+    rt.free(kv)
+    rt.free(padding)
+    rt.check_integrity()
+
+
+def test_a_pooled_runtimes_blocks_in_the_padding_slab_are_not_counted(
+        arena: SlabArena) -> None:
+    a = arena.client("a", FMT_A, pooled=True)
+    assert isinstance(a, PooledSlabs)
+    arena.table.set_kv_limit("a", SLAB_BYTES)
+    padding = a.alloc(8)  # the pool's first slab is slab 0
+    assert int(arena.table.owner[0]) == -2 and snapshot(arena.table).owners[0].padding_blocks == 8
+    assert a.available_blocks() == 8, "its limit's blocks besides the padding slab"
+    kv = a.alloc(8)
+    with pytest.raises(ArenaExhausted, match="KV limit"):
+        a.alloc(1)
+    a.check_integrity()
+    a.free(kv)
+    a.free(padding)
+    a.check_integrity()

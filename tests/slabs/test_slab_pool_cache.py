@@ -158,11 +158,13 @@ def test_release_cache_gives_an_idle_runtimes_stock_to_its_neighbours(
 
 
 def test_the_kv_limit_counts_the_cache_and_bounds_its_refill(arena: SlabArena) -> None:
+    arena.client("pad", FMT_B).alloc(1)  # slab 0, the padding slab: a limit does not count it
     arena.table.set_kv_limit("a", 3 * FMT_A.block_stride_bytes)
     a = PooledSlabs(arena.table, "a", FMT_A)
-    assert a.alloc(1) == [0] and a.num_cached_blocks() == 2, "refilled up to the limit only"
+    first = a.blocks_per_slab  # slab 1's first block
+    assert a.alloc(1) == [first] and a.num_cached_blocks() == 2, "refilled up to the limit only"
     assert a.available_blocks() == 2
-    assert sorted(a.alloc(2)) == [1, 2]
+    assert sorted(a.alloc(2)) == [first + 1, first + 2]
     with pytest.raises(ArenaExhausted, match="KV limit"):
         a.alloc(1)
     assert arena.table.pool_squeeze == 0, "a runtime at its own limit squeezes nobody"
