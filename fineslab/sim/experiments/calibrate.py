@@ -20,7 +20,7 @@ from fineslab.scheduler.curves import PiecewiseLinear
 from fineslab.scheduler.profile_schema import DecodeTable, ModelProfile
 
 from fineslab.loadgen.run import BenchConfig
-from fineslab.profile.http_probe import load_average, probe_tables
+from fineslab.profile.http_probe import PREFILL_TOKENS, load_average, probe_tables
 
 __all__ = ["REPEATS", "calibrate", "load_average"]
 
@@ -29,9 +29,12 @@ logger = logging.getLogger(__name__)
 REPEATS = 2
 
 
-def calibrate(base: ModelProfile, bench: BenchConfig, model: str) -> ModelProfile:
-    """`base` with prefill and decode tables measured on the endpoint now."""
-    tables = probe_tables(bench, model, REPEATS)
+def calibrate(base: ModelProfile, bench: BenchConfig, model: str,
+              prefill_tokens: tuple[int, ...] = PREFILL_TOKENS,
+              repeats: int = REPEATS) -> ModelProfile:
+    """`base` with prefill and decode tables measured on the endpoint now (prompts of
+    `prefill_tokens`: probe the lengths the workload's SLO is set at, not a line beyond)."""
+    tables = probe_tables(bench, model, repeats, prefill_tokens)
     contexts = base.decode.context_tokens
     decode = DecodeTable(tables.batch_sizes, contexts,
                          tuple(tuple(s for _ in contexts) for s in tables.decode_steps))
