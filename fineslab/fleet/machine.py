@@ -55,7 +55,7 @@ from fineslab.fleet.supervisor import SupervisedRuntime, Supervisor
 from fineslab.quant.serving import PrecisionRuntime, prepare_served_model, verify_runtime
 from fineslab.router import ModelRoute, ReplicaRoute, Router, RouterServer, RouterSettings
 from fineslab.router.elastic import CONTROL_TIMEOUT_S, SLEEP_CALLS, ArenaView, Elastic, ElasticSpec
-from fineslab.router.routes import KVLimits
+from fineslab.router.routes import KVLimits, TokenBudget
 from fineslab.router.server import bind_router_socket
 from fineslab.runtime import ServerSpec, prestart_zygote
 from fineslab.scheduler.local import TtftPredictor
@@ -447,6 +447,7 @@ class Fleet:
                 max_running_requests=(model.max_running_requests
                                       or self.plan.config.router.max_running_requests),
                 kv_free_tokens=self.kv_free_tokens if self.plan.arenas else None,
+                kv_limit_budget=self.kv_limit_budget if self.plan.arenas else None,
                 engine_deadlines=self.plan.config.local_scheduler == "engine",
                 token_budget=token_budget(mine[0].plan, config.kv_pool == "arena")))
         return routes
@@ -472,6 +473,24 @@ class Fleet:
         if snap is None or owner is None or owner.key <= 0 or runtime.page_size is None:
             return None
         return owner.available_blocks(snap.kv_free_slabs, snap.slab_bytes) * runtime.page_size
+
+    def kv_limit_budget(self, runtime_id: str) -> TokenBudget | None:
+        """The KV tokens the runtime's limit lets it hold (whole slabs, or blocks in a key
+        pool; the padding slab not counted), None without a limit or a reading."""
+        runtime = next(r for r in self.plan.runtimes if r.runtime_id == runtime_id)
+        snap = self.slab_snapshots().get(runtime.device.name)
+        owner = next((o for o in snap.owners if o.runtime_id == runtime_id), None) \
+            if snap else None
+        if snap is None or owner is None or owner.key <= 0 or runtime.page_size is None \
+                or owner.kv_limit_bytes is None:
+            return None
+        limit = owner.kv_limit_bytes
+        blocks = limit // owner.key if owner.pooled else \
+            limit // snap.slab_bytes * (snap.slab_bytes // owner.key)
+        if blocks < 1:
+            return None
+        return TokenBudget(blocks * runtime.page_size, runtime.page_size,
+                           f"its KV limit of {limit} B, fineslab ctl limit")
 
     def _runtime_down(self, runtime_id: str, reason: str, back_in_s: float) -> None:
         if self.router is not None:

@@ -308,7 +308,7 @@ class Router:
         if route is None:
             raise UnknownModel(f"model {body['model']!r:.80} is not served here; see /v1/models")
         return route, read_request(body, self.counters[route.name], chat, route.context_tokens,
-                                   route.vocab_size, route.token_budget), fingerprint(path, raw)
+                                   route.vocab_size, route.budget()), fingerprint(path, raw)
 
 
 class UnknownModel(Exception):

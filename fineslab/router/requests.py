@@ -167,7 +167,7 @@ def check_budget(budget: TokenBudget, prompt_tokens: int, max_tokens: int) -> No
     if prompt_tokens > budget.longest_prompt or (max_tokens or 1) > room:
         raise BadRequest(
             f"this model's runtimes hold {budget.total_tokens} KV tokens a request "
-            f"(--max-total-tokens, pages of {budget.page_size}); the prompt has {prompt_tokens}"
+            f"({budget.set_by}, pages of {budget.page_size}); the prompt has {prompt_tokens}"
             + (f" and max_tokens asks for {max_tokens} more" if max_tokens else "")
             + (f": at most {room} more fit" if room > 0 else ": no token more fits"),
             code="context_length_exceeded")

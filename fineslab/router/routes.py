@@ -34,6 +34,8 @@ class TokenBudget:
 
     total_tokens: int
     page_size: int = 1
+    #: What sets it, for the refusal's message.
+    set_by: str = "--max-total-tokens"
 
     def __post_init__(self) -> None:
         if self.total_tokens < 1 or self.page_size < 1:
@@ -76,12 +78,29 @@ class ModelRoute:
     #: Each runtime's KV token budget where it is smaller than a request may be (None: the
     #: context binds first).
     token_budget: TokenBudget | None = None
+    #: The budget a runtime's KV limit (`fineslab ctl limit`) leaves it now; None without one.
+    kv_limit_budget: Callable[[str], TokenBudget | None] | None = field(default=None,
+                                                                       compare=False)
 
     def __post_init__(self) -> None:
         if not self.replicas:
             raise ConfigError(f"route {self.name}: no replica")
         if self.ttft_slo_s <= 0 or self.context_tokens < 1 or self.max_running_requests < 1:
             raise ConfigError(f"route {self.name}: SLO, context and max running must be positive")
+
+    def budget(self) -> TokenBudget | None:
+        """The tokens a request may need of one runtime: `token_budget`, or less where every
+        runtime's KV limit holds less (a request no runtime can ever hold would wait in SGLang's
+        queue until its client gave up; the router refuses it at once)."""
+        if self.kv_limit_budget is None:
+            return self.token_budget
+        limited = [self.kv_limit_budget(r.runtime_id) for r in self.replicas]
+        if any(b is None for b in limited):
+            return self.token_budget
+        widest = max((b for b in limited if b is not None), key=lambda b: b.total_tokens)
+        if self.token_budget is None or widest.total_tokens < self.token_budget.total_tokens:
+            return widest
+        return self.token_budget
 
 
 @dataclass(frozen=True)

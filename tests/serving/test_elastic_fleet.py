@@ -212,6 +212,12 @@ def test_ctl_limit_caps_a_models_kv_in_the_slab_table_and_refuses_what_cannot_be
         "fineslab_slab_owner_kv_limit_bytes") and "llama-pinned-r0" in m)
     assert float(line.split()[-1]) == 3 << 20, line
     assert _text(fleet, "llama-pinned"), "a short request fits in the limit"
+    # 3,000 tokens need 6 MiB of FP16 llama-tiny KV: under the 3 MiB limit it would wait in
+    # SGLang's queue for ever (bench.capacity's static partitions), so it is refused at once.
+    long = {"model": "llama-pinned", "prompt": [11] * 3000, "max_tokens": 4}
+    refused = httpx.post(fleet.base_url + "/v1/completions", json=long, timeout=30)
+    assert refused.status_code == 400 and "KV limit" in refused.json()["error"]["message"], \
+        refused.text
     below = _ctl(fleet, "limit", "llama-pinned", "1K")
     assert below.returncode == 1 and "400" in below.stderr and "below one slab" in below.stderr
     unknown = _ctl(fleet, "limit", "no-such-model", "1G")
@@ -225,6 +231,8 @@ def test_ctl_limit_caps_a_models_kv_in_the_slab_table_and_refuses_what_cannot_be
             (body, reply.text)
     cleared = _ctl(fleet, "limit", "llama-pinned", "none")
     assert cleared.returncode == 0 and "KV limit - per runtime" in cleared.stdout, cleared
+    served = httpx.post(fleet.base_url + "/v1/completions", json=long, timeout=120)
+    assert served.status_code == 200, f"without the limit it is served: {served.text}"
     with SlabArena.attach(fleet.fleet_id, "cpu:0") as arena:
         assert arena.table.kv_limits() == {}
 

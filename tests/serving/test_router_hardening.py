@@ -7,6 +7,7 @@ runtimes in test_demo_fleet.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Iterator
@@ -25,7 +26,9 @@ from fineslab.router import (
     TokenBudget,
 )
 from fineslab.router.app import INLINE_PARSE_BYTES
+from fineslab.router.requests import check_budget
 from fineslab.router.testing import FixedTtftPredictor, start_echo_backend
+from fineslab.router.validation import BadRequest
 from fineslab.runtime import free_port
 
 VOCAB = 2048
@@ -233,6 +236,29 @@ def test_a_request_over_the_runtimes_token_budget_is_400_at_once(
         return
     message = _assert_error(reply, 400, "context_length_exceeded")
     assert said in message and "256 KV tokens" in message, message
+
+
+def test_a_kv_limit_smaller_than_the_budget_refuses_what_it_can_never_hold() -> None:
+    """`fineslab ctl limit` caps a runtime's KV below its --max-total-tokens: a request over
+    what the limit can ever hold waited in SGLang's queue until its client gave up (a 1,500-token
+    prompt under a 576-token limit, bench.capacity's static partitions). The route's budget is
+    the smaller one, read per request (a limit changes at run time); with no limit, or a limit
+    above the budget, the budget stands."""
+    limits: dict[str, TokenBudget | None] = {"r0": None}
+    route = ModelRoute("m", (ReplicaRoute("r0", "http://127.0.0.1:9"),), 30.0,
+                       FixedTtftPredictor(), tokenizer_dir=None, context_tokens=4096,
+                       token_budget=TokenBudget(1024, 16), kv_limit_budget=limits.get)
+    assert route.budget() == TokenBudget(1024, 16)
+    limits["r0"] = TokenBudget(576, 16, "its KV limit of 1179648 B, fineslab ctl limit")
+    assert route.budget() == limits["r0"]
+    with pytest.raises(BadRequest, match="KV limit of 1179648 B"):
+        check_budget(route.budget(), 1500, 8)
+    check_budget(route.budget(), 500, 8)
+    limits["r0"] = TokenBudget(4096, 16, "a limit above the budget")
+    assert route.budget() == TokenBudget(1024, 16)
+    two = dataclasses.replace(route, replicas=(*route.replicas, ReplicaRoute("r1", "x")))
+    limits["r0"] = TokenBudget(576, 16)
+    assert two.budget() == TokenBudget(1024, 16), "a runtime without a limit takes any request"
 
 
 def test_the_token_budget_follows_sglangs_clip() -> None:
