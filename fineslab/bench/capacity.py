@@ -30,7 +30,9 @@ Workloads (each model's requests: ShareGPT or the Azure trace's lengths divided 
     replay   the Azure conversation trace compressed to the mix's total rate, each arrival
              given to a model in proportion to its base rate (bursts of the real trace)
 
-Rates and SLOs come from this machine in this run, on the first fleet launched (shared-fcfs):
+Rates and SLOs come from this machine in this run, on the first fleet launched (shared-fcfs;
+static before its limits when shared-fcfs is not asked for; a shared-fcfs fleet of its own,
+stopped after, when neither is):
 each model's profile is calibrated over HTTP (`sim.experiments.calibrate`, prompts up to the
 P95 one), its TTFT SLO is `slo_scale` x the calibrated TTFT of the P95 prompt (the simulator's
 rule; scale 20 by default: at the simulator's headline 5, 0.25-0.75 s here, every system missed
@@ -71,6 +73,7 @@ import httpx
 
 from fineslab.bench.chaos_fleet import ChaosFleet
 from fineslab.bench.engine_policy import engine_drops
+from fineslab.errors import ConfigError
 from fineslab.fleet.config import fleet_from_dict
 from fineslab.fleet.plan import make_plan, model_dir_of
 from fineslab.fleet.profiles import find_profile
@@ -197,7 +200,17 @@ def _scaled(cfg: CapacityBenchConfig, requests: list[Request]) -> list[Request]:
 
 def workload(cfg: CapacityBenchConfig, kind: str, rates: dict[str, float], rate_scale: float,
              seed: int) -> list[Request]:
-    """The requests of one probe: the same (kind, rates, scale, seed), the same list."""
+    """The requests of one probe: the same (kind, rates, scale, seed), the same list.
+    ConfigError when it has none (a probe too short for the rate)."""
+    requests = _requests(cfg, kind, rates, rate_scale, seed)
+    if not requests:
+        raise ConfigError(f"rate scale {rate_scale:g} offers no request in {cfg.duration_s:g} s "
+                          f"of the {kind} workload: use a longer --duration")
+    return requests
+
+
+def _requests(cfg: CapacityBenchConfig, kind: str, rates: dict[str, float], rate_scale: float,
+              seed: int) -> list[Request]:
     loads = tuple(ModelLoad(m.name, rates[m.name]) for m in cfg.mix)
     max_prompt = cfg.max_prompt_tokens * cfg.length_scale
     if kind == "replay":
@@ -428,20 +441,30 @@ def run(cfg: CapacityBenchConfig) -> dict[str, Any]:
     fleets: dict[str, ChaosFleet] = {}
     started = time.monotonic()
     try:
-        order = ["shared-fcfs", *(s for s in cfg.systems if s != "shared-fcfs")]
         ids = {system: f"{FLEET_IDS[system]}{os.getpid() % 100_000}" for system in SYSTEMS}
-        first = fleet_config(cfg, "shared-fcfs", ids["shared-fcfs"], None)
-        fleets["shared-fcfs"] = ChaosFleet.launch(first, folder, "shared-fcfs")
-        calibration = measure_calibration(cfg, fleets["shared-fcfs"], folder, first)
+        # The calibration needs an FCFS fleet: shared-fcfs, or static before its limits are set
+        # (it then starts its probes with the calibration's prefix cache, which its limits do
+        # not take back); with neither asked for, a shared-fcfs fleet is launched for it alone.
+        calibrator = next((s for s in ("shared-fcfs", "static") if s in cfg.systems),
+                          "shared-fcfs")
+        first = fleet_config(cfg, calibrator, ids[calibrator], None)
+        fleets[calibrator] = ChaosFleet.launch(first, folder, calibrator)
+        calibration = measure_calibration(cfg, fleets[calibrator], folder, first)
+        if calibrator not in cfg.systems:
+            done = fleets.pop(calibrator)
+            done.interrupt()
+            done.cleanup()
         limits: dict[str, int] = {}
         arena_bytes = cfg.arena_mib << 20
-        for system in order[1:]:
+        for system in cfg.systems:
             config = fleet_config(cfg, system, ids[system], calibration)
-            fleets[system] = ChaosFleet.launch(config, folder, system)
-            if system == "static":
+            if system not in fleets:
+                fleets[system] = ChaosFleet.launch(config, folder, system)
+            if system == "static":  # from the calibrated config, whichever fleet calibrated
                 limits = static_limits(config, arena_bytes)
                 _set_limits(fleets[system], limits)
-            warm_up(cfg, fleets[system])
+            if system != calibrator:
+                warm_up(cfg, fleets[system])
         cells = []
         for kind in cfg.workloads:
             for seed in cfg.seeds:
@@ -606,7 +629,11 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.ceiling < cfg.start:
         parser.error(f"--ceiling {cfg.ceiling:g} is below the first rate scale probed "
                      f"({cfg.start:g})")
-    out = run(cfg)
+    try:
+        out = run(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     emit(f"capacity (rate scale 1 = {out['base_rates_per_s']} requests/s), TTFT SLOs "
          f"{out['slo_s']} s",
          ["workload", "seed", "system", "capacity 99%", "capacity 90%", "goodput/s",

@@ -1,8 +1,10 @@
-"""`python -m fineslab.bench.capacity --quick --json` cut to its least (4 s probes, rate scales 1
-and 2 only): three real CPU fleets of three models (fineslab, shared-fcfs, static) under the same
-requests, each system's bisection probes reported, the static fleet's KV limits applied, and the
-simulator's capacity for the same fleet beside the live one. The full grid is in
-docs/evaluation.md; this checks the machinery that produces it."""
+"""`python -m fineslab.bench.capacity --quick --json` cut to its least: 10 s probes, rate
+scales 1 and 2 only, fineslab and static (two real CPU fleets of three models; the static one
+calibrates before its limits are set; shared-fcfs is that fleet without the limits and would
+cost the suite a third fleet). Checked: the same requests for each system, every bisection
+probe reported, the static KV limits applied, the simulator's capacity beside the live one.
+4 s probes offered no request at all on a slower machine (rate scale 1 is a quarter of the
+measured saturation throughput). The full grid is in docs/evaluation.md."""
 
 from __future__ import annotations
 
@@ -17,14 +19,15 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-SYSTEMS = {"fineslab", "shared-fcfs", "static"}
+SYSTEMS = {"fineslab", "static"}
 
 
 def test_the_quick_capacity_run_bisects_each_system_on_the_same_requests(
         model_cache: Path) -> None:
     env = dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache))
     done = subprocess.run([sys.executable, "-m", "fineslab.bench.capacity", "--quick", "--json",
-                           "--duration", "4", "--ceiling", "2", "--tolerance", "1"],
+                           "--duration", "10", "--ceiling", "2", "--tolerance", "1",
+                           "--systems", "fineslab,static"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     figures = json.loads(done.stdout.strip().splitlines()[-1])
@@ -47,8 +50,21 @@ def test_the_quick_capacity_run_bisects_each_system_on_the_same_requests(
         met = [p["rate_scale"] for p in probes if p["attainment"] >= 0.99]
         assert s["capacity"] == max(met, default=0.0), (name, s["capacity"], probes)
         assert 0 <= s["sim_capacity"] <= 2 and s["sim_probes"], (name, s)
-        assert figures[f"{name.replace('-', '_')}_capacity"] == s["capacity"]
+        assert figures[f"{name}_capacity"] == s["capacity"]
     assert all(len(counts) == 1 for counts in requests.values()), \
         f"each rate scale offers every system the same requests: {requests}"
-    assert systems["shared-fcfs"]["probes"][0]["engine_drops"] == 0, "fcfs: no engine policy"
+    assert systems["static"]["probes"][0]["engine_drops"] == 0, "fcfs: no engine policy"
+    assert figures["shared_fcfs_capacity"] is None, "not asked for: no figure"
     assert "sim_capacity_error" in figures and "fineslab_over_best_baseline" in figures
+
+
+def test_a_probe_that_offers_no_request_is_a_clear_error_not_a_traceback() -> None:
+    from dataclasses import replace
+
+    from fineslab.bench.capacity import QUICK, workload
+    from fineslab.errors import ConfigError
+
+    rates = {m.name: 0.01 for m in QUICK.mix}
+    with pytest.raises(ConfigError, match="use a longer --duration"):
+        workload(replace(QUICK, duration_s=1.0), "shift", rates, 1.0, 0)
+    assert workload(QUICK, "shift", {m.name: 2.0 for m in QUICK.mix}, 1.0, 0), "a real probe"
