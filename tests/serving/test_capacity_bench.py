@@ -1,4 +1,4 @@
-"""`python -m fineslab.bench.capacity --quick --json` cut to its least: 10 s probes, rate
+"""`python -m fineslab.bench.capacity --quick --json` cut to its least: 16 s probes, rate
 scales 1 and 2 only, fineslab and static (two real CPU fleets of three models; the static one
 calibrates before its limits are set; shared-fcfs is that fleet without the limits and would
 cost the suite a third fleet). Checked: the same requests for each system, every bisection
@@ -26,7 +26,7 @@ def test_the_quick_capacity_run_bisects_each_system_on_the_same_requests(
         model_cache: Path) -> None:
     env = dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache))
     done = subprocess.run([sys.executable, "-m", "fineslab.bench.capacity", "--quick", "--json",
-                           "--duration", "10", "--ceiling", "2", "--tolerance", "1",
+                           "--duration", "16", "--ceiling", "2", "--tolerance", "1",
                            "--systems", "fineslab,static"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
