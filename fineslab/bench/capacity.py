@@ -319,22 +319,18 @@ class Probe:
 
 
 def probe_figures(result: BenchResult, wall_s: float) -> dict[str, Any]:
-    outcomes = result.outcomes
+    outcomes, summary = result.outcomes, result.summary()
     met = sum(1 for o in outcomes if o.met_slo)
     refused = sum(1 for o in outcomes if (o.dropped or "").startswith(("HTTP 429", "HTTP 503")))
     timed_out = sum(1 for o in outcomes if "Timeout" in (o.dropped or "").split(":")[0])
-    completed = sum(1 for o in outcomes if o.completed)
-    ttfts = sorted(o.ttft_s for o in outcomes if o.completed and o.ttft_s is not None)
-    p99 = ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None
-    by_model: dict[str, float] = {}
-    for model in sorted({o.model for o in outcomes}):
-        mine = [o for o in outcomes if o.model == model]
-        by_model[model] = round(sum(o.met_slo for o in mine) / len(mine), 4)
+    completed, p99 = summary.num_completed, summary.ttft_s.p99
     return {"requests": len(outcomes), "met": met, "late": completed - met,
             "dropped": refused, "timed_out": timed_out,
             "failed": len(outcomes) - completed - refused - timed_out,
             "goodput_per_s": round(met / wall_s, 3), "ttft_p99_s": None if p99 is None
-            else round(p99, 3), "attainment_by_model": by_model,
+            else round(p99, 3),
+            "attainment_by_model": {model: round(s.slo_attainment or 0.0, 4)
+                                    for model, s in result.by_model().items()},
             "load_average": load_average()}
 
 
@@ -346,11 +342,10 @@ def live_probe(cfg: CapacityBenchConfig, fleet: ChaosFleet, calibration: Calibra
     timeout_s = 4 * max(calibration.slo_s.values()) + 30
     drops_before = engine_drops(fleet.base_url)
     result = run_benchmark(_bench(fleet.base_url, calibration.slo_s, timeout_s, seed), requests)
-    attainment = sum(o.met_slo for o in result.outcomes) / len(result.outcomes)
     _wait_drained(fleet)
     figures = probe_figures(result, cfg.duration_s)
     figures["engine_drops"] = engine_drops(fleet.base_url) - drops_before
-    return Probe(rate_scale, round(attainment, 4), figures)
+    return Probe(rate_scale, round(figures["met"] / figures["requests"], 4), figures)
 
 
 def _wait_drained(fleet: ChaosFleet, timeout_s: float = 60.0) -> None:

@@ -64,6 +64,7 @@ from fineslab.scheduler.refreshed import FollowedPredictor
 from fineslab.sglang_plugin.config import EngineSchedule
 from fineslab.slabs import ArenaSpec, SlabArena, TableSnapshot, snapshot
 from fineslab.slabs.formats import BlockFormat
+from fineslab.slabs.integrity import OwnerUsage
 from fineslab.slabs.shm import arena_device
 from fineslab.slabs.streamctl import StreamState, host_copy_path, request_path, state_path
 from fineslab.slabs.table import SlabTable
@@ -462,35 +463,39 @@ class Fleet:
                 self._snapshots = (time.monotonic(), snaps)
             return snaps
 
-    def kv_free_tokens(self, runtime_id: str) -> int | None:
-        """Tokens the runtime can still get: the free blocks it can take (its slabs', or its key
-        pool's) plus the free slabs' worth (a free padding slab left out, as its allocator
-        does), within its KV limit."""
+    def _slab_reading(self, runtime_id: str) -> tuple[TableSnapshot, OwnerUsage, int] | None:
+        """The runtime's device's table snapshot, its row and its page size; None where there
+        is no reading (not registered, SGLang's own pool)."""
         runtime = next(r for r in self.plan.runtimes if r.runtime_id == runtime_id)
         snap = self.slab_snapshots().get(runtime.device.name)
         owner = next((o for o in snap.owners if o.runtime_id == runtime_id), None) \
             if snap else None
         if snap is None or owner is None or owner.key <= 0 or runtime.page_size is None:
             return None
-        return owner.available_blocks(snap.kv_free_slabs, snap.slab_bytes) * runtime.page_size
+        return snap, owner, runtime.page_size
+
+    def kv_free_tokens(self, runtime_id: str) -> int | None:
+        """Tokens the runtime can still get: the free blocks it can take (its slabs', or its key
+        pool's) plus the free slabs' worth (a free padding slab left out, as its allocator
+        does), within its KV limit."""
+        reading = self._slab_reading(runtime_id)
+        if reading is None:
+            return None
+        snap, owner, page_size = reading
+        return owner.available_blocks(snap.kv_free_slabs, snap.slab_bytes) * page_size
 
     def kv_limit_budget(self, runtime_id: str) -> TokenBudget | None:
-        """The KV tokens the runtime's limit lets it hold (whole slabs, or blocks in a key
-        pool; the padding slab not counted), None without a limit or a reading."""
-        runtime = next(r for r in self.plan.runtimes if r.runtime_id == runtime_id)
-        snap = self.slab_snapshots().get(runtime.device.name)
-        owner = next((o for o in snap.owners if o.runtime_id == runtime_id), None) \
-            if snap else None
-        if snap is None or owner is None or owner.key <= 0 or runtime.page_size is None \
-                or owner.kv_limit_bytes is None:
+        """The KV tokens the runtime's limit lets it hold (the padding slab not counted), None
+        without a limit or a reading."""
+        reading = self._slab_reading(runtime_id)
+        if reading is None:
             return None
-        limit = owner.kv_limit_bytes
-        blocks = limit // owner.key if owner.pooled else \
-            limit // snap.slab_bytes * (snap.slab_bytes // owner.key)
-        if blocks < 1:
+        snap, owner, page_size = reading
+        blocks = owner.limit_blocks(snap.slab_bytes)
+        if blocks is None or blocks < 1:
             return None
-        return TokenBudget(blocks * runtime.page_size, runtime.page_size,
-                           f"its KV limit of {limit} B, fineslab ctl limit")
+        return TokenBudget(blocks * page_size, page_size,
+                           f"its KV limit of {owner.kv_limit_bytes} B, fineslab ctl limit")
 
     def _runtime_down(self, runtime_id: str, reason: str, back_in_s: float) -> None:
         if self.router is not None:

@@ -38,6 +38,15 @@ class OwnerUsage:
     def used_bytes(self) -> int:
         return self.used_blocks * self.key
 
+    def limit_blocks(self, slab_bytes: int) -> int | None:
+        """The blocks of KV its limit lets it hold (whole slabs, or blocks of a key pool; the
+        padding slab's come on top), None without a limit: what its allocator enforces."""
+        if self.kv_limit_bytes is None:
+            return None
+        if self.pooled:
+            return self.kv_limit_bytes // self.key
+        return self.kv_limit_bytes // slab_bytes * (slab_bytes // self.key)
+
     def available_blocks(self, free_slabs: int, slab_bytes: int) -> int:
         """Blocks it could take now: its free blocks (its slabs', or its key pool's) and the
         free slabs' worth, within its KV limit (what its allocator's `available_blocks` says)."""

@@ -163,18 +163,21 @@ def test_a_free_padding_slab_is_not_counted_as_room_for_kv(arena: SlabArena) -> 
     client.close()
 
 
-def test_the_padding_slab_is_not_counted_against_a_private_runtimes_limit(
-        arena: SlabArena) -> None:
+@pytest.mark.parametrize("pooled", [False, True], ids=["private", "key-pool"])
+def test_the_padding_slab_is_not_counted_against_a_runtimes_limit(
+        arena: SlabArena, pooled: bool) -> None:
     """The runtime that draws first holds slab 0, where SGLang writes padded tokens (its
-    allocator parks it whole): a limit of one slab still leaves it one slab of KV. Counting it
-    left a runtime with no KV, and its requests waited until the client gave up (bench.capacity's
-    static partitions, 2026-11-29)."""
-    rt = arena.client("r0", FMT_A)
+    allocator parks it whole): a limit of one slab still leaves it one slab of KV, whether its
+    slabs are its own or its key pool's. Counting it left a runtime with no KV, and its requests
+    waited until the client gave up (bench.capacity's static partitions, 2026-11-29)."""
+    rt = arena.client("r0", FMT_A, pooled=pooled)
     arena.table.set_kv_limit("r0", SLAB_BYTES)
-    padding = rt.alloc(8)  # slab 0, whole
-    assert snapshot(arena.table).owners[0].padding_blocks == 8
-    assert rt.available_blocks() == 8 == snapshot(arena.table).owners[0].available_blocks(
-        NUM_SLABS - 1, SLAB_BYTES), "a slab of KV besides the padding slab"
+    padding = rt.alloc(8)  # slab 0, whole (a key pool's first slab is slab 0 too)
+    (owner,) = snapshot(arena.table).owners
+    assert int(arena.table.owner[0]) == (-2 if pooled else rt.slot)
+    assert owner.padding_blocks == 8 and owner.limit_blocks(SLAB_BYTES) == 8, owner
+    assert rt.available_blocks() == 8 == owner.available_blocks(NUM_SLABS - 1, SLAB_BYTES), \
+        "a slab of KV besides the padding slab"
     kv = rt.alloc(8)
     with pytest.raises(ArenaExhausted, match="KV limit"):
         rt.alloc(1)
@@ -182,20 +185,3 @@ def test_the_padding_slab_is_not_counted_against_a_private_runtimes_limit(
     rt.free(kv)
     rt.free(padding)
     rt.check_integrity()
-
-
-def test_a_pooled_runtimes_blocks_in_the_padding_slab_are_not_counted(
-        arena: SlabArena) -> None:
-    a = arena.client("a", FMT_A, pooled=True)
-    assert isinstance(a, PooledSlabs)
-    arena.table.set_kv_limit("a", SLAB_BYTES)
-    padding = a.alloc(8)  # the pool's first slab is slab 0
-    assert int(arena.table.owner[0]) == -2 and snapshot(arena.table).owners[0].padding_blocks == 8
-    assert a.available_blocks() == 8, "its limit's blocks besides the padding slab"
-    kv = a.alloc(8)
-    with pytest.raises(ArenaExhausted, match="KV limit"):
-        a.alloc(1)
-    a.check_integrity()
-    a.free(kv)
-    a.free(padding)
-    a.check_integrity()
