@@ -6,12 +6,13 @@ One runtime for the module: about 40 s on an idle 2-core machine."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -206,24 +207,21 @@ def _until(what: Callable[[], bool], within_s: float) -> bool:
     return what()
 
 
-def _leaving_client(router: str, model: str, stream: bool, leave_after_s: float
-                    ) -> threading.Thread:
-    """A client that gives up after `leave_after_s` (its connection closes)."""
-    def run() -> None:
-        body = {"model": model, "prompt": "Tell me a long story", "max_tokens": 32,
-                "stream": stream}
-        with contextlib.suppress(httpx.TimeoutException), httpx.Client(
-                timeout=leave_after_s) as client:
-            if stream:
-                with client.stream("POST", router + "/v1/completions", json=body) as reply:
-                    for _ in reply.iter_bytes():
-                        pass
-            else:
-                client.post(router + "/v1/completions", json=body)
+class _Client:
+    """A client that sends one completion request and leaves (closes its connection) when
+    told, not on a timer: on a loaded machine a timer can fire before the test looks."""
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
+    def __init__(self, router: str, model: str, stream: bool) -> None:
+        url = httpx.URL(router)
+        body = json.dumps({"model": model, "prompt": "Tell me a long story", "max_tokens": 32,
+                           "stream": stream}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.host}:{url.port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+        self._socket = socket.create_connection((url.host, url.port), timeout=30)
+        self._socket.sendall(head.encode() + body)
+
+    def leave(self) -> None:
+        self._socket.close()
 
 
 @contextlib.contextmanager
@@ -242,10 +240,10 @@ def test_a_client_that_leaves_frees_its_router_slot_and_its_runtime_request(
     runtime = RUNTIME_URL[router]
     before, aborts = _abandoned(router, "tiny"), _runtime_aborts(runtime)
     with _paused(runtime):
-        client = _leaving_client(router, "tiny", stream, leave_after_s=3.0)
+        client = _Client(router, "tiny", stream)
         assert _until(lambda: _inflight(router, "tiny") == 1, 10), "the request was forwarded"
-        client.join(30)
-        assert _until(lambda: _inflight(router, "tiny") == 0, 2), "the router slot is free"
+        client.leave()
+        assert _until(lambda: _inflight(router, "tiny") == 0, 5), "the router slot is free"
         assert _until(lambda: _runtime_aborts(runtime) == aborts + 1, 2), \
             "the runtime aborted it (SGLang's own disconnect check alone takes up to 4 s)"
     assert _abandoned(router, "tiny") == before + 1
@@ -257,16 +255,17 @@ def test_a_client_that_leaves_frees_its_router_slot_and_its_runtime_request(
 def test_a_client_that_leaves_while_queued_leaves_the_queue(router: str) -> None:
     runtime = RUNTIME_URL[router]
     with _paused(runtime):
-        holder = _leaving_client(router, "tiny-one", False, leave_after_s=8.0)
+        holder = _Client(router, "tiny-one", False)
         assert _until(lambda: _inflight(router, "tiny-one") == 1, 10)
-        waiter = _leaving_client(router, "tiny-one", True, leave_after_s=2.0)
-        assert _until(lambda: _queued(router, "tiny-one") == 1, 5), "the second one waits"
-        waiter.join(30)
-        assert _until(lambda: _queued(router, "tiny-one") == 0, 2), "it left the queue"
-        assert _inflight(router, "tiny-one") == 1, "the first one still holds the slot"
+        waiter = _Client(router, "tiny-one", True)
+        assert _until(lambda: _queued(router, "tiny-one") == 1, 10), "the second one waits"
         aborts = _runtime_aborts(runtime)
-        holder.join(30)
-        assert _until(lambda: _inflight(router, "tiny-one") == 0, 2)
+        waiter.leave()
+        assert _until(lambda: _queued(router, "tiny-one") == 0, 5), "it left the queue"
+        assert _inflight(router, "tiny-one") == 1, "the first one still holds the slot"
+        assert _runtime_aborts(runtime) == aborts, "the one that left never reached the runtime"
+        holder.leave()
+        assert _until(lambda: _inflight(router, "tiny-one") == 0, 5)
         assert _until(lambda: _runtime_aborts(runtime) == aborts + 1, 2), "only the first ran"
 
 
