@@ -159,16 +159,19 @@ def _base_environ(cpu: bool) -> dict[str, str]:
     return cpu_mode.child_environ(base) if cpu else base
 
 
-def prestart_zygote(cpu: bool = True, fleet_id: str | None = None) -> Zygote | None:
+def prestart_zygote(cpu: bool = True, fleet_id: str | None = None,
+                    env: Mapping[str, str] | None = None) -> Zygote | None:
     """Start this process's zygote now (the first warm start would otherwise pay its import),
     for a launcher to overlap with its planning and a benchmark to keep out of its timings;
     `fleet_id`: the fleet whose runtimes it forks (its marker shows in their environment);
-    None (logged) where warm starts are off or the zygote cannot start."""
+    `env`: what every runtime's spec adds to the environment alike (the zygote imports with
+    it); None (logged) where warm starts are off or the zygote cannot start."""
     if not FineslabEnv.from_environ().warm_starts:
         return None
     try:
         marker = {FLEET_MARKER: fleet_id} if fleet_id else {}
-        return shared_zygote(cpu, {**_base_environ(cpu), **marker}, lifeline_read_fd())
+        return shared_zygote(cpu, {**_base_environ(cpu), **(env or {}), **marker},
+                             lifeline_read_fd())
     except ZygoteUnavailable as exc:
         logger.warning("no zygote: runtimes start plainly (%s)", exc)
         return None

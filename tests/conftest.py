@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
+# One compute thread for every process the suite starts, before anything imports torch: two
+# test processes share the machine's cores, and torch's default (every core, for each of them
+# and each runtime they start) oversubscribed them. The fleets the tests launch get the
+# launcher's own default instead (fleet_support.launch), as users do.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from collections.abc import Iterator
 from pathlib import Path
 

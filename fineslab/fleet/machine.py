@@ -50,7 +50,7 @@ from fineslab.fleet.plan import (
 )
 from fineslab.fleet.prefix_lending import BorrowerSpec, PrefixLending, start_prefix_lending
 from fineslab.fleet.reclaim import CacheReclaimer
-from fineslab.fleet.runtimes import server_spec, token_budget
+from fineslab.fleet.runtimes import THREADS_VAR, cpu_threads_env, server_spec, token_budget
 from fineslab.fleet.supervisor import SupervisedRuntime, Supervisor
 from fineslab.quant.serving import PrecisionRuntime, prepare_served_model, verify_runtime
 from fineslab.router import ModelRoute, ReplicaRoute, Router, RouterServer, RouterSettings
@@ -125,6 +125,8 @@ class Fleet:
         self._stopping = threading.Event()  # set first thing in stop(): restarts stop waiting
         #: Elastic runtimes' host copies of their weights while asleep (removed at stop).
         self.weights_dir: Path | None = None
+        #: What every runtime's environment gets alike (the CPU threads share), set at start.
+        self._alike_env: dict[str, str] = {}
 
     def __enter__(self) -> Fleet:
         try:
@@ -146,9 +148,11 @@ class Fleet:
         self.record = sweep(config.fleet_id, progress=self.progress)
         # The zygote imports SGLang while the checkpoints and arenas are prepared: the first
         # runtime then starts warm without waiting for a whole import (fineslab.zygote).
+        self._alike_env = cpu_threads_env(self.plan.runtimes, os.environ,
+                                          len(os.sched_getaffinity(0)))
         zygote = threading.Thread(target=prestart_zygote, name="zygote-start", daemon=True,
                                   args=(all(r.device.is_cpu for r in self.plan.runtimes),
-                                        config.fleet_id))
+                                        config.fleet_id, self._alike_env))
         zygote.start()
         self.prepare()
         for arena_plan in self.plan.arenas:
@@ -159,7 +163,10 @@ class Fleet:
             self.arenas[arena_plan.device.name] = SlabArena.create(spec)
             self.progress(f"arena {config.fleet_id}/{arena_plan.device.name}: "
                           f"{spec.num_slabs} slabs of {spec.slab_bytes} B")
-        self.progress(f"starting {len(self.plan.runtimes)} runtimes (logs in {self.log_dir})")
+        threads = self._alike_env.get(THREADS_VAR)
+        self.progress(f"starting {len(self.plan.runtimes)} runtimes (logs in {self.log_dir})"
+                      + (f"; {threads} compute thread(s) each on CPU ({THREADS_VAR} chooses)"
+                         if threads else ""))
         if any(r.weights_in_arena for r in self.plan.runtimes):
             self.weights_dir = Path(tempfile.mkdtemp(prefix=f"fineslab-{config.fleet_id}-weights-"))
             if self.record is not None:
@@ -222,7 +229,7 @@ class Fleet:
                            max_running_requests=config.router.max_running_requests,
                            schedule=schedule, contract_dir=self.log_dir,
                            planned=self._planned_block(r),
-                           files=self._control_files(r, schedule))
+                           files=self._control_files(r, schedule), base_env=self._alike_env)
         if r.weights_in_arena and self.weights_dir is not None:
             spec = dataclasses.replace(spec, env={**spec.env,
                                                   WEIGHTS_DIR_VAR: str(self.weights_dir)})

@@ -63,6 +63,7 @@ def launch(example: str, folder: Path, model_cache: Path, fleet_id: str,
     if edit is not None:
         edit(config)
     env = dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache))
+    env.pop("OMP_NUM_THREADS", None)  # the suite's one thread (conftest): the launcher's own
     fleet = LaunchedFleet.launch(config, folder, name, port=port, env=env, cwd=REPO,
                                  log_dir=folder / "logs", own_log_dir=not log_dir,
                                  timeout_s=timeout_s)

@@ -33,7 +33,7 @@ from fleet_support import (
 )
 
 from fineslab import cpu_mode
-from fineslab.proctree import running_routers
+from fineslab.proctree import running_routers, tree_pids_of_group
 
 pytestmark = pytest.mark.slow
 
@@ -61,6 +61,15 @@ def test_launch_reports_progress_and_every_runtime_up(fleet: LaunchedFleet) -> N
     record = json.loads(Path(f"/dev/shm/fineslab-{fleet.fleet_id}.run").read_text())
     assert record["router"] == fleet.base_url, record
     assert running_routers()[fleet.fleet_id] == fleet.base_url
+    # four runtimes on this machine's cores: each its share, not every core (torch's default)
+    share = max(1, len(os.sched_getaffinity(0)) // len(MODELS))
+    assert f"; {share} compute thread(s) each on CPU" in out, out[:3000]
+    for runtime, group in fleet.runtime_pids().items():
+        pids = tree_pids_of_group(group)
+        assert pids, runtime
+        for pid in pids:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert f"OMP_NUM_THREADS={share}".encode() in environ, (runtime, pid)
 
 
 @pytest.mark.parametrize("model", MODELS)

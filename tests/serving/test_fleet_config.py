@@ -21,7 +21,7 @@ from fineslab.fleet.plan import (
     prefill_chunk_args,
 )
 from fineslab.fleet.profiles import find_profile
-from fineslab.fleet.runtimes import server_spec
+from fineslab.fleet.runtimes import cpu_threads_env, server_spec
 from fineslab.quant.serving import PrecisionRuntime
 from fineslab.slabs import KVDtype, KVShape
 
@@ -370,3 +370,25 @@ def test_the_routers_context_is_the_runtimes_context_length() -> None:
     assert context_tokens(("--context-length", "512"), hf) == 512, \
         "the router refused by 4,096 what the runtime refused past 512"
     assert context_tokens(("--context-length=1024",), {}) == 1024
+
+
+def test_each_cpu_runtime_gets_its_share_of_the_cores_unless_the_operator_chose() -> None:
+    """torch gives every runtime all the cores: four demo runtimes on two cores ran eight
+    spinning compute threads. The launcher gives each CPU runtime its share (at least one);
+    the launcher's own OMP_NUM_THREADS is the operator's choice, and a model's `env` wins over
+    both (it goes on top in the spec)."""
+    plan = make_plan(load_fleet_config(DEMO))
+    assert len(plan.runtimes) == 4
+    assert cpu_threads_env(plan.runtimes, {}, 2) == {"OMP_NUM_THREADS": "1"}
+    assert cpu_threads_env(plan.runtimes, {}, 16) == {"OMP_NUM_THREADS": "4"}
+    assert cpu_threads_env(plan.runtimes, {"OMP_NUM_THREADS": "3"}, 16) == {}, "the operator's"
+    assert cpu_threads_env([], {}, 16) == {}
+    data = _demo()
+    data["models"][0]["env"] = {"OMP_NUM_THREADS": "2"}
+    plan = make_plan(fleet_from_dict(data, "test.yaml"))
+    shared = cpu_threads_env(plan.runtimes, {}, 4)
+    prepared = PrecisionRuntime("x", "bf16", Path("/nonexistent"), KVDtype.BF16, ())
+    specs = {r.model.name: server_spec(r, prepared, "f", use_arena=True, base_env=shared)
+             for r in plan.runtimes}
+    assert specs["llama-bf16"].env["OMP_NUM_THREADS"] == "2", "the model's env wins"
+    assert specs["qwen2-bf16"].env["OMP_NUM_THREADS"] == "1"
