@@ -2,8 +2,9 @@
 
     python -m fineslab.bench.prefix [--json] [--quick] [--seed N] [--load moderate|busy]
 
-A fleet of one chat model (`chat`, its own KV capped small with `--max-total-tokens`) and two
-idle neighbours (one with --quick) in one arena is launched twice, the same sessions driven
+The fleet of examples/cpu-prefix.yaml (one chat model, `chat`, its own KV capped small with
+`--max-total-tokens`, and two idle neighbours; with --quick a llama-tiny chat, a smaller arena
+and one neighbour) is launched twice, the same sessions driven
 through the router each time: first without `prefix_lending` (SGLang's own radix cache), then
 with it. Sessions (`fineslab.workload.sessions`, closed loop, interleaved) send each turn as the
 whole history (earlier prompts and the model's own replies, as token ids) plus a new message,
@@ -44,8 +45,10 @@ from typing import Any
 
 import httpx
 import numpy as np
+import yaml
 
 from fineslab.bench.chaos_fleet import ChaosFleet
+from fineslab.errors import ConfigError
 from fineslab.workload.sessions import Session, SessionSpec, build_sessions
 from fineslab.workload.traces import SHAREGPT_STATS, LengthTable, load_lengths
 
@@ -78,22 +81,26 @@ QUICK = BenchConfig(preset="llama-tiny", own_kv_tokens=640, arena_mib=16, sessio
                     mean_turns=3.0, neighbours=1)
 
 
+#: The documented fleet the benchmark launches (with its own settings: `fleet_config`).
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "cpu-prefix.yaml"
+
+
 def fleet_config(cfg: BenchConfig, lending: bool, fleet_id: str) -> dict[str, Any]:
-    chat: dict[str, Any] = {
-        "name": CHAT, "preset": cfg.preset, "precision": "bf16", "kv_dtype": "bf16",
-        "ttft_slo_s": 30.0, "request_rate_per_s": 1.0, "replicas": 1,
-        "extra_args": ["--max-total-tokens", str(cfg.own_kv_tokens), "--enable-cache-report"]}
-    if lending:
-        chat["prefix_lending"] = {"cap": 0.5, "window_s": 10.0, "check_s": 1.0}
-    idle = [{"name": name, "preset": preset, "precision": "bf16", "kv_dtype": "bf16",
-             "ttft_slo_s": 30.0, "request_rate_per_s": 0.1, "replicas": 1}
-            for name, preset in (("idle-llama", "llama-tiny"),
-                                 ("idle-qwen", "qwen2-tiny"))[:cfg.neighbours]]
-    return {"fleet_id": fleet_id, "kv_pool": "arena", "placement": "mme",
-            "devices": [{"name": "cpu", "kind": "cpu", "memory_gib": 8,
-                         "kv_arena_mib": cfg.arena_mib}],
-            "router": {"host": "127.0.0.1", "max_running_requests": 8},
-            "models": [chat, *idle]}
+    """examples/cpu-prefix.yaml, the fleet docs/prefix.md starts, with this run's settings: the
+    chat model's preset and own KV tokens, the arena's size, `neighbours` idle models, and
+    `prefix_lending` only when `lending` (the defaults leave the file as it is)."""
+    config: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    chat, *idle = config["models"]
+    if chat["name"] != CHAT or "prefix_lending" not in chat:
+        raise ConfigError(f"{EXAMPLE}: its first model is the lending `{CHAT}` model")
+    chat["preset"] = cfg.preset
+    chat["extra_args"] = ["--max-total-tokens", str(cfg.own_kv_tokens), "--enable-cache-report"]
+    if not lending:
+        del chat["prefix_lending"]
+    config["models"] = [chat, *idle[:cfg.neighbours]]
+    config["devices"][0]["kv_arena_mib"] = cfg.arena_mib
+    config["fleet_id"] = fleet_id
+    return config
 
 
 def turn_lengths(seed: int) -> LengthTable:

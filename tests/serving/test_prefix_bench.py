@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_the_quick_benchmark_lends_evicted_histories_and_prints_every_figure(
         model_cache: Path) -> None:
+    # launches examples/cpu-prefix.yaml twice (its quick form: `fleet_config`), lending off, on
     env = dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache))
     done = subprocess.run([sys.executable, "-m", "fineslab.bench.prefix", "--quick", "--json"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
@@ -30,3 +31,20 @@ def test_the_quick_benchmark_lends_evicted_histories_and_prints_every_figure(
     assert figures["lent_slabs_peak"] > 0, "the chat model's evicted histories were lent"
     assert figures["hit_rate_on"] > figures["hit_rate_off"], figures
     assert figures["lender_reclaims"] > 0, "a lender carved lent slabs, so it was timed"
+
+
+def test_the_benchmark_launches_the_documented_example() -> None:
+    """examples/cpu-prefix.yaml is the fleet the benchmark runs (#39: every documented command
+    is run by a test): its defaults leave the file as it is, lending off only drops it, --quick
+    only shrinks it."""
+    import yaml
+
+    from fineslab.bench.prefix import EXAMPLE, QUICK, BenchConfig, fleet_config
+
+    example = yaml.safe_load(EXAMPLE.read_text())
+    assert fleet_config(BenchConfig(), True, example["fleet_id"]) == example
+    off = fleet_config(BenchConfig(), False, "x")
+    assert "prefix_lending" not in off["models"][0] and off["models"][1:] == example["models"][1:]
+    quick = fleet_config(QUICK, True, "x")
+    assert [m["name"] for m in quick["models"]] == ["chat", "idle-llama"]
+    assert quick["models"][0]["prefix_lending"] == example["models"][0]["prefix_lending"]

@@ -1,0 +1,71 @@
+"""The documented benchmarks no other test ran (#39: every command the docs show runs in a test),
+each as a user runs it (`python -m ...`, real SGLang), cut to its quick form: `bench.start` with
+one start of each kind, `bench.pool` with one round of two short requests, `bench.cluster` with
+two of the demo models and ten request pairs. The figures themselves are measured in the docs'
+runs (docs/serving.md, docs/plugin.md, docs/cluster.md); here each must be there and sane."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(model_cache: Path, *args: str, timeout_s: float = 900) -> dict[str, Any]:
+    env = dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache))
+    done = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert isinstance(figures, dict), done.stdout[-1000:]
+    return figures
+
+
+def test_the_start_benchmark_times_plain_warm_and_restarted_runtimes(
+        model_cache: Path, tmp_path: Path) -> None:
+    # docs/serving.md: python -m fineslab.bench.start --json --repeats 3
+    figures = _run(model_cache, "fineslab.bench.start", "--json", "--repeats", "1",
+                   "--logs", str(tmp_path))
+    for key in ("cold_start_s", "warm_start_s", "restart_s", "restart_plain_s"):
+        spread = figures[key]
+        assert 0 < spread["min"] <= spread["median"] <= spread["max"], (key, spread)
+    assert figures["ratio"] > 1, f"a warm start is faster than a plain one: {figures}"
+    assert figures["pss_mib_per_runtime"]["warm"] > 0 and figures["zygote_ready_s"] > 0
+
+
+def test_the_pool_benchmark_compares_the_slab_pool_with_sglangs_own(
+        model_cache: Path, tmp_path: Path) -> None:
+    # docs/plugin.md: python -m fineslab.bench.pool --json --rounds 4 --requests 8 ...
+    figures = _run(model_cache, "fineslab.bench.pool", "--json", "--device", "cpu",
+                   "--rounds", "1", "--requests", "2", "--new-tokens", "8",
+                   "--logs", str(tmp_path))
+    assert figures["device"] == "cpu"
+    assert figures["plugin_tok_s"] > 0 and figures["stock_tok_s"] > 0
+    assert figures["ratio"] == pytest.approx(figures["plugin_tok_s"] / figures["stock_tok_s"])
+
+
+def test_the_cluster_benchmark_serves_over_two_nodes_and_replaces_the_lost_one(
+        model_cache: Path, tmp_path: Path) -> None:
+    # docs/cluster.md: python -m fineslab.bench.cluster --json (the demo fleet; here two of
+    # its generated models, as tests/cluster/test_cluster_fleet.py serves them)
+    config = yaml.safe_load((REPO / "examples" / "cpu-demo.yaml").read_text())
+    config["models"] = [m for m in config["models"]
+                        if m["name"] in ("llama-small-fp16", "qwen2-bf16")]
+    path = tmp_path / "two-models.yaml"
+    path.write_text(yaml.safe_dump(config))
+    figures = _run(model_cache, "fineslab.bench.cluster", "--json", "--requests", "10",
+                   "--config", str(path))
+    assert figures["all_served"] is True and figures["models_on_b"], figures
+    assert figures["ready_s"] > 0 and figures["replace_s"] is not None and \
+        figures["replace_s"] > 0, figures
+    assert figures["direct_p50_ms"] > 0 and "front_hop_p99_ms" in figures, figures
