@@ -9,9 +9,11 @@ it. When the starter exits in any way (return, exception, SIGKILL, OOM kill), th
 its end and the read here sees EOF: the wrapper then stops the whole group (SIGTERM, then
 SIGKILL after `--grace-s`), removes SGLang's shared-memory files of the tree
 (`fineslab.proctree`) and, for a fleet's runtime, the fleet's arena files whose launcher is
-gone (`remove_dead_arenas`), and exits. Otherwise it waits for COMMAND and exits with its status
-(a signal-killed COMMAND as 128 + signal, the shell's convention), so the starter sees the
-server's own exit, having stopped what is left of the tree and removed the files it mapped.
+gone (`remove_dead_arenas`) and, the last of the fleet out, its run record
+(`fineslab.proctree.remove_dead_record`), and exits. Otherwise it waits for COMMAND and exits
+with its status (a signal-killed COMMAND as 128 + signal, the shell's convention), so the
+starter sees the server's own exit, having stopped what is left of the tree and removed the
+files it mapped.
 
 Why a wrapper and not `PR_SET_PDEATHSIG`: the parent-death signal fires when the *thread* that
 forked the child exits, and the launcher restarts runtimes from short-lived threads; it also
@@ -37,12 +39,16 @@ from typing import Protocol
 
 from fineslab.proctree import (
     FLEET_MARKER,
+    remove_dead_record,
     remove_files,
     stop_group,
     tree_pids_of_group,
     tree_shm_files,
 )
 
+#: How long a lifeline whose launcher died waits for the rest of the fleet to stop before it
+#: leaves the run record to the next launch's sweep.
+RECORD_WAIT_S = 15.0
 #: How often the wrapper looks at COMMAND while the lifeline is quiet.
 POLL_S = 0.5
 
@@ -119,6 +125,9 @@ def _remove_dead_arenas() -> None:
 
     for table in remove_dead_arenas(fleet_id):
         print(f"fineslab.lifeline: removed the arena {table.stem} of a dead launcher",
+              file=sys.stderr, flush=True)
+    if remove_dead_record(fleet_id, wait_s=RECORD_WAIT_S):
+        print(f"fineslab.lifeline: the last of fleet {fleet_id!r} out: removed its run record",
               file=sys.stderr, flush=True)
 
 

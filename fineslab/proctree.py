@@ -31,6 +31,7 @@ import fnmatch
 import json
 import logging
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -256,6 +257,76 @@ def _alive_by_signal(pid: int) -> int | None:
     except PermissionError:
         return 0
     return 0
+
+
+def run_record_path(fleet_id: str, shm_dir: Path | None = None) -> Path:
+    """A launcher's run record (`fineslab.fleet.leftovers.RunRecord`)."""
+    return (shm_dir or default_shm_dir()) / f"fineslab-{fleet_id}.run"
+
+
+def carries_marker(pid: int, fleet_id: str) -> bool:
+    """Whether process `pid`'s environment (/proc) holds the fleet's marker."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{FLEET_MARKER}={fleet_id}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def fleet_processes(fleet_id: str, exclude: Iterable[int] = ()) -> list[int]:
+    """Live (non-zombie) processes carrying the fleet's marker (its runtimes, their lifelines
+    and the fleet's zygote), but `exclude`."""
+    skip = set(exclude)
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in skip:
+            fields = stat_fields(int(entry))
+            if fields and fields[0] != "Z" and carries_marker(int(entry), fleet_id):
+                found.append(int(entry))
+    return found
+
+
+def _is_lifeline(pid: int) -> bool:
+    """A runtime's `fineslab.lifeline` wrapper (a fork from the zygote is titled with spaces
+    where a plain start's command line has NULs)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b" -m fineslab.lifeline " in f.read().replace(b"\0", b" ")
+    except OSError:
+        return False
+
+
+def remove_dead_record(fleet_id: str, wait_s: float = 0.0, shm_dir: Path | None = None) -> bool:
+    """The run record of a launcher that is gone, and the folders it names, once nothing of the
+    fleet runs but lifelines: each runtime's lifeline calls it once it has stopped its own tree
+    after the launcher was SIGKILLed, waiting up to `wait_s` for the other trees and the
+    fleet's zygote to go (before, record and folders stayed until a relaunch swept them, #39).
+    A record whose launcher lives (a relaunch's too) stays, and so does one while a process of
+    the fleet still runs after `wait_s` (the next launch's sweep sees to it). Lifelines do not
+    count: they all end this way, and each may remove what another already did. Returns
+    whether the record went."""
+    path = run_record_path(fleet_id, shm_dir)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            record = json.loads(path.read_text())
+            launcher = ProcessIdentity(*record.get("launcher", [0, 0]))
+            folders = [Path(f) for f in record.get("folders", [])]
+        except (OSError, ValueError, TypeError, AttributeError):
+            return False
+        if launcher.is_alive():
+            return False
+        running = [p for p in fleet_processes(fleet_id) if not _is_lifeline(p)]
+        if not running:
+            break
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+    for folder in folders:
+        if folder.name.startswith(f"fineslab-{fleet_id}-"):
+            shutil.rmtree(folder, ignore_errors=True)
+    path.unlink(missing_ok=True)
+    return True
 
 
 def running_routers(shm_dir: Path | None = None) -> dict[str, str]:

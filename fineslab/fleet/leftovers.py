@@ -8,8 +8,10 @@
                                           "router": "http://host:port" once it serves}
 
 The launcher writes the record at start and again whenever a runtime (re)starts, and removes it
-on a clean stop. Runtimes die with their launcher on their own (`fineslab.lifeline`); the record
-is the second line of defence, for what the lifeline cannot cover (a wrapper killed or stopped
+on a clean stop; after a SIGKILL of the launcher, the last runtime's lifeline to stop its tree
+removes it and the folders it names (`fineslab.proctree.remove_dead_record`). Runtimes die
+with their launcher on their own (`fineslab.lifeline`); the record is the second line of
+defence, for what the lifeline cannot cover (a wrapper killed or stopped
 together with the launcher, files of a tree SIGKILLed whole). At the next launch of the same
 `fleet_id`:
 
@@ -39,10 +41,10 @@ from pathlib import Path
 from fineslab.errors import EnvironmentSetupError
 from fineslab.jsonfile import write_json_whole
 from fineslab.proctree import (
-    FLEET_MARKER,
     ProcessIdentity,
-    default_shm_dir,
+    carries_marker,
     remove_files,
+    run_record_path,
     stop_group,
     tree_pids_of_group,
 )
@@ -51,8 +53,8 @@ from fineslab.slabs.shm import shm_stem
 logger = logging.getLogger(__name__)
 
 def record_path(fleet_id: str, shm_dir: Path | None = None) -> Path:
-    stem = shm_stem(fleet_id, "run").removesuffix("-run")
-    return (shm_dir or default_shm_dir()) / f"{stem}.run"
+    shm_stem(fleet_id, "run")  # a ConfigError for a fleet id no file name can hold
+    return run_record_path(fleet_id, shm_dir)
 
 
 @dataclass
@@ -95,14 +97,6 @@ class RunRecord:
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
-
-
-def _marked(pid: int, fleet_id: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f"{FLEET_MARKER}={fleet_id}".encode() in f.read().split(b"\0")
-    except OSError:
-        return False
 
 
 def _known(pid: int, known: set[ProcessIdentity]) -> bool:
@@ -148,7 +142,7 @@ def _sweep_runtimes(fleet_id: str, runtimes: dict[str, dict[str, object]],
         known = {ProcessIdentity(int(pid), int(ticks))
                  for pid, ticks in entry.get("members", [])}  # type: ignore[attr-defined]
         members = [p for p in tree_pids_of_group(pgid)
-                   if _marked(p, fleet_id) or _known(p, known)] if pgid else []
+                   if carries_marker(p, fleet_id) or _known(p, known)] if pgid else []
         if members:
             num_processes += len(members)
             stop_group(pgid, grace_s=1.0)

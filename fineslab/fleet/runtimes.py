@@ -23,8 +23,8 @@ from pathlib import Path
 from fineslab.env import ARENA_VAR, CONTRACT_VAR, RUNTIME_ID_VAR, FineslabEnv
 from fineslab.errors import EnvironmentSetupError
 from fineslab.fleet.config import flag_value
-from fineslab.fleet.leftovers import FLEET_MARKER
 from fineslab.fleet.plan import RuntimePlan, prefill_chunk_args
+from fineslab.proctree import FLEET_MARKER
 from fineslab.quant.serving import PrecisionRuntime
 from fineslab.router.routes import TokenBudget
 from fineslab.runtime import ServerSpec, free_port

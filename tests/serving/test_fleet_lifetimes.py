@@ -87,11 +87,14 @@ def test_killing_the_launcher_takes_its_runtimes_and_shared_memory_with_it(
     assert sglang_files, record
     os.kill(first.proc.pid, signal.SIGKILL)  # the launcher alone, not its process group
     first.proc.wait(30)
+    record_file = Path(f"/dev/shm/fineslab-{fleet_id}.run")
     deadline = time.monotonic() + 60
-    while any(group_alive(g) for g in runtime_groups) or shm_files(fleet_id):
+    # #39: the run record stayed until a relaunch swept it; the last lifeline out removes it
+    while any(group_alive(g) for g in runtime_groups) or shm_files(fleet_id) or \
+            record_file.exists():
         assert time.monotonic() < deadline, (
             f"left after 60 s: groups {[g for g in runtime_groups if group_alive(g)]}, "
-            f"arena files {shm_files(fleet_id)}")
+            f"arena files {shm_files(fleet_id)}, run record {record_file.exists()}")
         time.sleep(0.5)
     assert not [f for f in sglang_files if Path(f).exists()], "SGLang's shm files are removed"
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from fineslab.errors import EnvironmentSetupError
-from fineslab.fleet.leftovers import FLEET_MARKER, RunRecord, record_path, sweep
-from fineslab.proctree import stop_group, tree_pids_of_group
+from fineslab.fleet.leftovers import RunRecord, record_path, sweep
+from fineslab.proctree import FLEET_MARKER, remove_dead_record, stop_group, tree_pids_of_group
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 
@@ -110,3 +110,30 @@ def test_a_dead_launchers_host_copy_folder_is_removed_and_no_other(tmp_path: Pat
     path.write_text(json.dumps({**body, "folders": [str(mine), str(other)]}))
     sweep(fleet_id, tmp_path, progress=lambda _: None)
     assert not mine.exists() and other.exists()
+
+
+def test_the_last_of_a_dead_launchers_fleet_removes_its_record_and_folders(
+        tmp_path: Path, groups: list[subprocess.Popen[bytes]]) -> None:
+    """#39: after a SIGKILL of the launcher its record and host-copy folders stayed until a
+    relaunch swept them; the runtimes' lifelines remove them once nothing of the fleet but
+    lifelines runs (`remove_dead_record`), never while a launcher or a runtime lives."""
+    fleet_id = f"lastout{os.getpid()}"
+    folder = tmp_path / f"fineslab-{fleet_id}-weights-abc"
+    folder.mkdir()
+    path = record_path(fleet_id, tmp_path)
+
+    def record(launcher: int) -> None:
+        path.write_text(json.dumps({"launcher": [launcher, 0], "runtimes": {},
+                                    "folders": [str(folder)]}))
+
+    record(_group(groups, None))  # a live launcher (a start time of 0 matches any pid)
+    assert not remove_dead_record(fleet_id, shm_dir=tmp_path) and path.exists()
+    record(_dead_pid())
+    runtime = _group(groups, fleet_id)
+    started = time.monotonic()
+    assert not remove_dead_record(fleet_id, wait_s=0.5, shm_dir=tmp_path), "a runtime runs"
+    assert time.monotonic() - started >= 0.5 and path.exists() and folder.exists()
+    stop_group(runtime, grace_s=1.0, reap=groups[-1].poll)
+    assert remove_dead_record(fleet_id, shm_dir=tmp_path)
+    assert not path.exists() and not folder.exists()
+    assert not remove_dead_record(fleet_id, shm_dir=tmp_path), "gone already: nothing to do"
