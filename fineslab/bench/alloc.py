@@ -16,8 +16,10 @@ same token-index interface (`slab_raw_ns_per_page`: block ids only); and each pr
 pools; with its block cache, as the plugin has it, most calls take no lock:
 `pooled_locked_share` is the share of its calls that took the table lock).
 Two processes run at once, each replaying its own op list through its private SGLang allocator,
-then through its RuntimeSlabs, alternately (best of --repeats), so both allocators see the same
-CPU contention (this 2-core machine is shared) and only the slab one shares a table.
+then through its RuntimeSlabs, interleaved (--repeats rounds, the first allocator rotating), so
+both allocators see the same CPU contention (this 2-core machine is shared) and only the slab
+one shares a table. Each figure is the median over the rounds; each ratio is the median of the
+round-by-round ratios, with its spread (`*_spread`: median, min, max, n).
 Result: ns per allocated page, including the page's free, averaged over the two processes,
 two ways:
     CPU time (`*_ns_per_page`, `ratio`, `pooled_ratio_cpu`): user + system, so time a process
@@ -37,14 +39,17 @@ would hide it from CPU time. The block-ids-only replay (`slab_raw`) never touche
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing as mp
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from fineslab.bench.repeats import interleave, ratios, spread
 from fineslab.tables import add_json_flag, emit
 
 ALLOC, FREE = 0, 1
@@ -253,29 +258,39 @@ def _worker(shm_dir: str, index: int, spec: ReplaySpec,
     replay_sglang(ops, page_size, spec.pool_pages, device)
     replay_slab(ops, runtime, page_size, to_torch=True, device=device)
     replay_slab(ops, pooled, page_size, to_torch=True, device=device)
-    kinds = ("sglang", "slab", "slab_raw", "slab_pooled")
-    best = {name: np.inf for kind in kinds for name in (kind, f"{kind}_wall")}
-    for _ in range(spec.repeats):
-        for kind in kinds:
-            barrier.wait()  # both processes run the same allocator at the same time
-            if kind == "sglang":
-                seconds, wall = replay_sglang(ops, page_size, spec.pool_pages, device)
-            else:
-                seconds, wall = replay_slab(ops, pooled if kind == "slab_pooled" else runtime,
-                                            page_size, to_torch=kind != "slab_raw",
-                                            device=device)
-            best[kind] = min(best[kind], seconds / ops.total_pages)
-            best[f"{kind}_wall"] = min(best[f"{kind}_wall"], wall / ops.total_pages)
+    def replay(kind: str) -> tuple[float, float]:
+        barrier.wait()  # both processes run the same allocator at the same time
+        if kind == "sglang":
+            return replay_sglang(ops, page_size, spec.pool_pages, device)
+        return replay_slab(ops, pooled if kind == "slab_pooled" else runtime, page_size,
+                           to_torch=kind != "slab_raw", device=device)
+
+    # Interleaved, the first allocator rotating from repeat to repeat (in both processes alike).
+    times = interleave({kind: functools.partial(_ignore_round, replay, kind) for kind in KINDS},
+                       spec.repeats)
+    per_page = {name: [t[wall] / ops.total_pages for t in times[kind]]
+                for kind in KINDS for wall, name in ((0, kind), (1, f"{kind}_wall"))}
     runtime.check_integrity()
     pooled.check_integrity()
-    best["pooled_locked_share"] = pooled.num_locked_calls / (len(ops.kinds) * (spec.repeats + 1))
+    locked = pooled.num_locked_calls / (len(ops.kinds) * (spec.repeats + 1))
     runtime.close()
     pooled.close()
-    queue.put((best, ops.total_pages, len(ops.kinds)))
+    queue.put((per_page, locked, ops.total_pages, len(ops.kinds)))
 
 
-def run(spec: ReplaySpec) -> tuple[dict[str, float], int, int]:
-    """Seconds per page of each allocator, averaged over the processes; pages and ops per run."""
+def _ignore_round(replay: Callable[[str], tuple[float, float]], kind: str,
+                  _round: int) -> tuple[float, float]:
+    return replay(kind)
+
+
+#: The allocators replayed, each repeat: SGLang's, the slab table's with and without the token
+#: adapter, and a key pool's.
+KINDS = ("sglang", "slab", "slab_raw", "slab_pooled")
+
+
+def run(spec: ReplaySpec) -> tuple[dict[str, list[float]], float, int, int]:
+    """Seconds per page of each allocator (CPU time; `<kind>_wall`: wall time), one per repeat,
+    averaged over the processes; the key pool's locked share; pages and ops per replay."""
     from fineslab.slabs.arena import ArenaSpec, SlabArena
     from fineslab.slabs.formats import BlockFormat
 
@@ -298,8 +313,10 @@ def run(spec: ReplaySpec) -> tuple[dict[str, float], int, int]:
             results = [queue.get(timeout=900) for _ in workers]
             for worker in workers:
                 worker.join()
-    means = {kind: float(np.mean([r[0][kind] for r in results])) for kind in results[0][0]}
-    return means, sum(r[1] for r in results), sum(r[2] for r in results)
+    means = {name: [float(np.mean([r[0][name][i] for r in results]))
+                    for i in range(spec.repeats)] for name in results[0][0]}
+    locked = float(np.mean([r[1] for r in results]))
+    return means, locked, sum(r[2] for r in results), sum(r[3] for r in results)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -307,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60_000, help="scheduler steps replayed")
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3, help="best of N replays")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="interleaved replays of each allocator (medians and spreads)")
     parser.add_argument("--device", choices=DEVICES, default="cpu",
                         help="where SGLang's free pages and the token indices live")
     add_json_flag(parser)
@@ -322,24 +340,32 @@ def main(argv: list[str] | None = None) -> None:
         if not cpu_mode.cuda_available():
             raise SystemExit("fineslab.bench.alloc --device cuda: torch sees no CUDA device")
     spec = ReplaySpec(args.steps, args.page_size, 16_384, args.repeats, args.device)
-    seconds, num_pages, num_ops = run(spec)
+    seconds, locked, num_pages, num_ops = run(spec)
+    ns = {name: spread([s * 1e9 for s in values], 1) for name, values in seconds.items()}
+
+    def ratio(of: str, to: str) -> dict[str, float]:
+        """Repeat by repeat (the two ran back to back), median and spread."""
+        return spread(ratios(seconds[of], seconds[to]), 3)
+
+    ratio_figures = {"ratio": ratio("slab", "sglang"),
+                     "pooled_ratio_cpu": ratio("slab_pooled", "sglang"),
+                     # wall time: a process waiting for the key pool's lock counts (issue #18)
+                     "ratio_wall": ratio("slab_wall", "sglang_wall"),
+                     "pooled_ratio": ratio("slab_pooled_wall", "sglang_wall")}
     sglang_ns, slab_ns, slab_raw_ns, pooled_ns = (
-        seconds[k] * 1e9 for k in ("sglang", "slab", "slab_raw", "slab_pooled"))
+        ns[k]["median"] for k in ("sglang", "slab", "slab_raw", "slab_pooled"))
     sglang_wall_ns, slab_wall_ns, pooled_wall_ns = (
-        seconds[f"{k}_wall"] * 1e9 for k in ("sglang", "slab", "slab_pooled"))
+        ns[f"{k}_wall"]["median"] for k in ("sglang", "slab", "slab_pooled"))
     result = {
-        "slab_ns_per_page": round(slab_ns, 1), "slab_raw_ns_per_page": round(slab_raw_ns, 1),
-        "sglang_ns_per_page": round(sglang_ns, 1), "ratio": round(slab_ns / sglang_ns, 3),
-        "slab_pooled_ns_per_page": round(pooled_ns, 1),
-        "pooled_ratio_cpu": round(pooled_ns / sglang_ns, 3),
-        # wall time: a process waiting for the key pool's lock counts (issue #18's measure)
-        "sglang_wall_ns_per_page": round(sglang_wall_ns, 1),
-        "slab_wall_ns_per_page": round(slab_wall_ns, 1),
-        "slab_pooled_wall_ns_per_page": round(pooled_wall_ns, 1),
-        "ratio_wall": round(slab_wall_ns / sglang_wall_ns, 3),
-        "pooled_ratio": round(pooled_wall_ns / sglang_wall_ns, 3),
-        "pooled_locked_share": round(seconds["pooled_locked_share"], 4),
-        "pages_per_replay": num_pages, "ops_per_replay": num_ops,
+        "slab_ns_per_page": slab_ns, "slab_raw_ns_per_page": slab_raw_ns,
+        "sglang_ns_per_page": sglang_ns, "slab_pooled_ns_per_page": pooled_ns,
+        "sglang_wall_ns_per_page": sglang_wall_ns, "slab_wall_ns_per_page": slab_wall_ns,
+        "slab_pooled_wall_ns_per_page": pooled_wall_ns,
+        **{name: figure["median"] for name, figure in ratio_figures.items()},
+        **{f"{name}_spread": figure for name, figure in ratio_figures.items()},
+        "ns_per_page_spread": ns,
+        "pooled_locked_share": round(locked, 4),
+        "pages_per_replay": num_pages, "ops_per_replay": num_ops, "repeats": args.repeats,
         "page_size": args.page_size, "processes": NUM_PROCESSES, "device": args.device,
     }
     rows = [
@@ -354,7 +380,8 @@ def main(argv: list[str] | None = None) -> None:
          pooled_wall_ns / sglang_wall_ns],
     ]
     emit(f"Allocator cost per page on {args.device}, {NUM_PROCESSES} processes at once "
-         f"({num_pages} pages, {num_ops} ops, page size {args.page_size})",
+         f"({num_pages} pages, {num_ops} ops, page size {args.page_size}), median of "
+         f"{args.repeats} interleaved replays (ratios' spread: `*_spread` in the JSON)",
          ["allocator", "ns/page", "vs sglang"], rows, result, args.json)
 
 

@@ -7,7 +7,8 @@ plugin one joins an arena this benchmark creates, the stock one gets the same to
 through --max-total-tokens). Rounds alternate between them, so drift in the machine's load hits
 both alike; each round sends `--requests` concurrent greedy requests of short prompts with
 `ignore_eos`, so the time is dominated by decoding. Reported per runtime: the median over rounds
-of generated tokens / wall seconds. Target: plugin_tok_s / stock_tok_s >= 0.95.
+of generated tokens / wall seconds, and `ratio`, the median of the round-by-round ratios
+plugin / stock, each with its spread (`*_spread`: median, min, max, n). Target: ratio >= 0.95.
 
 `--device auto` (the default) runs the CPU comparison (keys `plugin_tok_s`, `stock_tok_s`,
 `ratio`), then, on a machine with CUDA, the same comparison on the GPU with each attention
@@ -20,10 +21,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import random
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -35,6 +36,7 @@ from pathlib import Path
 import httpx
 
 from fineslab import cpu_mode
+from fineslab.bench.repeats import interleave, ratios, spread
 from fineslab.env import FineslabEnv
 from fineslab.models.generate import ensure_model
 from fineslab.runtime import ServerProcess, ServerSpec, free_port
@@ -110,8 +112,8 @@ def _arena_for(cfg: BenchConfig, device: str) -> tuple[SlabArena, ArenaJoin]:
 
 
 def compare(cfg: BenchConfig, model_path: Path, logs: Path, *, cpu: bool,
-            backend_args: Sequence[str]) -> tuple[float, float]:
-    """(plugin tok/s, stock tok/s): medians over alternating rounds."""
+            backend_args: Sequence[str]) -> dict[str, list[float]]:
+    """Each side's tok/s ("plugin", "stock"), one per round, the rounds interleaved."""
     arena, join = _arena_for(cfg, "cpu:0" if cpu else "cuda:0")
     common = ("--dtype", "bfloat16", "--page-size", str(cfg.page_size),
               "--log-level", "warning", *backend_args)
@@ -129,12 +131,10 @@ def compare(cfg: BenchConfig, model_path: Path, logs: Path, *, cpu: bool,
             server.wait_healthy(600)
         for server in servers.values():  # warm-up round, not counted
             _one_round(server.spec.base_url, cfg, seed=0)
-        rates: dict[str, list[float]] = {"plugin": [], "stock": []}
-        for r in range(cfg.rounds):
-            order = ("plugin", "stock") if r % 2 == 0 else ("stock", "plugin")
-            for name in order:
-                rates[name].append(_one_round(servers[name].spec.base_url, cfg, seed=r + 1))
-                logger.info("round %d %s: %.1f tok/s", r, name, rates[name][-1])
+        rates = interleave(
+            {name: functools.partial(_round_of, servers[name].spec.base_url, cfg)
+             for name in ("plugin", "stock")}, cfg.rounds,
+            progress=lambda name, r, rate: logger.info("round %d %s: %.1f tok/s", r, name, rate))
     finally:
         # Every server is stopped and the arena closed even if one stop fails or a signal
         # lands in the middle (a stop left out here would leave an orphan runtime spinning).
@@ -142,7 +142,12 @@ def compare(cfg: BenchConfig, model_path: Path, logs: Path, *, cpu: bool,
             cleanup.callback(arena.close)
             for server in servers.values():
                 cleanup.callback(server.stop)
-    return statistics.median(rates["plugin"]), statistics.median(rates["stock"])
+    return rates
+
+
+def _round_of(base_url: str, cfg: BenchConfig, r: int) -> float:
+    """Round r's tok/s (its prompts seeded by r, the same for both sides)."""
+    return _one_round(base_url, cfg, seed=r + 1)
 
 
 @dataclass(frozen=True)
@@ -214,15 +219,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         "cpu" if run.cpu else "cuda" for run in runs))}
     rows: list[list[object]] = []
     for run in runs:
-        plugin, stock = compare(cfg, model_path, args.logs, cpu=run.cpu,
-                                backend_args=run.backend_args)
+        rates = compare(cfg, model_path, args.logs, cpu=run.cpu, backend_args=run.backend_args)
+        plugin, stock = spread(rates["plugin"], 1), spread(rates["stock"], 1)
+        ratio = spread(ratios(rates["plugin"], rates["stock"]), 3)
         prefix = "" if run.backend is None else f"gpu_{run.backend}_"
-        result.update({f"{prefix}plugin_tok_s": plugin, f"{prefix}stock_tok_s": stock,
-                       f"{prefix}ratio": plugin / stock})
-        rows.append([run.label, plugin, stock, plugin / stock])
+        result.update({f"{prefix}plugin_tok_s": plugin["median"],
+                       f"{prefix}stock_tok_s": stock["median"], f"{prefix}ratio": ratio["median"],
+                       f"{prefix}plugin_tok_s_spread": plugin,
+                       f"{prefix}stock_tok_s_spread": stock, f"{prefix}ratio_spread": ratio})
+        rows.append([run.label, _with_spread(plugin), _with_spread(stock), _with_spread(ratio)])
     emit(f"Decode throughput, {cfg.model}, {cfg.num_requests} x {cfg.new_tokens} new tokens, "
-         f"page {cfg.page_size}, median of {cfg.rounds} rounds",
-         ["runtime", "plugin tok/s", "stock tok/s", "ratio"], rows, result, args.json)
+         f"page {cfg.page_size}, median (min-max) of {cfg.rounds} interleaved rounds; the ratio "
+         "round by round", ["runtime", "plugin tok/s", "stock tok/s", "ratio"], rows, result,
+         args.json)
+
+
+def _with_spread(figure: dict[str, float]) -> str:
+    return f"{figure['median']:g} ({figure['min']:g}-{figure['max']:g})"
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ load in the same run; the backend serves `--rate` requests/s through each path.
 
     added p50 = p50(via router) - p50(direct),   added p99 = p99(via router) - p99(direct)
 
+in each of `--repeats` windows of `--duration-s`; reported: the median over the windows, with
+its spread (`p50_ms_spread`, `p99_ms_spread`: median, min, max, n).
+
 Latency is send -> whole response (non-streaming, 4 tokens). `--with-sglang` also measures the
 added latency in front of one real SGLang runtime (llama-tiny on CPU) at a rate it sustains
 (`--sglang-rate`, default 2 requests/s), keys `sglang_p50_ms`, `sglang_p99_ms`.
@@ -29,6 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from fineslab.bench.repeats import spread
 from fineslab.router.testing import start_echo_backend
 from fineslab.runtime import free_port, wait_until_up
 from fineslab.tables import add_json_flag, emit
@@ -101,7 +105,8 @@ async def run_load(urls: dict[str, str], model: str, rate_per_s: float, duration
                               failed[name]) for name, v in latencies.items()}
 
 
-def measure_echo(rate_per_s: float, duration_s: float) -> dict[str, PathLatency]:
+def measure_echo(rate_per_s: float, duration_s: float, repeats: int = 1
+                 ) -> list[dict[str, PathLatency]]:
     backend_port, router_port = free_port(), free_port()
     backend = start_echo_backend(backend_port)
     try:
@@ -110,7 +115,8 @@ def measure_echo(rate_per_s: float, duration_s: float) -> dict[str, PathLatency]
             urls = {"router": f"http://127.0.0.1:{router_port}",
                     "direct": f"http://127.0.0.1:{backend_port}"}
             asyncio.run(run_load(urls, "echo", rate_per_s, 1.0, 4))  # warm-up
-            return asyncio.run(run_load(urls, "echo", rate_per_s, duration_s, 4))
+            return [asyncio.run(run_load(urls, "echo", rate_per_s, duration_s, 4, seed=window))
+                    for window in range(repeats)]
         finally:
             router.terminate()
             router.wait(10)
@@ -149,30 +155,42 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fineslab.bench.router", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", type=float, default=200.0, help="requests/s on each path")
-    parser.add_argument("--duration-s", type=float, default=10.0)
+    parser.add_argument("--duration-s", type=float, default=10.0, help="seconds of each window")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="windows of load (the added latency: their median and spread)")
     parser.add_argument("--with-sglang", action="store_true")
     parser.add_argument("--sglang-rate", type=float, default=2.0)
     parser.add_argument("--sglang-duration-s", type=float, default=20.0)
     add_json_flag(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    echo = measure_echo(args.rate, args.duration_s)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    windows = measure_echo(args.rate, args.duration_s, args.repeats)
+    added = {q: spread([getattr(w["router"], f"{q}_ms") - getattr(w["direct"], f"{q}_ms")
+                        for w in windows]) for q in ("p50", "p99")}
+    paths = {(name, q): spread([getattr(w[name], f"{q}_ms") for w in windows])["median"]
+             for name in ("router", "direct") for q in ("p50", "p99")}
     result: dict[str, object] = {
-        "p50_ms": echo["router"].p50_ms - echo["direct"].p50_ms,
-        "p99_ms": echo["router"].p99_ms - echo["direct"].p99_ms,
-        "rate_per_s": args.rate, "duration_s": args.duration_s,
-        "router_p50_ms": echo["router"].p50_ms, "router_p99_ms": echo["router"].p99_ms,
-        "direct_p50_ms": echo["direct"].p50_ms, "direct_p99_ms": echo["direct"].p99_ms,
-        "failed": echo["router"].num_failed + echo["direct"].num_failed,
+        "p50_ms": added["p50"]["median"], "p99_ms": added["p99"]["median"],
+        "p50_ms_spread": added["p50"], "p99_ms_spread": added["p99"],
+        "rate_per_s": args.rate, "duration_s": args.duration_s, "repeats": args.repeats,
+        "router_p50_ms": paths["router", "p50"], "router_p99_ms": paths["router", "p99"],
+        "direct_p50_ms": paths["direct", "p50"], "direct_p99_ms": paths["direct", "p99"],
+        "failed": sum(w["router"].num_failed + w["direct"].num_failed for w in windows),
     }
-    rows = _rows(f"echo @ {args.rate:g}/s", echo)
+    rows = [row for i, w in enumerate(windows)
+            for row in _rows(f"echo @ {args.rate:g}/s, window {i + 1}", w)]
     if args.with_sglang:
         sgl = measure_sglang(args.sglang_rate, args.sglang_duration_s)
         result.update({"sglang_p50_ms": sgl["router"].p50_ms - sgl["direct"].p50_ms,
                        "sglang_p99_ms": sgl["router"].p99_ms - sgl["direct"].p99_ms,
                        "sglang_rate_per_s": args.sglang_rate})
         rows += _rows(f"sglang @ {args.sglang_rate:g}/s", sgl)
-    emit(f"router overhead: added p50 {result['p50_ms']:.2f} ms, p99 {result['p99_ms']:.2f} ms",
+    emit(f"router overhead: added p50 {result['p50_ms']:.2f} ms "
+         f"({added['p50']['min']:.2f} to {added['p50']['max']:.2f}), p99 "
+         f"{result['p99_ms']:.2f} ms ({added['p99']['min']:.2f} to {added['p99']['max']:.2f}), "
+         f"median of {args.repeats} windows",
          ["backend", "path", "ok", "failed", "p50_ms", "p99_ms"], rows, result, args.json)
     return 0
 

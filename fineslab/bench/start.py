@@ -37,6 +37,7 @@ from pathlib import Path
 
 import httpx
 
+from fineslab.bench.repeats import interleave, ratios, spread
 from fineslab.env import ZYGOTE_VAR, FineslabEnv
 from fineslab.fleet.config import DeviceConfig, ModelConfig, SupervisionPolicy
 from fineslab.fleet.plan import RuntimePlan
@@ -197,11 +198,6 @@ def restarts(model: Path, logs: Path, repeats: int, warm: bool) -> list[float]:
     return seconds
 
 
-def spread(values: Sequence[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
-            "max": round(max(values), 2)}
-
-
 def run(model_name: str, repeats: int, logs: Path,
         progress: Callable[[str], None] = logger.info) -> dict[str, object]:
     model = ensure_model(model_name, FineslabEnv.from_environ().model_cache_dir)
@@ -211,13 +207,13 @@ def run(model_name: str, repeats: int, logs: Path,
         raise RuntimeError("no zygote (warm starts off, or it failed to start): see the log")
     zygote_s = time.monotonic() - started
     progress(f"zygote ready in {zygote_s:.1f} s")
-    cold: list[StartResult] = []
-    warm: list[StartResult] = []
-    for i in range(repeats):  # interleaved, so a change in the machine's load hits both
-        cold.append(one_start(model, logs, f"cold-{i}", warm=False))
-        progress(f"cold start {i + 1}/{repeats}: {cold[-1].seconds:.1f} s")
-        warm.append(one_start(model, logs, f"warm-{i}", warm=True))
-        progress(f"warm start {i + 1}/{repeats}: {warm[-1].seconds:.1f} s")
+    # Interleaved, the first kind rotating, so a change in the machine's load hits both.
+    starts = interleave({
+        "cold": lambda i: one_start(model, logs, f"cold-{i}", warm=False),
+        "warm": lambda i: one_start(model, logs, f"warm-{i}", warm=True)}, repeats,
+        progress=lambda kind, i, result: progress(
+            f"{kind} start {i + 1}/{repeats}: {result.seconds:.1f} s"))
+    cold, warm = starts["cold"], starts["warm"]
     restart_warm = restarts(model, logs, repeats, warm=True)
     progress(f"restarts (warm): {[round(r, 1) for r in restart_warm]}")
     restart_plain = restarts(model, logs, repeats, warm=False)
@@ -231,6 +227,7 @@ def run(model_name: str, repeats: int, logs: Path,
         "warm_start_s": spread([r.seconds for r in warm]),
         "ratio": round(statistics.median(r.seconds for r in cold)
                        / statistics.median(r.seconds for r in warm), 2),
+        "ratio_spread": spread(ratios([r.seconds for r in cold], [r.seconds for r in warm])),
         "zygote_ready_s": round(zygote_s, 2),
         "restart_s": spread(restart_warm), "restart_plain_s": spread(restart_plain),
         "restart_ratio": round(statistics.median(restart_plain)

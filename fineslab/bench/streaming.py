@@ -11,7 +11,8 @@ is skipped), the stream request is written, and once applied:
     kv_gain_bytes      free slabs of the arena after the change less before, in bytes
     lent_bytes         what the runtime reports lent, less its slot buffer (one slot)
     decode_tok_s       (tokens - 1) / (time of a `tokens`-token greedy generation - time of a
-                       1-token one), batch 1, best of 3
+                       1-token one), batch 1, the median of 3 rounds (`decode_tok_s_spread`:
+                       median, min, max, n)
     streamed_bytes_per_step   layer bytes copied in per forward pass during those generations
     identical          the greedy tokens equal S empty's
 
@@ -40,6 +41,7 @@ from typing import Any
 
 import httpx
 
+from fineslab.bench.repeats import spread
 from fineslab.bench.wake import SIZES, memcpy_gib_s
 from fineslab.env import FineslabEnv
 from fineslab.models.generate import ensure_model
@@ -61,6 +63,8 @@ SLAB_BYTES = 2 << 20
 KV_SLABS = 24
 INTERVALS = (2, 4, 8)
 PROMPT = list(range(10, 42))
+#: Rounds of decode timing per setting (the median is reported, with its spread).
+REPEATS = 3
 
 
 def _generate_s(url: str, tokens: int) -> tuple[float, list[int]]:
@@ -88,17 +92,17 @@ def _apply(fleet_id: str, layers: list[int]) -> StreamState:
 def _measure(url: str, fleet_id: str, tokens: int) -> dict[str, Any]:
     """Decode speed, the tokens, and the bytes streamed per pass over the timed generations."""
     before = read_state(fleet_id, "m")
-    best: dict[str, float] = {}
+    rates: list[float] = []
     out: list[int] = []
-    for _ in range(3):
+    for _ in range(REPEATS):  # the 1-token and the long generation back to back, each round
         one_s, _ = _generate_s(url, 1)
         many_s, out = _generate_s(url, tokens)
-        best["one"] = min(best.get("one", one_s), one_s)
-        best["many"] = min(best.get("many", many_s), many_s)
+        rates.append((tokens - 1) / max(many_s - one_s, 1e-9))
     after = read_state(fleet_id, "m")
     assert before is not None and after is not None
     passes = max(1, after.passes - before.passes)
-    return {"decode_tok_s": (tokens - 1) / max(best["many"] - best["one"], 1e-9),
+    decode = spread(rates, 1)
+    return {"decode_tok_s": decode["median"], "decode_tok_s_spread": decode,
             "streamed_bytes_per_step": (after.streamed_bytes - before.streamed_bytes) / passes,
             "tokens": out}
 
@@ -147,6 +151,7 @@ def run(size: str, tokens: int, logs: Path, corrupt: bool = False) -> dict[str, 
                     "layers": state.layers, "kv_gain_bytes": gain,
                     "lent_bytes": state.net_lent_bytes,
                     "decode_tok_s": got["decode_tok_s"],
+                    "decode_tok_s_spread": got["decode_tok_s_spread"],
                     "streamed_bytes_per_step": got["streamed_bytes_per_step"],
                     "identical": got["tokens"] == base["tokens"]}
             _apply(spec.fleet_id, [])

@@ -25,6 +25,8 @@ arena this benchmark creates. In one run, on this machine:
                    "advise" the arena gets 2 MiB pages and a wake skips most page-table work:
                    docs/elastic.md)
     cold_over_wake cold_start_s / wake_s
+    *_spread       median, min, max and n over the cycles (of wake_s, sleep_s, restore_s, and of
+                   cold_over_wake with each cycle's wake: one cold start, each a server's start)
 
 Targets: cold_over_wake >= 20, wake_gib_s >= 0.5 * memcpy_gib_s, identical true.
 `--corrupt-host-copy` flips bytes of the host copy before the last wake (the negative control
@@ -48,6 +50,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from fineslab.bench.repeats import spread
 from fineslab.env import FineslabEnv
 from fineslab.models.generate import ensure_model
 from fineslab.runtime import ServerProcess, ServerSpec, free_port
@@ -153,11 +156,16 @@ def run(size: str, cycles: int, corrupt: bool, logs: Path, cold: bool = True
         wake_gib_s=gib / wake_s, memcpy_gib_s=max(memcpy_before, memcpy_gib_s(region_bytes)),
         identical=all(same), identical_per_cycle=same, cycles=cycles,
         resume_call_s=statistics.median(resumes), continue_call_s=statistics.median(continues))
+    result.update(wake_s_spread=spread(wakes, 4), sleep_s_spread=spread(sleeps[1:] or sleeps, 4))
     if len(restores) == cycles:
         result["restore_s"] = statistics.median(restores)
         result["restore_gib_s"] = gib / result["restore_s"]  # type: ignore[operator]
+        result["restore_s_spread"] = spread(restores, 4)
     if cold:
-        result["cold_over_wake"] = float(result["cold_start_s"]) / wake_s  # type: ignore[arg-type]
+        cold_s = float(result["cold_start_s"])  # type: ignore[arg-type]
+        result["cold_over_wake"] = cold_s / wake_s
+        # one cold start (seconds of the machine each) over each cycle's wake
+        result["cold_over_wake_spread"] = spread([cold_s / w for w in wakes])
     result["wake_over_memcpy"] = float(result["wake_gib_s"]) / float(  # type: ignore[arg-type]
         result["memcpy_gib_s"])  # type: ignore[arg-type]
     return result

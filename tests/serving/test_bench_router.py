@@ -20,3 +20,6 @@ def test_bench_router_reports_added_p50_and_p99() -> None:
     assert {"p50_ms", "p99_ms", "router_p99_ms", "direct_p99_ms"} <= set(report)
     assert math.isfinite(report["p50_ms"]) and math.isfinite(report["p99_ms"])
     assert report["failed"] == 0, "every request of the short run succeeds on both paths"
+    for key in ("p50_ms", "p99_ms"):  # #38: the median of the windows, with its spread
+        figure = report[f"{key}_spread"]
+        assert figure["n"] == 3 and figure["min"] <= report[key] <= figure["max"], figure

@@ -28,6 +28,10 @@ def test_alloc_bench_reports_private_and_pooled_costs(capsys: pytest.CaptureFixt
         result["slab_wall_ns_per_page"] / result["sglang_wall_ns_per_page"], abs=2e-3)
     assert 0 < result["pooled_locked_share"] < 0.5, (
         "the key pool's block cache serves most calls without the table lock")
+    for key in ("ratio", "pooled_ratio", "pooled_ratio_cpu", "ratio_wall"):
+        figure = result[f"{key}_spread"]
+        assert figure["n"] == 1 and figure["min"] == figure["median"] == figure["max"] == \
+            result[key], (key, figure)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,52 @@
+"""Repeated timings, reported as a median with its spread, and sides compared in interleaved
+rounds (#38: one run on a noisy machine gave the key-pool allocation ratio 0.99, 2.12, 1.57 and
+2.23 in four tries).
+
+- `spread(values)`: {"median", "min", "max", "n"}: what a benchmark prints for every figure
+  it timed more than once, so a reader sees how far one run can stray.
+- `interleave(sides, rounds)`: each round runs every side once, the first side rotating from
+  round to round, so a slow moment of the machine lands on each side alike, not on whichever
+  happened to run then.
+- `ratios(numerators, denominators)`: the round-by-round ratios of two interleaved sides; their
+  median is the benchmark's ratio, their min and max its spread.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def spread(values: Sequence[float], digits: int = 2) -> dict[str, float]:
+    """The median of `values` (at least one) with its min and max, and how many there were."""
+    if not values:
+        raise ValueError("no values to summarise")
+    return {"median": round(statistics.median(values), digits),
+            "min": round(min(values), digits), "max": round(max(values), digits),
+            "n": len(values)}
+
+
+def interleave(sides: Mapping[str, Callable[[int], T]], rounds: int,
+               progress: Callable[[str, int, T], None] | None = None) -> dict[str, list[T]]:
+    """Each side's results, one per round; round r calls every side once with r, starting
+    with side r mod the number of sides."""
+    if rounds < 1:
+        raise ValueError("rounds must be at least 1")
+    names = list(sides)
+    out: dict[str, list[T]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            out[name].append(sides[name](r))
+            if progress is not None:
+                progress(name, r, out[name][-1])
+    return out
+
+
+def ratios(numerators: Sequence[float], denominators: Sequence[float]) -> list[float]:
+    """Round-by-round `numerators[r] / denominators[r]`."""
+    if len(numerators) != len(denominators):
+        raise ValueError("one numerator per denominator")
+    return [n / d for n, d in zip(numerators, denominators, strict=True)]
