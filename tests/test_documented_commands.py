@@ -57,7 +57,7 @@ TABLE = Path(__file__).with_name("documented_commands.toml")
 tomllib = pytest.importorskip("tomllib", reason="the table is read with Python 3.11's tomllib")
 ROW_FIELDS = {"tests", "how", "reason", "via"}
 #: Commands whose parser is another program's (SGLang's, in a child process): run for real
-#: by their own tests (tests/serving/test_router_sglang.py runs bench_serving's).
+#: by their own tests (tests/serving/test_demo_fleet.py runs bench_serving's).
 NOT_PARSED_HERE = {"fineslab.bench.bench_serving"}
 
 

@@ -33,6 +33,8 @@ from fleet_support import (
 )
 
 from fineslab import cpu_mode
+from fineslab.bench.sharegpt_mini import DATASET_FILE
+from fineslab.env import CPU_MODE_VAR, SGLANG_CPU_ENGINE_VAR
 from fineslab.proctree import running_routers, tree_pids_of_group
 
 pytestmark = pytest.mark.slow
@@ -114,28 +116,45 @@ def test_runtimes_keep_their_kv_in_the_shared_arena(fleet: LaunchedFleet) -> Non
     assert len(keys) >= 2, f"models of different KV formats hold slabs of different keys: {keys}"
 
 
-def _bench_serving(fleet: LaunchedFleet, model: str) -> str:
-    env = cpu_mode.child_environ()
+def _environ_without_cpu_mode(hf_home: Path) -> dict[str, str]:
+    """Our environment as a user's shell has it: no stubs on the path, no CPU switches (the
+    test session's conftest put them in), and an empty Hugging Face cache."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in (CPU_MODE_VAR, SGLANG_CPU_ENGINE_VAR, "PYTHONPATH")}
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and p != str(cpu_mode.STUBS_DIR)]
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(path)
+    env["HF_HOME"] = str(hf_home)
+    return env
+
+
+def test_sglang_bench_serving_runs_against_the_router(fleet: LaunchedFleet,
+                                                      tmp_path: Path) -> None:
+    """SGLang's own load generator through fineslab's wrapper, as docs/serving.md runs it
+    against this fleet: the `random` dataset (prompts cut from ShareGPT text) without
+    --dataset-path, from a shell without the CPU stubs. Guards issue #15: `No module named
+    'torchvision'`, then a ShareGPT download. (One run: each costs a process that imports
+    SGLang, about 25 s here; the router's path is the same for every model, and the openai
+    client test above covers each one.)"""
+    hf_home = tmp_path / "hf"
     result = subprocess.run(
-        [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang-oai",
-         "--base-url", fleet.base_url, "--model", model, "--tokenizer",
-         str(fleet.model_cache / MODEL_DIRS[model]),
-         "--dataset-name", "random-ids", "--random-input-len", "32", "--random-output-len", "8",
-         "--random-range-ratio", "1.0", "--num-prompts", "4", "--request-rate", "4",
-         # Its per-run JSONL would otherwise land in the working directory (the checkout).
-         "--output-file", os.devnull,
-         "--disable-tqdm"], capture_output=True, text=True, timeout=600, env=env)
-    return result.stdout + result.stderr
-
-
-def test_sglang_bench_serving_runs_against_the_router(fleet: LaunchedFleet) -> None:
-    """SGLang's own load generator, pointed at the router for one model (each run costs a
-    process that imports SGLang, about 25 s of this machine; the router's path is the same for
-    every model, and the openai client test above covers each one)."""
-    out = _bench_serving(fleet, "llama-small-fp16")
+        [sys.executable, "-m", "fineslab.bench.bench_serving", "--backend", "sglang-oai",
+         "--base-url", fleet.base_url, "--model", "llama-bf16",
+         "--tokenizer", str(fleet.model_cache / MODEL_DIRS["llama-bf16"]),
+         "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "8",
+         "--random-range-ratio", "1.0", "--num-prompts", "8", "--request-rate", "4",
+         "--output-file", str(tmp_path / "results.jsonl"), "--disable-tqdm"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env=_environ_without_cpu_mode(hf_home))
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert f"dataset_path='{DATASET_FILE}'" in out, "the shipped ShareGPT file was used"
     match = re.search(r"Successful requests:\s+(\d+)", out)
-    assert match and int(match.group(1)) == 4, out[-3000:]
+    assert match and int(match.group(1)) == 8, out[-3000:]
     assert re.search(r"Mean TTFT \(ms\):\s+[\d.]+", out), out[-2000:]
+    assert not hf_home.exists() or not any(hf_home.rglob("*.json")), "nothing was downloaded"
+    assert (tmp_path / "results.jsonl").stat().st_size > 0, "the client wrote its results"
 
 
 def test_null_max_tokens_is_served_with_the_default(fleet: LaunchedFleet) -> None:

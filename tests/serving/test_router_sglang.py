@@ -1,18 +1,14 @@
 """The router in front of one real SGLang runtime (llama-tiny on CPU, SGLang's own KV pool):
 the `openai` client, streaming and not, completions and chat; a real-tokenizer length check;
-`python -m fineslab.bench.bench_serving` as the docs give it.
-One runtime for the module: about 40 s on an idle 2-core machine."""
+clients that leave. (`python -m fineslab.bench.bench_serving` as the docs give it runs against
+the demo fleet: test_demo_fleet.py.) One runtime for the module: about 40 s on an idle 2-core machine."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
-import os
-import re
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,9 +18,6 @@ import openai
 import pytest
 from fineslab.scheduler.local import TtftPredictor
 
-from fineslab import cpu_mode
-from fineslab.bench.sharegpt_mini import DATASET_FILE
-from fineslab.env import CPU_MODE_VAR, SGLANG_CPU_ENGINE_VAR
 from fineslab.router import ModelRoute, ReplicaRoute, Router, RouterServer, RouterSettings
 from fineslab.runtime import ServerSpec, free_port, start_server
 
@@ -130,42 +123,6 @@ def test_streamed_requests_feed_ttft_and_tpot_metrics(router: str) -> None:
                  if line.startswith('fineslab_ttft_seconds_count{model="tiny"}'))
     assert float(count.split()[-1]) >= 2, count
     assert 'fineslab_tpot_seconds_count{model="tiny"}' in text
-
-
-def _environ_without_cpu_mode(hf_home: Path) -> dict[str, str]:
-    """Our environment as a user's shell has it: no stubs on the path, no CPU switches (the
-    test session's conftest put them in), and an empty Hugging Face cache."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in (CPU_MODE_VAR, SGLANG_CPU_ENGINE_VAR, "PYTHONPATH")}
-    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-            if p and p != str(cpu_mode.STUBS_DIR)]
-    if path:
-        env["PYTHONPATH"] = os.pathsep.join(path)
-    env["HF_HOME"] = str(hf_home)
-    return env
-
-
-def test_bench_serving_wrapper_runs_the_random_dataset_offline(
-        router: str, model_cache: Path, tmp_path: Path) -> None:
-    """docs/serving.md's command: `random` (prompts cut from ShareGPT text) without --dataset-path,
-    from a shell without the CPU stubs. Guards issue #15: `No module named 'torchvision'`, then
-    a ShareGPT download."""
-    hf_home = tmp_path / "hf"
-    result = subprocess.run(
-        [sys.executable, "-m", "fineslab.bench.bench_serving", "--backend", "sglang-oai",
-         "--base-url", router, "--model", "tiny", "--tokenizer", str(model_cache / "llama-tiny"),
-         "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "8",
-         "--random-range-ratio", "1.0", "--num-prompts", "8", "--request-rate", "8",
-         "--output-file", str(tmp_path / "results.jsonl"), "--disable-tqdm"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
-        env=_environ_without_cpu_mode(hf_home))
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out[-3000:]
-    assert f"dataset_path='{DATASET_FILE}'" in out, "the shipped ShareGPT file was used"
-    match = re.search(r"Successful requests:\s+(\d+)", out)
-    assert match and int(match.group(1)) == 8, out[-3000:]
-    assert not hf_home.exists() or not any(hf_home.rglob("*.json")), "nothing was downloaded"
-    assert (tmp_path / "results.jsonl").stat().st_size > 0, "the client wrote its results"
 
 
 # -- a client that leaves (issue #35, finding 2) -------------------------------------------------
