@@ -64,6 +64,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -324,9 +325,15 @@ def probe_figures(result: BenchResult, wall_s: float) -> dict[str, Any]:
     refused = sum(1 for o in outcomes if (o.dropped or "").startswith(("HTTP 429", "HTTP 503")))
     timed_out = sum(1 for o in outcomes if "Timeout" in (o.dropped or "").split(":")[0])
     completed, p99 = summary.num_completed, summary.ttft_s.p99
+    failures = Counter((o.dropped or "no answer")[:120] for o in outcomes
+                       if not o.completed and not (o.dropped or "").startswith(
+                           ("HTTP 429", "HTTP 503")) and "Timeout" not in
+                       (o.dropped or "").split(":")[0])
     return {"requests": len(outcomes), "met": met, "late": completed - met,
             "dropped": refused, "timed_out": timed_out,
             "failed": len(outcomes) - completed - refused - timed_out,
+            # what each failed request got, so that a failure explains itself
+            "failures": dict(failures.most_common(5)),
             "goodput_per_s": round(met / wall_s, 3), "ttft_p99_s": None if p99 is None
             else round(p99, 3),
             "attainment_by_model": {model: round(s.slo_attainment or 0.0, 4)

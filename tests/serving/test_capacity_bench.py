@@ -44,7 +44,7 @@ def test_the_quick_capacity_run_bisects_each_system_on_the_same_requests(
         assert probes and probes[0]["rate_scale"] == 1.0, (name, probes)
         for p in probes:
             requests.setdefault(p["rate_scale"], set()).add(p["requests"])
-            assert p["failed"] == 0, (name, p)
+            assert p["failed"] == 0, f"{name} at {p['rate_scale']}: {p['failures']}"
             assert p["met"] + p["late"] + p["dropped"] + p["timed_out"] == p["requests"], p
             assert p["attainment"] == round(p["met"] / p["requests"], 4), p
         met = [p["rate_scale"] for p in probes if p["attainment"] >= 0.99]

@@ -1,7 +1,8 @@
 """The router in front of one real SGLang runtime (llama-tiny on CPU, SGLang's own KV pool):
 the `openai` client, streaming and not, completions and chat; a real-tokenizer length check;
 clients that leave. (`python -m fineslab.bench.bench_serving` as the docs give it runs against
-the demo fleet: test_demo_fleet.py.) One runtime for the module: about 40 s on an idle 2-core machine."""
+the demo fleet: test_demo_fleet.py.) One runtime for the module: about 40 s on an idle 2-core
+machine."""
 
 from __future__ import annotations
 
