@@ -1,7 +1,8 @@
 """Every SGLang name the plugin relies on, in one table that start-up checks (`contact_check`).
 
-The plugin subclasses SGLang's KV pool, allocator and prefill budget, wraps eight methods (five
-of them private) with AROUND hooks, and reads private attributes of SGLang objects. None of that
+The plugin subclasses SGLang's KV pool, allocator and prefill budget, wraps SGLang methods
+(most of them private; the rows with a `hook`) with AROUND hooks, and reads private attributes
+of SGLang objects. None of that
 is SGLang's public API: a rename in the next SGLang minor would not fail, it would silently
 route around the plugin (a renamed `_release_page_ids` sends freed pages to SGLang's private
 free list, which the arena never sees). So every such name is a row here, and `install` refuses
