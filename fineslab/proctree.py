@@ -35,7 +35,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,14 +71,30 @@ def process_name(pid: int) -> str:
         return ""
 
 
-def descendant_pids(root: int) -> list[int]:
-    """Live (non-zombie) descendants of `root` at any depth, read from /proc."""
-    children: dict[int, list[int]] = {}
+def _live_processes() -> Iterator[tuple[int, list[str]]]:
+    """(pid, `stat_fields`) of every live (non-zombie) process, read from /proc."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             fields = stat_fields(int(entry))
-            if len(fields) > 1 and fields[0] != "Z":
-                children.setdefault(int(fields[1]), []).append(int(entry))
+            if len(fields) > 2 and fields[0] != "Z":
+                yield int(entry), fields
+
+
+def _cmdline(pid: int) -> bytes:
+    """The process's command line with its NULs as spaces (a fork from the zygote is titled
+    with spaces where a plain start has NULs); empty when it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ")
+    except OSError:
+        return b""
+
+
+def descendant_pids(root: int) -> list[int]:
+    """Live (non-zombie) descendants of `root` at any depth, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for pid, fields in _live_processes():
+        children.setdefault(int(fields[1]), []).append(pid)
     found, todo = [], [root]
     while todo:
         kids = children.get(todo.pop(), [])
@@ -89,14 +105,7 @@ def descendant_pids(root: int) -> list[int]:
 
 def tree_pids_of_group(pgid: int) -> list[int]:
     """Live (non-zombie) processes whose process group is `pgid`, read from /proc."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        fields = stat_fields(int(entry))
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(entry))
-    return pids
+    return [pid for pid, fields in _live_processes() if int(fields[2]) == pgid]
 
 
 #: How long the resource tracker gets to clean up once the rest of its tree is gone.
@@ -104,11 +113,7 @@ TRACKER_GRACE_S = 3.0
 
 
 def _is_resource_tracker(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"multiprocessing.resource_tracker" in f.read()
-    except OSError:
-        return False
+    return b"multiprocessing.resource_tracker" in _cmdline(pid)
 
 
 def _signal_all(pids: Iterable[int], sig: signal.Signals) -> None:
@@ -273,27 +278,15 @@ def carries_marker(pid: int, fleet_id: str) -> bool:
         return False
 
 
-def fleet_processes(fleet_id: str, exclude: Iterable[int] = ()) -> list[int]:
+def fleet_processes(fleet_id: str) -> list[int]:
     """Live (non-zombie) processes carrying the fleet's marker (its runtimes, their lifelines
-    and the fleet's zygote), but `exclude`."""
-    skip = set(exclude)
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) not in skip:
-            fields = stat_fields(int(entry))
-            if fields and fields[0] != "Z" and carries_marker(int(entry), fleet_id):
-                found.append(int(entry))
-    return found
+    and the fleet's zygote)."""
+    return [pid for pid, _ in _live_processes() if carries_marker(pid, fleet_id)]
 
 
 def _is_lifeline(pid: int) -> bool:
-    """A runtime's `fineslab.lifeline` wrapper (a fork from the zygote is titled with spaces
-    where a plain start's command line has NULs)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b" -m fineslab.lifeline " in f.read().replace(b"\0", b" ")
-    except OSError:
-        return False
+    """A runtime's `fineslab.lifeline` wrapper, plain or forked."""
+    return b" -m fineslab.lifeline " in _cmdline(pid)
 
 
 def remove_dead_record(fleet_id: str, wait_s: float = 0.0, shm_dir: Path | None = None) -> bool:

@@ -43,7 +43,6 @@ import functools
 import multiprocessing as mp
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -258,7 +257,7 @@ def _worker(shm_dir: str, index: int, spec: ReplaySpec,
     replay_sglang(ops, page_size, spec.pool_pages, device)
     replay_slab(ops, runtime, page_size, to_torch=True, device=device)
     replay_slab(ops, pooled, page_size, to_torch=True, device=device)
-    def replay(kind: str) -> tuple[float, float]:
+    def replay(kind: str, _round: int) -> tuple[float, float]:
         barrier.wait()  # both processes run the same allocator at the same time
         if kind == "sglang":
             return replay_sglang(ops, page_size, spec.pool_pages, device)
@@ -266,8 +265,7 @@ def _worker(shm_dir: str, index: int, spec: ReplaySpec,
                            to_torch=kind != "slab_raw", device=device)
 
     # Interleaved, the first allocator rotating from repeat to repeat (in both processes alike).
-    times = interleave({kind: functools.partial(_ignore_round, replay, kind) for kind in KINDS},
-                       spec.repeats)
+    times = interleave({kind: functools.partial(replay, kind) for kind in KINDS}, spec.repeats)
     per_page = {name: [t[wall] / ops.total_pages for t in times[kind]]
                 for kind in KINDS for wall, name in ((0, kind), (1, f"{kind}_wall"))}
     runtime.check_integrity()
@@ -276,11 +274,6 @@ def _worker(shm_dir: str, index: int, spec: ReplaySpec,
     runtime.close()
     pooled.close()
     queue.put((per_page, locked, ops.total_pages, len(ops.kinds)))
-
-
-def _ignore_round(replay: Callable[[str], tuple[float, float]], kind: str,
-                  _round: int) -> tuple[float, float]:
-    return replay(kind)
 
 
 #: The allocators replayed, each repeat: SGLang's, the slab table's with and without the token
@@ -368,16 +361,17 @@ def main(argv: list[str] | None = None) -> None:
         "pages_per_replay": num_pages, "ops_per_replay": num_ops, "repeats": args.repeats,
         "page_size": args.page_size, "processes": NUM_PROCESSES, "device": args.device,
     }
+    # "vs sglang" as the JSON has it: the median of the round-by-round ratios
+    vs = {name: figure["median"] for name, figure in ratio_figures.items()}
+    vs["slab_raw"] = ratio("slab_raw", "sglang")["median"]
     rows = [
         ["sglang PagedTokenToKVPoolAllocator (private)", sglang_ns, 1.0],
-        ["slab RuntimeSlabs + token adapter (shared table)", slab_ns, slab_ns / sglang_ns],
-        ["slab RuntimeSlabs, block ids only (shared table)", slab_raw_ns,
-         slab_raw_ns / sglang_ns],
-        ["slab PooledSlabs + token adapter (one key pool)", pooled_ns, pooled_ns / sglang_ns],
+        ["slab RuntimeSlabs + token adapter (shared table)", slab_ns, vs["ratio"]],
+        ["slab RuntimeSlabs, block ids only (shared table)", slab_raw_ns, vs["slab_raw"]],
+        ["slab PooledSlabs + token adapter (one key pool)", pooled_ns, vs["pooled_ratio_cpu"]],
         ["wall: sglang (private)", sglang_wall_ns, 1.0],
-        ["wall: slab RuntimeSlabs + token adapter", slab_wall_ns, slab_wall_ns / sglang_wall_ns],
-        ["wall: slab PooledSlabs + token adapter", pooled_wall_ns,
-         pooled_wall_ns / sglang_wall_ns],
+        ["wall: slab RuntimeSlabs + token adapter", slab_wall_ns, vs["ratio_wall"]],
+        ["wall: slab PooledSlabs + token adapter", pooled_wall_ns, vs["pooled_ratio"]],
     ]
     emit(f"Allocator cost per page on {args.device}, {NUM_PROCESSES} processes at once "
          f"({num_pages} pages, {num_ops} ops, page size {args.page_size}), median of "

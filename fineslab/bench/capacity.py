@@ -79,6 +79,7 @@ from fineslab.fleet.config import fleet_from_dict
 from fineslab.fleet.plan import make_plan, model_dir_of
 from fineslab.fleet.profiles import find_profile
 from fineslab.loadgen.client import ClientConfig
+from fineslab.loadgen.metrics import RequestOutcome
 from fineslab.loadgen.run import BenchConfig, BenchResult, run_benchmark
 from fineslab.scheduler.placement import GpuSpec
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
@@ -319,19 +320,27 @@ class Probe:
     figures: dict[str, Any]
 
 
+def _unanswered(outcome: RequestOutcome) -> str | None:
+    """Why a request got no answer: "dropped" (refused, 429 or 503), "timed_out", "failed";
+    None when it was answered."""
+    if outcome.completed:
+        return None
+    reason = outcome.dropped or ""
+    if reason.startswith(("HTTP 429", "HTTP 503")):
+        return "dropped"
+    return "timed_out" if "Timeout" in reason.split(":")[0] else "failed"
+
+
 def probe_figures(result: BenchResult, wall_s: float) -> dict[str, Any]:
     outcomes, summary = result.outcomes, result.summary()
     met = sum(1 for o in outcomes if o.met_slo)
-    refused = sum(1 for o in outcomes if (o.dropped or "").startswith(("HTTP 429", "HTTP 503")))
-    timed_out = sum(1 for o in outcomes if "Timeout" in (o.dropped or "").split(":")[0])
+    unanswered = Counter(_unanswered(o) for o in outcomes)
     completed, p99 = summary.num_completed, summary.ttft_s.p99
     failures = Counter((o.dropped or "no answer")[:120] for o in outcomes
-                       if not o.completed and not (o.dropped or "").startswith(
-                           ("HTTP 429", "HTTP 503")) and "Timeout" not in
-                       (o.dropped or "").split(":")[0])
+                       if _unanswered(o) == "failed")
     return {"requests": len(outcomes), "met": met, "late": completed - met,
-            "dropped": refused, "timed_out": timed_out,
-            "failed": len(outcomes) - completed - refused - timed_out,
+            "dropped": unanswered["dropped"], "timed_out": unanswered["timed_out"],
+            "failed": unanswered["failed"],
             # what each failed request got, so that a failure explains itself
             "failures": dict(failures.most_common(5)),
             "goodput_per_s": round(met / wall_s, 3), "ttft_p99_s": None if p99 is None

@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import logging
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     windows = measure_echo(args.rate, args.duration_s, args.repeats)
     added = {q: spread([getattr(w["router"], f"{q}_ms") - getattr(w["direct"], f"{q}_ms")
                         for w in windows]) for q in ("p50", "p99")}
-    paths = {(name, q): spread([getattr(w[name], f"{q}_ms") for w in windows])["median"]
+    paths = {(name, q): statistics.median(getattr(w[name], f"{q}_ms") for w in windows)
              for name in ("router", "direct") for q in ("p50", "p99")}
     result: dict[str, object] = {
         "p50_ms": added["p50"]["median"], "p99_ms": added["p99"]["median"],
