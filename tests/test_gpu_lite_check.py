@@ -16,12 +16,15 @@ from fineslab.gpu_lite import check
 from fineslab.proctree import descendant_pids
 
 
-def _servers() -> set[int]:
+def _servers(out: Path) -> set[int]:
+    """The SGLang servers whose output goes to a log under `out`: this check's, not those the
+    suite's other workers start meanwhile."""
     found = set()
     for pid in Path("/proc").iterdir():
         if pid.name.isdigit():
             try:
-                if b"sglang.launch_server" in (pid / "cmdline").read_bytes():
+                if b"sglang.launch_server" in (pid / "cmdline").read_bytes() and \
+                        Path(os.readlink(pid / "fd" / "1")).is_relative_to(out):
                     found.add(int(pid.name))
             except OSError:
                 continue
@@ -31,7 +34,7 @@ def _servers() -> set[int]:
 @pytest.mark.slow  # the stopped stage begins a runtime
 def test_a_stage_past_its_time_is_stopped_and_the_next_still_runs(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    before, children = _servers(), set(descendant_pids(os.getpid()))  # the suite's own too
+    children = set(descendant_pids(os.getpid()))  # the suite's own
     code = check.main(["--device", "cpu", "--stages", "stock,env", "--timeout", "stock=4",
                        "--out", str(tmp_path)])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -43,9 +46,9 @@ def test_a_stage_past_its_time_is_stopped_and_the_next_still_runs(
     assert env["sglang"].startswith("0.5.23")
     assert (tmp_path / "stock.log").exists() and (tmp_path / "env.json").exists()
     deadline = time.monotonic() + 30
-    while _servers() - before and time.monotonic() < deadline:
+    while _servers(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _servers() - before, "the stopped stage's server went with it"
+    assert not _servers(tmp_path), "the stopped stage's server went with it"
     assert not set(descendant_pids(os.getpid())) - children, "no stage process left"
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fineslab.bench.repeats import spread
+from fineslab.connections import pooled_connector
 from fineslab.router.testing import start_echo_backend
 from fineslab.runtime import free_port, wait_until_up
 from fineslab.tables import add_json_flag, emit
@@ -77,8 +78,7 @@ async def run_load(urls: dict[str, str], model: str, rate_per_s: float, duration
     body = {"model": model, "prompt": "hello router", "max_tokens": max_tokens,
             "temperature": 0}
     names = list(urls)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with aiohttp.ClientSession(connector=pooled_connector()) as session:
         async def one(name: str) -> None:
             start_s = time.perf_counter()
             try:

@@ -39,6 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from fineslab.connections import pooled_connector
 from fineslab.errors import ConfigError, IntegrityError
 from fineslab.router.app import INLINE_PARSE_BYTES, bad_request
 from fineslab.router.disconnect import CLIENT_CLOSED
@@ -264,7 +265,7 @@ class FrontRouter:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=NODE_CONNECT_TIMEOUT_S,
                                         sock_read=self.settings.upstream_timeout_s)
         self._session = aiohttp.ClientSession(timeout=timeout,
-                                              connector=aiohttp.TCPConnector(limit=0))
+                                              connector=pooled_connector())
 
     @property
     def session(self) -> aiohttp.ClientSession:

@@ -22,6 +22,7 @@ from pathlib import Path
 import aiohttp
 from tqdm import tqdm
 
+from fineslab.connections import pooled_connector
 from fineslab.errors import ConfigError
 from fineslab.loadgen.client import ClientConfig, send_request
 from fineslab.loadgen.metrics import RequestOutcome, Summary, summarize, summarize_by_model
@@ -61,8 +62,7 @@ async def _run(cfg: BenchConfig, requests: Sequence[Request]) -> BenchResult:
     prompts = [builder.prompt(r.prompt_tokens, offset=i * 7919) for i, r in enumerate(requests)]
     limit = asyncio.Semaphore(cfg.max_concurrency or len(requests) or 1)
     bar = _progress(len(requests), cfg.progress)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with aiohttp.ClientSession(connector=pooled_connector()) as session:
         start_s = time.perf_counter()
 
         async def one(request: Request, prompt: str) -> RequestOutcome:

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 from starlette.responses import JSONResponse, Response
 
+from fineslab.connections import pooled_connector
 from fineslab.router.attribution import CrashAttribution, fingerprint
 from fineslab.router.elastic import CannotWake, Elastic
 from fineslab.router.metrics import LiveCollector, RouterMetrics
@@ -98,7 +99,7 @@ class Router:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0,
                                         sock_read=self.settings.upstream_timeout_s)
         return aiohttp.ClientSession(base_url=base_url, timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=0, force_close=False))
+                                     connector=pooled_connector())
 
     async def stop(self) -> None:
         if self.elastic is not None:

@@ -145,9 +145,14 @@ def test_a_short_request_behind_a_long_prefill_is_dropped_naming_the_work_ahead(
     assert dropped, f"no short request was dropped in {len(answers)} tries during the prefill"
     assert all(ENGINE_DROP_PREFIX in a.json()["message"] for a in dropped)
     assert any("prompt tokens already being prefilled" in a.json()["message"] for a in dropped)
-    predicted = [float(m.group(1)) for a in dropped
-                 for m in [PREDICTED.search(a.json()["message"])] if m]
-    assert max(predicted, default=0.0) >= 12.0, predicted  # the profile as given: ~1 s a chunk
+    # The profile as given: 1 s a 64-token chunk, whatever this machine takes (40-260 ms a
+    # chunk idle, more under load). How many chunks are left at the first drop depends on
+    # the machine; the pace of each prediction does not.
+    paced = [(float(m.group(1)), int(b.group(1))) for a in dropped
+             for m, b in [(PREDICTED.search(a.json()["message"]),
+                           BEHIND.search(a.json()["message"]))] if m and b]
+    assert paced, [a.json()["message"] for a in dropped]
+    assert all(seconds >= 0.9 * ahead / CHUNK for seconds, ahead in paced), paced
     short = prompts(1, 8, seed=3)[0]
     assert _completion(url, short, priority=_deadline_ms(3.0), max_tokens=1).status_code == 200
 
