@@ -21,7 +21,14 @@ for the model decides with `FollowedPredictor`, the same profile scaled by its r
 (a sample-weighted mean of their log scales per bucket; a missing, unreadable or malformed
 file counts as no samples, so the gate falls back to the profile as given).
 
-    {"overall": [log_scale, samples], "buckets": {"<bucket>": [log_scale, samples], ...}}
+A scale ages: one no step has refreshed for HALF_LIFE_S counts half (its log is halved), so
+after a few minutes without a step the profile is back as given. Without it a gate that the
+steps of a loaded minute taught to drop every request "even alone" would never again let
+through the request whose step would show the machine is idle again. Each mean carries the
+wall-clock time it is as of; the runtime ages its own, the router a file's from that time.
+
+    {"overall": [log_scale, samples, as_of_s],
+     "buckets": {"<bucket>": [log_scale, samples, as_of_s], ...}}
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ MAX_RATIO = 64.0
 LOG_FACTOR = 1.25
 #: A runtime writes its scales at most this often (seconds); the router rereads them as often.
 PUBLISH_S = 0.5
+#: A scale no step has refreshed for this long (seconds) counts half (module doc).
+HALF_LIFE_S = 30.0
 
 
 def bucket_of(tokens: int) -> int:
@@ -60,29 +69,48 @@ def bucket_of(tokens: int) -> int:
 
 @dataclass
 class _Mean:
-    """An exponentially weighted mean of log ratios, and how many steps fed it."""
+    """An exponentially weighted mean of log ratios, how many steps fed it, and the wall-clock
+    time it is as of (None: never aged, as in a file of the two-field shape)."""
 
     log_scale: float = 0.0
     samples: int = 0
+    as_of_s: float | None = None
 
     def to_pair(self) -> list[float]:
-        return [self.log_scale, self.samples]
+        return [self.log_scale, self.samples] + ([] if self.as_of_s is None else [self.as_of_s])
 
     @classmethod
-    def merged(cls, pairs: Iterable[Sequence[float]]) -> _Mean:
-        """The sample-weighted mean of several means' log scales, their samples summed."""
-        pairs = list(pairs)
-        total = sum(int(n) for _, n in pairs)
+    def of_pair(cls, pair: Sequence[float], now_s: float) -> _Mean:
+        """A file's mean, aged to `now_s`."""
+        mean = cls(float(pair[0]), int(pair[1]), float(pair[2]) if len(pair) > 2 else None)
+        mean.age(now_s)
+        return mean
+
+    @classmethod
+    def merged(cls, means: Iterable[_Mean]) -> _Mean:
+        """The sample-weighted mean of several means' log scales (aged to one time), their
+        samples summed."""
+        means = list(means)
+        total = sum(m.samples for m in means)
         if total <= 0:
             return cls()
         bound = math.log(MAX_RATIO)
-        mean = sum(float(log) * int(n) for log, n in pairs) / total
-        return cls(min(bound, max(-bound, mean)), total)
+        mean = sum(m.log_scale * m.samples for m in means) / total
+        as_of = [m.as_of_s for m in means if m.as_of_s is not None]
+        return cls(min(bound, max(-bound, mean)), total, max(as_of) if as_of else None)
 
-    def add(self, log_ratio: float) -> None:
+    def age(self, now_s: float) -> None:
+        """Halve the log scale for every HALF_LIFE_S since it was as of (module doc)."""
+        if self.as_of_s is not None and now_s > self.as_of_s:
+            self.log_scale *= 0.5 ** ((now_s - self.as_of_s) / HALF_LIFE_S)
+            self.as_of_s = now_s
+
+    def add(self, log_ratio: float, now_s: float) -> None:
+        self.age(now_s)
         weight = ALPHA if self.samples else 1.0
         self.log_scale += weight * (log_ratio - self.log_scale)
         self.samples += 1
+        self.as_of_s = now_s
 
 
 @dataclass
@@ -93,6 +121,8 @@ class RefreshedPredictor:
     base: ChunkedPrefillPredictor
     overall: _Mean = field(default_factory=_Mean)
     buckets: dict[int, _Mean] = field(default_factory=dict)
+    #: Wall clock (s) of the steps and of aging: shared with the router through the file.
+    clock: Callable[[], float] = field(default=time.time, repr=False)
     _logged_log_scale: float = 0.0
     #: _bounds[b]: the (least, most) a step of bucket b may take (see `_rebound`).
     _bounds: list[tuple[float, float]] = field(default_factory=list)
@@ -158,16 +188,25 @@ class RefreshedPredictor:
                 "buckets": {str(b): m.to_pair() for b, m in sorted(self.buckets.items())}}
 
     @classmethod
-    def from_docs(cls, base: ChunkedPrefillPredictor, docs: Sequence[Mapping[str, Any]]
-                  ) -> RefreshedPredictor:
-        """`base` scaled by the merged scales of several runtimes' files (`to_doc`)."""
+    def from_docs(cls, base: ChunkedPrefillPredictor, docs: Sequence[Mapping[str, Any]],
+                  now_s: float) -> RefreshedPredictor:
+        """`base` scaled by the merged scales of several runtimes' files (`to_doc`), each
+        aged to `now_s` (wall clock)."""
         predictor = cls(base)
-        predictor.overall = _Mean.merged([d["overall"] for d in docs])
+        predictor.overall = _Mean.merged([_Mean.of_pair(d["overall"], now_s) for d in docs])
         keys = sorted({int(k) for d in docs for k in d["buckets"]})
-        predictor.buckets = {k: _Mean.merged([d["buckets"][str(k)] for d in docs
-                                              if str(k) in d["buckets"]]) for k in keys}
+        predictor.buckets = {k: _Mean.merged([_Mean.of_pair(d["buckets"][str(k)], now_s)
+                                              for d in docs if str(k) in d["buckets"]])
+                             for k in keys}
         predictor._rebound()
         return predictor
+
+    def age(self) -> None:
+        """Age every scale to now (module doc); the runtime calls it between steps."""
+        now_s = self.clock()
+        for mean in (self.overall, *self.buckets.values()):
+            mean.age(now_s)
+        self._rebound()
 
     def prefill_tokens_s(self, total_tokens: int) -> float:
         return chunked_prefill_s(total_tokens, self.chunk_tokens, self.step_s)
@@ -182,8 +221,9 @@ class RefreshedPredictor:
             return
         bound = math.log(MAX_RATIO)
         log_ratio = min(bound, max(-bound, math.log(seconds / profiled)))
-        self.overall.add(log_ratio)
-        self.buckets.setdefault(bucket_of(tokens), _Mean()).add(log_ratio)
+        now_s = self.clock()
+        self.overall.add(log_ratio, now_s)
+        self.buckets.setdefault(bucket_of(tokens), _Mean()).add(log_ratio, now_s)
         self._rebound()
         if abs(self.overall.log_scale - self._logged_log_scale) >= math.log(LOG_FACTOR):
             self._logged_log_scale = self.overall.log_scale
@@ -205,8 +245,8 @@ def read_scales(path: Path) -> dict[str, Any] | None:
         doc = json.loads(path.read_text())
         buckets = {str(int(k)): v for k, v in doc["buckets"].items()}
         pairs = [doc["overall"], *buckets.values()]
-        if not all(len(p) == 2 and math.isfinite(float(p[0])) and int(p[1]) >= 0
-                   for p in pairs):
+        if not all(len(p) in (2, 3) and all(math.isfinite(float(x)) for x in p)
+                   and int(p[1]) >= 0 for p in pairs):
             return None
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
@@ -221,6 +261,8 @@ class FollowedPredictor:
     base: ChunkedPrefillPredictor
     paths: tuple[Path, ...]
     clock: Callable[[], float] = time.monotonic
+    #: The wall clock the files' scales are aged by.
+    wall: Callable[[], float] = time.time
     _current: RefreshedPredictor | None = field(default=None, repr=False)
     _loaded_s: float = -math.inf
 
@@ -233,7 +275,7 @@ class FollowedPredictor:
         now_s = self.clock()
         if self._current is None or now_s - self._loaded_s >= PUBLISH_S:
             docs = [doc for path in self.paths if (doc := read_scales(path)) is not None]
-            self._current = RefreshedPredictor.from_docs(self.base, docs)
+            self._current = RefreshedPredictor.from_docs(self.base, docs, self.wall())
             self._loaded_s = now_s
         return self._current
 

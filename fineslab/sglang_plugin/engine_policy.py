@@ -114,7 +114,7 @@ class EngineBatchPolicy:
         self.schedule = schedule
         self.policy = get_batch_policy(schedule.policy)
         #: Scaled by the timed steps when the schedule asks for refresh; else never observes.
-        self.predictor = RefreshedPredictor(schedule.predictor())
+        self.predictor = RefreshedPredictor(schedule.predictor(), clock=clock)
         self.steps: StepClock | None = StepClock(self.predictor) if schedule.refresh else None
         self.clock = clock
         self.step_clock = step_clock
@@ -123,6 +123,7 @@ class EngineBatchPolicy:
         self._first_seen: dict[int, float] = {}
         self._tp_refused = False
         self._published_s, self._published_samples = -math.inf, 0
+        self._aged_s = -math.inf
 
     def around(self, original: Callable[..., Any], scheduler: Any, *args: Any,
                **kwargs: Any) -> Any:
@@ -148,6 +149,9 @@ class EngineBatchPolicy:
             if not formed:
                 now_s = self.step_clock()
                 self.steps.loop_came_back(scheduler.forward_ct, now_s)
+                if now_s - self._aged_s >= PUBLISH_S:  # scales no step refreshes fade
+                    self.predictor.age()
+                    self._aged_s = now_s
                 self._publish(now_s)
             else:
                 batch = result[0] if isinstance(result, tuple) else result

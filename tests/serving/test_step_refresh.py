@@ -30,17 +30,22 @@ from fineslab.sglang_plugin.step_refresh import (
 BASE = ChunkedPrefillPredictor(PiecewiseLinear((0.0, 100.0), (0.0, 1.0)), 100)
 
 
+def _frozen() -> float:
+    """A wall clock that stands still: no scale ages (test_aging.py ages them)."""
+    return 0.0
+
+
 def test_buckets_are_powers_of_two() -> None:
     assert [bucket_of(n) for n in (1, 2, 3, 4, 7, 8, 100, 128)] == [0, 1, 1, 2, 2, 3, 6, 7]
 
 
 def test_before_any_step_the_profile_is_used_as_given() -> None:
-    predictor = RefreshedPredictor(BASE)
+    predictor = RefreshedPredictor(BASE, clock=_frozen)
     assert predictor.ttft_s([250]) == pytest.approx(BASE.ttft_s([250]))
 
 
 def test_steps_twice_as_fast_halve_every_prediction() -> None:
-    predictor = RefreshedPredictor(BASE)
+    predictor = RefreshedPredictor(BASE, clock=_frozen)
     for _ in range(5):
         predictor.observe(100, 0.5)
     assert predictor.scale(100) == pytest.approx(0.5)
@@ -51,7 +56,7 @@ def test_a_size_with_its_own_steps_gets_its_own_scale_others_the_overall_one() -
     """Small steps carry a fixed cost the profile charges differently: after MIN_SAMPLES steps
     of 4 tokens the 4-token bucket has its own scale; 50-token steps, never timed, use the
     overall mean until their bucket has enough steps of its own."""
-    predictor = RefreshedPredictor(BASE)
+    predictor = RefreshedPredictor(BASE, clock=_frozen)
     for _ in range(MIN_SAMPLES):
         predictor.observe(4, 0.04 * 3)  # 3x the profile's 0.04 s
     for _ in range(MIN_SAMPLES):
@@ -68,7 +73,7 @@ def test_the_refreshed_ttft_never_shrinks_as_tokens_are_added() -> None:
     would make 64 tokens (0.32 s) quicker than 63 (1.89 s). The floor keeps every prediction
     at least that of fewer tokens (Algorithm 2 relies on it), at the cost of predicting the
     64-127 bucket no quicker than 63 tokens."""
-    predictor = RefreshedPredictor(BASE)
+    predictor = RefreshedPredictor(BASE, clock=_frozen)
     for _ in range(MIN_SAMPLES):
         predictor.observe(40, 0.4 * 3)
         predictor.observe(100, 1.0 * 0.5)
@@ -85,7 +90,7 @@ def test_the_chunks_own_steps_are_not_overridden_by_the_mean_of_other_sizes() ->
     a chunk is predicted at its own 0.2 s, not at the overall mean (still pulled up by the
     short steps) of the never-timed 32-63-token bucket below it, which is held under the
     chunk instead; the TTFT still never shrinks as tokens are added."""
-    predictor = RefreshedPredictor(BASE)
+    predictor = RefreshedPredictor(BASE, clock=_frozen)
     for _ in range(10):
         predictor.observe(4, 0.04 * 2)
     for _ in range(MIN_SAMPLES):
@@ -99,7 +104,7 @@ def test_the_chunks_own_steps_are_not_overridden_by_the_mean_of_other_sizes() ->
 
 
 def test_one_outlier_step_moves_the_scale_by_a_bounded_factor() -> None:
-    predictor = RefreshedPredictor(BASE)
+    predictor = RefreshedPredictor(BASE, clock=_frozen)
     for _ in range(10):
         predictor.observe(100, 1.0)
     predictor.observe(100, 1e6)  # a step stalled for days
@@ -112,13 +117,13 @@ def test_one_outlier_step_moves_the_scale_by_a_bounded_factor() -> None:
 @pytest.mark.parametrize("tokens, seconds", [(0, 1.0), (100, 0.0), (100, -1.0),
                                              (100, float("nan")), (100, float("inf"))])
 def test_a_step_without_a_positive_time_is_ignored(tokens: int, seconds: float) -> None:
-    predictor = RefreshedPredictor(BASE)
+    predictor = RefreshedPredictor(BASE, clock=_frozen)
     predictor.observe(tokens, seconds)
     assert predictor.overall.samples == 0 and predictor.scale(100) == 1.0
 
 
 def test_the_scale_is_logged_when_it_moves(caplog: pytest.LogCaptureFixture) -> None:
-    predictor = RefreshedPredictor(BASE)
+    predictor = RefreshedPredictor(BASE, clock=_frozen)
     with caplog.at_level(logging.INFO, logger="fineslab.scheduler.refreshed"):
         predictor.observe(100, 1.05)  # within LOG_FACTOR of 1: quiet
         assert not caplog.records
@@ -127,7 +132,7 @@ def test_the_scale_is_logged_when_it_moves(caplog: pytest.LogCaptureFixture) -> 
 
 
 def test_a_step_counts_only_when_exactly_one_batch_ran_in_between() -> None:
-    predictor = RefreshedPredictor(BASE)
+    predictor = RefreshedPredictor(BASE, clock=_frozen)
     clock = StepClock(predictor)
     clock.batch_formed(SimpleNamespace(extend_num_tokens=100), forward_ct=7, now_s=10.0)
     clock.loop_came_back(forward_ct=9, now_s=12.0)  # a decode ran too: not a step
