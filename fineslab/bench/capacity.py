@@ -74,6 +74,7 @@ import httpx
 
 from fineslab.bench.chaos_fleet import ChaosFleet
 from fineslab.bench.engine_policy import engine_drops
+from fineslab.bench.settle import SETTLED_BUSY, wait_settled
 from fineslab.errors import ConfigError
 from fineslab.fleet.config import fleet_from_dict
 from fineslab.fleet.plan import make_plan, model_dir_of
@@ -143,6 +144,8 @@ class CapacityBenchConfig:
     start: float = 1.0
     tolerance: float = 0.25
     ceiling: float = 16.0
+    #: Before each probe, wait up to this long for the machine to settle (bench/settle.py).
+    settle_s: float = 30.0
     mix: tuple[MixModel, ...] = MIX
 
 
@@ -356,11 +359,13 @@ def live_probe(cfg: CapacityBenchConfig, fleet: ChaosFleet, calibration: Calibra
     # A request still waiting this long after its arrival has long missed its SLO: the client
     # gives up (the router aborts it), so an overloaded probe ends instead of draining a queue.
     timeout_s = 4 * max(calibration.slo_s.values()) + 30
+    settled = wait_settled(cfg.settle_s, what=f"{fleet.fleet_id}'s probe at x{rate_scale:g}")
     drops_before = engine_drops(fleet.base_url)
     result = run_benchmark(_bench(fleet.base_url, calibration.slo_s, timeout_s, seed), requests)
     _wait_drained(fleet)
     figures = probe_figures(result, cfg.duration_s)
     figures["engine_drops"] = engine_drops(fleet.base_url) - drops_before
+    figures.update(settled.figures())
     return Probe(rate_scale, round(figures["met"] / figures["requests"], 4), figures)
 
 
@@ -596,6 +601,16 @@ def _positive(text: str) -> float:
     return value
 
 
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 3600, got {text}")
+    return value
+
+
 def rows_of(out: dict[str, Any]) -> list[list[object]]:
     rows: list[list[object]] = []
     for cell in out["cells"]:
@@ -630,12 +645,15 @@ def main(argv: list[str] | None = None) -> int:
                              "machine's jitter: docs/evaluation.md)")
     parser.add_argument("--ceiling", type=_positive, default=None,
                         help="the highest rate scale probed (default 16)")
+    parser.add_argument("--settle", type=_non_negative, default=None, metavar="S",
+                        help="before each probe, wait up to S s for the CPUs to be under "
+                             f"{SETTLED_BUSY * 100:.0f}%% busy (default 30; 0: one reading)")
     add_json_flag(parser)
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else CapacityBenchConfig()
     changes = {"seeds": args.seeds, "workloads": args.workloads, "systems": args.systems,
                "duration_s": args.duration, "tolerance": args.tolerance,
-               "ceiling": args.ceiling, "slo_scale": args.slo_scale}
+               "ceiling": args.ceiling, "slo_scale": args.slo_scale, "settle_s": args.settle}
     cfg = replace(cfg, **{k: v for k, v in changes.items() if v is not None})
     if cfg.ceiling < cfg.start:
         parser.error(f"--ceiling {cfg.ceiling:g} is below the first rate scale probed "

@@ -27,7 +27,7 @@ def test_the_quick_capacity_run_bisects_each_system_on_the_same_requests(
     env = dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache))
     done = subprocess.run([sys.executable, "-m", "fineslab.bench.capacity", "--quick", "--json",
                            "--duration", "16", "--ceiling", "2", "--tolerance", "1",
-                           "--systems", "fineslab,static"],
+                           "--systems", "fineslab,static", "--settle", "0"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     figures = json.loads(done.stdout.strip().splitlines()[-1])
@@ -47,6 +47,7 @@ def test_the_quick_capacity_run_bisects_each_system_on_the_same_requests(
             assert p["failed"] == 0, f"{name} at {p['rate_scale']}: {p['failures']}"
             assert p["met"] + p["late"] + p["dropped"] + p["timed_out"] == p["requests"], p
             assert p["attainment"] == round(p["met"] / p["requests"], 4), p
+            assert 0 <= p["cpu_busy_before"] <= 1 and p["settle_wait_s"] >= 0, p
         met = [p["rate_scale"] for p in probes if p["attainment"] >= 0.99]
         assert s["capacity"] == max(met, default=0.0), (name, s["capacity"], probes)
         assert 0 <= s["sim_capacity"] <= 2 and s["sim_probes"], (name, s)
@@ -68,3 +69,12 @@ def test_a_probe_that_offers_no_request_is_a_clear_error_not_a_traceback() -> No
     with pytest.raises(ConfigError, match="use a longer --duration"):
         workload(replace(QUICK, duration_s=1.0), "shift", rates, 1.0, 0)
     assert workload(QUICK, "shift", {m.name: 2.0 for m in QUICK.mix}, 1.0, 0), "a real probe"
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "4000", "soon"])
+def test_a_bad_settle_is_a_usage_error(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from fineslab.bench.capacity import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--settle", value])
+    assert exited.value.code == 2 and "--settle" in capsys.readouterr().err
