@@ -13,6 +13,9 @@ for the whole run (the routers and asleep runtimes cost little when idle):
 
     fineslab     shared slabs, the MME placement, `batch_policy: adaptive-early-shed` at the
                  router and `local_scheduler: engine` (Algorithm 2 picks SGLang's prefills)
+    fineslab-router  the same with `local_scheduler: router` (Algorithm 2 gates at the router,
+                 SGLang forms the batches): what decides the `local_scheduler` default; not in
+                 --quick
     shared-fcfs  the same shared arena, `batch_policy: fcfs`: SGLang's own scheduling forms
                  every batch (Prism's memory sharing without its scheduler)
     static       the same arena cut into fixed partitions: each model's KV limit
@@ -96,7 +99,9 @@ from fineslab.workload.traces import AZURE_CONV, SHAREGPT_STATS, load_lengths
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
-SYSTEMS = ("fineslab", "shared-fcfs", "static")
+SYSTEMS = ("fineslab", "fineslab-router", "shared-fcfs", "static")
+#: The baselines fineslab is measured against (fineslab-router is fineslab's own variant).
+BASELINES = ("shared-fcfs", "static")
 WORKLOADS = ("shift", "replay")
 TARGETS = (0.99, 0.90)
 HOT, COLD = 2.0, 0.5
@@ -108,12 +113,15 @@ CALIBRATION_REPEATS = 3
 #: The simulator's systems for the live ones (placer, batch policy, KV mode).
 SIM_SYSTEMS = {
     "fineslab": SystemSpec("fineslab", "mme", "adaptive", "shared"),
+    # The simulator has no engine: its scheduler is the router's gate and batches in one.
+    "fineslab-router": SystemSpec("fineslab-router", "mme", "adaptive", "shared"),
     "shared-fcfs": SystemSpec("shared-fcfs", "mme", "fcfs", "shared"),
     "static": SystemSpec("static", "static", "fcfs", "static"),
 }
 #: The simulated arena's smallest slab (the live planner's are about 1 MiB at these sizes).
 SIM_SLAB_BYTES = 1 << 20
-FLEET_IDS = {"fineslab": "capfs", "shared-fcfs": "capsh", "static": "capst"}
+FLEET_IDS = {"fineslab": "capfs", "fineslab-router": "capfr", "shared-fcfs": "capsh",
+             "static": "capst"}
 
 
 @dataclass(frozen=True)
@@ -149,7 +157,8 @@ class CapacityBenchConfig:
     mix: tuple[MixModel, ...] = MIX
 
 
-QUICK = CapacityBenchConfig(workloads=("shift",), seeds=(0,), duration_s=20.0, tolerance=0.5)
+QUICK = CapacityBenchConfig(workloads=("shift",), seeds=(0,), duration_s=20.0, tolerance=0.5,
+                            systems=("fineslab", *BASELINES))
 
 
 # -- the fleets ---------------------------------------------------------------------------------
@@ -169,7 +178,7 @@ def fleet_config(cfg: CapacityBenchConfig, system: str, fleet_id: str,
             model["profile"] = str(calibration.profile_paths[m.name])
         models.append(model)
     return {"fleet_id": fleet_id, "kv_pool": "arena", "placement": "mme",
-            "batch_policy": "adaptive-early-shed" if system == "fineslab" else "fcfs",
+            "batch_policy": "adaptive-early-shed" if system.startswith("fineslab") else "fcfs",
             "local_scheduler": "engine" if system == "fineslab" else "router",
             "devices": [{"name": "cpu", "kind": "cpu", "memory_gib": 8,
                          "kv_arena_mib": cfg.arena_mib}],
@@ -542,16 +551,20 @@ def summarize(cfg: CapacityBenchConfig, calibration: Calibration, limits: dict[s
 
     errors = [e for s in head.values() if (e := _error(s["capacity"], s["sim_capacity"]))
               is not None]
-    baselines = [c for s in ("shared-fcfs", "static") if (c := cap(s)) is not None]
+    baselines = [c for s in BASELINES if (c := cap(s)) is not None]
     ours, best = cap("fineslab"), max(baselines, default=None)
-    ratios = {}
+    ratios: dict[str, float | None] = {}
+    engine: dict[str, float | None] = {}  # local_scheduler engine over router, by cell
     for cell in cells:
         systems = cell["systems"]
-        base = max((systems[s]["capacity"] for s in ("shared-fcfs", "static") if s in systems),
-                   default=0.0)
+        base = max((systems[s]["capacity"] for s in BASELINES if s in systems), default=0.0)
         if "fineslab" in systems:
             ratios[f"{cell['workload']}-{cell['seed']}"] = (
                 round(systems["fineslab"]["capacity"] / base, 3) if base else None)
+        if "fineslab" in systems and "fineslab-router" in systems:
+            gate = systems["fineslab-router"]["capacity"]
+            engine[f"{cell['workload']}-{cell['seed']}"] = (
+                round(systems["fineslab"]["capacity"] / gate, 3) if gate else None)
     return {"config": {**{k: v for k, v in cfg.__dict__.items() if k != "mix"},
                        "mix": [m.__dict__ for m in cfg.mix]},
             "headline": f"{cells[0]['workload']}-{cells[0]['seed']}",
@@ -563,6 +576,8 @@ def summarize(cfg: CapacityBenchConfig, calibration: Calibration, limits: dict[s
             "fineslab_over_best_baseline": None if ours is None or not best
             else round(ours / best, 3),
             "fineslab_over_best_baseline_by_cell": ratios,
+            "fineslab_router_capacity": cap("fineslab-router"),
+            "engine_over_router_by_cell": engine,
             "sim_capacity_error": max(errors) if errors else None,
             "wall_s": round(wall_s, 1)}
 
@@ -628,13 +643,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fineslab.bench.capacity",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="the shift workload, seed 0, 20 s probes, tolerance 0.5")
+                        help="the shift workload, seed 0, 20 s probes, tolerance 0.5, "
+                             "without fineslab-router")
     parser.add_argument("--seeds", type=_seeds, default=None,
                         help="comma-separated (default 0,1; --quick: 0)")
     parser.add_argument("--workloads", type=_names(WORKLOADS, "workloads"), default=None,
                         help=f"comma-separated, any of {','.join(WORKLOADS)}")
     parser.add_argument("--systems", type=_names(SYSTEMS, "systems"), default=None,
-                        help=f"comma-separated, any of {','.join(SYSTEMS)} (default all)")
+                        help=f"comma-separated, any of {','.join(SYSTEMS)} (default all; "
+                             "--quick: all but fineslab-router)")
     parser.add_argument("--duration", type=_positive, default=None,
                         help="seconds of arrivals per probe")
     parser.add_argument("--tolerance", type=_positive, default=None,

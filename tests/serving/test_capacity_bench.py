@@ -56,6 +56,8 @@ def test_the_quick_capacity_run_bisects_each_system_on_the_same_requests(
         f"each rate scale offers every system the same requests: {requests}"
     assert systems["static"]["probes"][0]["engine_drops"] == 0, "fcfs: no engine policy"
     assert figures["shared_fcfs_capacity"] is None, "not asked for: no figure"
+    assert figures["fineslab_router_capacity"] is None
+    assert figures["engine_over_router_by_cell"] == {}
     assert "sim_capacity_error" in figures and "fineslab_over_best_baseline" in figures
 
 
