@@ -1,6 +1,7 @@
 """SwiftCache's lent tier on a launched CPU fleet: multi-turn TTFT with prefix lending off and on.
 
     python -m fineslab.bench.prefix [--json] [--quick] [--seed N] [--load moderate|busy]
+                                    [--repeats N]
 
 The fleet of examples/cpu-prefix.yaml (one chat model, `chat`, its own KV capped small with
 `--max-total-tokens`, and two idle neighbours; with --quick a llama-tiny chat, a smaller arena
@@ -8,7 +9,10 @@ and one neighbour) is launched twice, the same sessions driven
 through the router each time: first without `prefix_lending` (SGLang's own radix cache), then
 with it. Sessions (`fineslab.workload.sessions`, closed loop, interleaved) send each turn as the
 whole history (earlier prompts and the model's own replies, as token ids) plus a new message,
-streamed.
+streamed. With `--repeats N` (3; 1 with --quick) the two launches are repeated in N interleaved
+rounds (off then on, then on then off, ...), and each figure is the median of the rounds, with
+its spread (median, min, max, n) as `<figure>_spread`; `ttft_ratio` is the median of the
+rounds' own ratios.
 
 Figures (last line, with --json):
     ttft_later_turns_p50_off / _on   median TTFT of turns after the first (s)
@@ -48,6 +52,7 @@ import numpy as np
 import yaml
 
 from fineslab.bench.chaos_fleet import ChaosFleet
+from fineslab.bench.repeats import interleave, spread
 from fineslab.errors import ConfigError
 from fineslab.workload.sessions import Session, SessionSpec, build_sessions
 from fineslab.workload.traces import SHAREGPT_STATS, LengthTable, load_lengths
@@ -70,6 +75,8 @@ class BenchConfig:
     load: str = "moderate"
     #: idle neighbours in the arena beside the chat model (llama-tiny, then qwen2-tiny)
     neighbours: int = 2
+    #: interleaved rounds of the two launches (module doc)
+    repeats: int = 3
 
 
 #: (session starts a second, mean think time s): "busy" queues turns behind each other on this
@@ -78,7 +85,7 @@ LOADS = {"moderate": (0.5, 2.0), "busy": (2.0, 0.5)}
 
 #: One neighbour: each runtime start costs the quick run 20-40 s of this 2-core machine.
 QUICK = BenchConfig(preset="llama-tiny", own_kv_tokens=640, arena_mib=16, sessions=4,
-                    mean_turns=3.0, neighbours=1)
+                    mean_turns=3.0, neighbours=1, repeats=1)
 
 
 #: The documented fleet the benchmark launches (with its own settings: `fleet_config`).
@@ -303,15 +310,15 @@ def _slab_bytes(fleet_id: str) -> int:
         return arena.spec.slab_bytes
 
 
-def run_mode(cfg: BenchConfig, lending: bool, folder: Path) -> dict[str, Any]:
+def run_mode(cfg: BenchConfig, lending: bool, folder: Path, round_: int = 0) -> dict[str, Any]:
     name = "on" if lending else "off"
-    fleet_id = f"bench-prefix-{name}-{int(time.time())}"
+    fleet_id = f"bench-prefix-{name}-{round_}-{int(time.time())}"
     rate, think = LOADS[cfg.load]
     sessions = build_sessions(SessionSpec(CHAT, turn_lengths(cfg.seed), cfg.sessions, rate,
                                           cfg.mean_turns, 8, think, cfg.own_kv_tokens - 64,
                                           cfg.seed))
     print(f"[prefix] {name}: launching the fleet ({cfg.preset} chat + 2 idle)", flush=True)
-    fleet = ChaosFleet.launch(fleet_config(cfg, lending, fleet_id), folder, name)
+    fleet = ChaosFleet.launch(fleet_config(cfg, lending, fleet_id), folder, f"{name}-{round_}")
     stop, peak = threading.Event(), [0]
     watcher = threading.Thread(target=_watch_lent, args=(fleet_id, stop, peak), daemon=True)
     try:
@@ -356,6 +363,30 @@ def summarize(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
     return figures
 
 
+#: The timed figures, reported with their spread over the rounds.
+TIMED = ("ttft_later_turns_p50_off", "ttft_later_turns_p50_on", "ttft_ratio",
+         "lender_reclaim_ms", "lender_carve_unlent_ms", "carve_alone_ms", "carve_during_stores_ms")
+
+
+def summarize_rounds(offs: Sequence[dict[str, Any]], ons: Sequence[dict[str, Any]]
+                     ) -> dict[str, Any]:
+    """Each round's figures (`summarize`), as their medians, the timed ones with their spread;
+    counts (turns, errors) summed, the lent peak the highest."""
+    rounds = [summarize(off, on) for off, on in zip(offs, ons, strict=True)]
+    figures: dict[str, Any] = {"rounds": len(rounds)}
+    for key in rounds[0]:
+        values = [r[key] for r in rounds]
+        if key.startswith(("later_turns_", "errors_", "lender_reclaims")):
+            figures[key] = sum(values)
+        elif key == "lent_slabs_peak":
+            figures[key] = max(values)
+        else:
+            figures[key] = round(statistics.median(values), 4)
+        if key in TIMED:
+            figures[f"{key}_spread"] = spread(values, 4)
+    return figures
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fineslab.bench.prefix",
                                      description=__doc__.split("\n")[0])
@@ -366,7 +397,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sessions", type=int, default=None)
     parser.add_argument("--load", choices=sorted(LOADS), default="moderate",
                         help="session rate and think time (module docstring)")
+    parser.add_argument("--repeats", type=_rounds, default=None,
+                        help="interleaved rounds of the two launches (default 3; --quick: 1)")
     return parser
+
+
+def _rounds(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= value <= 50:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 50, got {value}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -374,15 +417,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING)
     cfg = QUICK if args.quick else BenchConfig()
     cfg = BenchConfig(**{**cfg.__dict__, "seed": args.seed, "load": args.load,
-                         "sessions": args.sessions or cfg.sessions})
+                         "sessions": args.sessions or cfg.sessions,
+                         "repeats": args.repeats or cfg.repeats})
     with tempfile.TemporaryDirectory(prefix="fineslab-bench-prefix-") as tmp:
         folder = Path(tmp)
-        off = run_mode(cfg, False, folder)
-        on = run_mode(cfg, True, folder)
+        runs = interleave({"off": lambda r: run_mode(cfg, False, folder, r),
+                           "on": lambda r: run_mode(cfg, True, folder, r)}, cfg.repeats)
     figures = {"preset": cfg.preset, "sessions": cfg.sessions, "seed": cfg.seed, "load": cfg.load,
                "lengths": "sharegpt/8" if SHAREGPT_STATS.exists() else "lognormal",
-               **summarize(off, on)}
-    for run in (off, on):
+               **summarize_rounds(runs["off"], runs["on"])}
+    for run in (*runs["off"], *runs["on"]):
         for error in run["drive"].errors[:5]:
             print(f"[prefix] error: {error}", flush=True)
     for key, value in figures.items():
