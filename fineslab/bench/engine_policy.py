@@ -2,11 +2,12 @@
 
     python -m fineslab.bench.engine_policy [--json] [--quick] [--seed N] [--load X]
                                            [--modes sglang,router,engine,engine-static]
+                                           [--repeats N]
 
-One model (`m`, llama-small; --quick: llama-tiny) is launched once per mode on this machine and
-the same requests (Poisson arrivals, ShareGPT prompt lengths divided by `LENGTH_SCALE`, outputs
-of at most 8 tokens so that prefill is most of the work, streamed, `fineslab.bench.serve`'s
-client) are sent to each fleet's router:
+One model (`m`, llama-small; --quick: llama-tiny) is launched once per mode on this machine,
+all fleets up at once, and the same requests (Poisson arrivals, ShareGPT prompt lengths divided
+by `LENGTH_SCALE`, outputs of at most 8 tokens so that prefill is most of the work, streamed,
+`fineslab.bench.serve`'s client) are sent to each fleet's router:
 
     sglang   batch_policy fcfs: the router passes requests up to the runtime's slots and drops
              none; SGLang's own scheduler forms every batch (its default)
@@ -18,7 +19,9 @@ client) are sent to each fleet's router:
              steps the runtime times (`engine_refresh: true`, the default)
     engine-static  the same with `engine_refresh: false`: the profile decides as measured
 
-Before the runs, on the first fleet: a profile is measured over HTTP
+The requests are sent in `--repeats` rounds (3; 1 with --quick), each round to every mode in
+turn, the first mode rotating from round to round, so a slow moment of the machine lands on each
+mode alike. Before the rounds, on the first fleet: a profile is measured over HTTP
 (`fineslab.sim.experiments.calibrate`), and the router and engine fleets run with it, so their
 predictor is this machine's now. Every fleet is then warmed up by a burst of 3 x max_running
 requests of the workload's lengths, all at once; on the first fleet (SGLang's batching, which
@@ -27,13 +30,15 @@ drops nothing) that burst measures the saturation throughput (completed / second
 the server completes).
 
 Figures (last line, with --json): per mode `attainment` (requests whose first token came within
-the SLO / all requests), `goodput_per_s` (such requests a second), `completed`, `dropped`
-(answered 429/503), `failed` (anything else), TTFT p50/p99 of completed requests, and for the
-engine fleets `engine_drops` (the runtime's drops, from the router's metrics). Top level:
-`attainment_<mode>` for each mode run, `engine_over_router` and `engine_over_sglang`
-(attainment ratios, when those modes ran), the offered `rate_per_s`, the order the modes ran
-in, and the load averages (each mode's before and after: the machine is shared, and a mode run
-while another job loads it is slower for that reason alone).
+the SLO / all requests), `goodput_per_s` (such requests a second) and TTFT p50/p99 of completed
+requests, each the median of the rounds with its spread (`<figure>_spread`: median, min, max,
+n); `requests`, `completed`, `dropped` (answered 429/503), `failed` (anything else) and for the
+engine fleets `engine_drops` (the runtime's drops, from the router's metrics), summed over the
+rounds; `rounds`, each round's own figures with the load averages before and after it (the
+machine is shared, and a round run while another job loads it is slower for that reason alone).
+Top level: `attainment_<mode>` for each mode run, `engine_over_router` and `engine_over_sglang`
+(the median of the rounds' attainment ratios, with their spread, when those modes ran), the
+offered `rate_per_s` and the order the runs went in.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -52,6 +58,7 @@ from typing import Any
 import httpx
 
 from fineslab.bench.chaos_fleet import ChaosFleet
+from fineslab.bench.repeats import interleave, spread
 from fineslab.fleet.config import fleet_from_dict
 from fineslab.fleet.plan import model_dir_of
 from fineslab.fleet.profiles import find_profile
@@ -84,9 +91,11 @@ class EngineBenchConfig:
     max_running: int = 16
     seed: int = 0
     modes: tuple[str, ...] = MODES
+    #: interleaved rounds of the requests on every mode's fleet
+    repeats: int = 3
 
 
-QUICK = EngineBenchConfig(preset="llama-tiny", ttft_slo_s=1.0, duration_s=12.0)
+QUICK = EngineBenchConfig(preset="llama-tiny", ttft_slo_s=1.0, duration_s=12.0, repeats=1)
 
 
 def fleet_config(cfg: EngineBenchConfig, mode: str, fleet_id: str,
@@ -145,50 +154,96 @@ def _mode_figures(result: BenchResult, slo_s: float) -> dict[str, Any]:
             "slo_s": slo_s}
 
 
+def _launch(cfg: EngineBenchConfig, mode: str, folder: Path, profile: Path | None,
+            ) -> ChaosFleet:
+    return ChaosFleet.launch(fleet_config(cfg, mode, f"{FLEET_IDS[mode]}{cfg.seed}", profile),
+                             folder, mode)
+
+
+def _one_run(fleet: ChaosFleet, cfg: EngineBenchConfig, requests: list[Request],
+             progress: bool) -> dict[str, Any]:
+    """The workload once on `fleet`: its figures (`_mode_figures`) and the machine's load."""
+    load_before, drops_before = load_average(), engine_drops(fleet.base_url)
+    result = run_benchmark(_bench(fleet.base_url, cfg, progress), requests)
+    figures = _mode_figures(result, cfg.ttft_slo_s)
+    figures.update(engine_drops=engine_drops(fleet.base_url) - drops_before,
+                   load_before=load_before, load_after=load_average(),
+                   wall_s=round(result.wall_s, 1))
+    return figures
+
+
+#: Per-mode figures summed over the rounds (the rest are medians, the timed ones with spread).
+SUMMED = ("requests", "completed", "dropped", "failed", "engine_drops")
+SPREAD = ("attainment", "goodput_per_s", "ttft_p50_s", "ttft_p99_s")
+
+
+def summarize_mode(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's rounds as one entry: counts summed, figures the median of the rounds, the
+    timed ones with their spread, and every round's own figures under `rounds`."""
+    out: dict[str, Any] = {"slo_s": rounds[0]["slo_s"]}
+    for key in SUMMED:
+        out[key] = sum(r[key] for r in rounds)
+    for key in SPREAD:
+        values = [r[key] for r in rounds if r[key] is not None]
+        out[key] = round(statistics.median(values), 4) if values else None
+        if values:
+            out[f"{key}_spread"] = spread(values, 4)
+    out["rounds"] = rounds
+    return out
+
+
 def run(cfg: EngineBenchConfig, progress: bool = False) -> dict[str, Any]:
+    """Every mode's fleet up at once (the first, SGLang's batching, calibrates the profile the
+    others run with and measures the saturation throughput), then `repeats` interleaved rounds
+    of the same requests on each."""
     folder = Path(tempfile.mkdtemp(prefix="fineslab-enginebench-"))
-    results: dict[str, dict[str, Any]] = {}
-    profile_path: Path | None = None
-    rate_per_s = saturation = 0.0
-    requests: list[Request] = []
+    fleets: dict[str, ChaosFleet] = {}
+    order: list[str] = []
     try:
-        # Other jobs on the machine change its speed over minutes: odd seeds run the modes in
-        # the reverse order, so that no mode always runs first (calibration stays first).
-        modes = cfg.modes
-        order = modes if cfg.seed % 2 == 0 else (modes[0], *reversed(modes[1:]))
-        for mode in order:
-            fleet_id = f"{FLEET_IDS[mode]}{cfg.seed}"
-            fleet = ChaosFleet.launch(fleet_config(cfg, mode, fleet_id, profile_path), folder,
-                                      mode)
-            try:
-                bench = _bench(fleet.base_url, cfg, progress)
-                if profile_path is None:
-                    profile_path = _calibrate(cfg, bench, folder)
-                # Every fleet gets the same warm-up (the first requests of a fresh CPU server
-                # are several times slower); on the first, it measures the saturation throughput.
-                warm = saturation_rate(cfg, bench)
-                if not requests:
-                    saturation = warm
-                    rate_per_s = cfg.load * saturation
-                    requests = workload(cfg, rate_per_s)
-                    logger.info("offered %.2f requests/s (%d requests)", rate_per_s,
-                                len(requests))
-                load_before, drops_before = load_average(), engine_drops(fleet.base_url)
-                result = run_benchmark(bench, requests)
-                results[mode] = _mode_figures(result, cfg.ttft_slo_s)
-                results[mode].update(engine_drops=engine_drops(fleet.base_url) - drops_before,
-                                     load_before=load_before, load_after=load_average(),
-                                     wall_s=round(result.wall_s, 1))
-                logger.info("%s: %s", mode, results[mode])
-            finally:
-                fleet.interrupt()
-                fleet.cleanup()
+        first = cfg.modes[0]
+        fleets[first] = _launch(cfg, first, folder, None)
+        bench = _bench(fleets[first].base_url, cfg, progress)
+        profile_path = _calibrate(cfg, bench, folder)
+        # The warm-up burst (the first requests of a fresh CPU server are several times
+        # slower) measures the saturation throughput on the first fleet, which drops nothing.
+        saturation = saturation_rate(cfg, bench)
+        rate_per_s = cfg.load * saturation
+        requests = workload(cfg, rate_per_s)
+        logger.info("offered %.2f requests/s (%d requests)", rate_per_s, len(requests))
+        for mode in cfg.modes[1:]:
+            fleets[mode] = _launch(cfg, mode, folder, profile_path)
+            saturation_rate(cfg, _bench(fleets[mode].base_url, cfg, False))
+        # Other jobs change the machine's speed over minutes: the rounds rotate which mode goes
+        # first, and odd seeds take the modes in the reverse order.
+        modes = cfg.modes if cfg.seed % 2 == 0 else (first, *reversed(cfg.modes[1:]))
+
+        def side(mode: str) -> Callable[[int], dict[str, Any]]:
+            def one(round_: int) -> dict[str, Any]:
+                order.append(mode)
+                figures = _one_run(fleets[mode], cfg, requests, progress)
+                logger.info("%s round %d: %s", mode, round_, figures)
+                return figures
+            return one
+
+        rounds = interleave({mode: side(mode) for mode in modes}, cfg.repeats)
     finally:
+        for fleet in fleets.values():
+            fleet.interrupt()
+            fleet.cleanup()
         shutil.rmtree(folder, ignore_errors=True)
+    results = {mode: summarize_mode(rounds[mode]) for mode in cfg.modes}
     att = {mode: results[mode]["attainment"] for mode in cfg.modes}
-    ratios = {f"engine_over_{base}": round(att["engine"] / att[base], 3) if att[base] else None
-              for base in ("router", "sglang") if "engine" in att and base in att}
-    return {"config": cfg.__dict__, "order": list(order), "rate_per_s": round(rate_per_s, 3),
+    ratios: dict[str, Any] = {}
+    for base in ("router", "sglang"):
+        if "engine" in rounds and base in rounds:
+            by_round = [e["attainment"] / b["attainment"]
+                        for e, b in zip(rounds["engine"], rounds[base], strict=True)
+                        if b["attainment"]]
+            ratios[f"engine_over_{base}"] = round(statistics.median(by_round), 3) \
+                if by_round else None
+            if by_round:
+                ratios[f"engine_over_{base}_spread"] = spread(by_round, 3)
+    return {"config": cfg.__dict__, "order": order, "rate_per_s": round(rate_per_s, 3),
             "saturation_per_s": round(saturation, 3),
             "mean_prompt_tokens": round(statistics.fmean(r.prompt_tokens for r in requests), 1),
             "modes": results, **{f"attainment_{m}": a for m, a in att.items()}, **ratios,
@@ -226,6 +281,16 @@ def _modes(text: str) -> tuple[str, ...]:
     return ("sglang", *(m for m in modes if m != "sglang"))
 
 
+def _repeats(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= value <= 50:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 50, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
@@ -238,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=None, help="seconds of arrivals")
     parser.add_argument("--modes", type=_modes, default=MODES,
                         help=f"comma-separated, sglang among them (default {','.join(MODES)})")
+    parser.add_argument("--repeats", type=_repeats, default=None,
+                        help="interleaved rounds of the requests on every mode (default 3; "
+                             "--quick: 1)")
     add_json_flag(parser)
     args = parser.parse_args(argv)
     cfg = replace(QUICK if args.quick else EngineBenchConfig(), seed=args.seed,
@@ -246,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, load=args.load)
     if args.duration is not None:
         cfg = replace(cfg, duration_s=args.duration)
+    if args.repeats is not None:
+        cfg = replace(cfg, repeats=args.repeats)
     out = run(cfg, progress=not args.json)
     rows = [[mode, f["requests"], f["completed"], f["dropped"], f["failed"], f["attainment"],
              f["goodput_per_s"], f["ttft_p50_s"], f["ttft_p99_s"], f["engine_drops"]]

@@ -38,3 +38,22 @@ def test_the_quick_benchmark_sends_the_same_requests_to_each_mode_and_fails_none
         assert 0.0 <= f["attainment"] <= 1.0 and f["attainment"] == figures[f"attainment_{mode}"]
     assert modes["sglang"]["dropped"] == 0, "fcfs at the router drops nothing"
     assert modes["sglang"]["engine_drops"] == 0, "no engine policy in SGLang's own batching"
+    assert all(len(f["rounds"]) == 1 and f["attainment_spread"]["n"] == 1
+               for f in modes.values())
+
+
+def _round(attainment: float, requests: int = 10) -> dict[str, object]:
+    return {"requests": requests, "completed": requests, "dropped": 0, "failed": 0,
+            "engine_drops": 1, "attainment": attainment, "goodput_per_s": attainment,
+            "ttft_p50_s": 0.1, "ttft_p99_s": None, "slo_s": 1.0}
+
+
+def test_a_modes_rounds_are_medians_with_their_spread_and_counts_summed() -> None:
+    from fineslab.bench.engine_policy import summarize_mode
+
+    mode = summarize_mode([_round(0.5), _round(0.9), _round(0.7)])
+    assert mode["attainment"] == 0.7
+    assert mode["attainment_spread"] == {"median": 0.7, "min": 0.5, "max": 0.9, "n": 3}
+    assert mode["requests"] == mode["completed"] == 30 and mode["engine_drops"] == 3
+    assert mode["ttft_p99_s"] is None and "ttft_p99_s_spread" not in mode, "none measured"
+    assert len(mode["rounds"]) == 3
