@@ -32,6 +32,17 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
                         help="print one JSON object with the results as the last line")
 
 
+def repeats_arg(text: str) -> int:
+    """argparse type of a benchmark's `--repeats`: a whole number from 1 to 50."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= value <= 50:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 50, got {value}")
+    return value
+
+
 def emit(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]],
          result: Mapping[str, object], as_json: bool, out: TextIO | None = None) -> None:
     """Print the table under `title`, then `result` as one JSON line if `as_json`."""

@@ -66,7 +66,7 @@ from fineslab.loadgen.client import ClientConfig
 from fineslab.loadgen.run import BenchConfig, BenchResult, run_benchmark
 from fineslab.scheduler.profile_schema import save_profile
 from fineslab.sim.experiments.calibrate import calibrate, load_average
-from fineslab.tables import add_json_flag, emit
+from fineslab.tables import add_json_flag, emit, repeats_arg
 from fineslab.workload import ModelLoad, Request, WorkloadSpec, build_workload
 from fineslab.workload.traces import SHAREGPT_STATS
 
@@ -281,14 +281,6 @@ def _modes(text: str) -> tuple[str, ...]:
     return ("sglang", *(m for m in modes if m != "sglang"))
 
 
-def _repeats(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= value <= 50:
-        raise argparse.ArgumentTypeError(f"must be between 1 and 50, got {value}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=None, help="seconds of arrivals")
     parser.add_argument("--modes", type=_modes, default=MODES,
                         help=f"comma-separated, sglang among them (default {','.join(MODES)})")
-    parser.add_argument("--repeats", type=_repeats, default=None,
+    parser.add_argument("--repeats", type=repeats_arg, default=None,
                         help="interleaved rounds of the requests on every mode (default 3; "
                              "--quick: 1)")
     add_json_flag(parser)

@@ -54,6 +54,7 @@ import yaml
 from fineslab.bench.chaos_fleet import ChaosFleet
 from fineslab.bench.repeats import interleave, spread
 from fineslab.errors import ConfigError
+from fineslab.tables import repeats_arg
 from fineslab.workload.sessions import Session, SessionSpec, build_sessions
 from fineslab.workload.traces import SHAREGPT_STATS, LengthTable, load_lengths
 
@@ -397,19 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sessions", type=int, default=None)
     parser.add_argument("--load", choices=sorted(LOADS), default="moderate",
                         help="session rate and think time (module docstring)")
-    parser.add_argument("--repeats", type=_rounds, default=None,
+    parser.add_argument("--repeats", type=repeats_arg, default=None,
                         help="interleaved rounds of the two launches (default 3; --quick: 1)")
     return parser
 
 
-def _rounds(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= value <= 50:
-        raise argparse.ArgumentTypeError(f"must be between 1 and 50, got {value}")
-    return value
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from fineslab.sim.config import SimConfig
 from fineslab.sim.experiments.common import Traces
-from fineslab.tables import add_json_flag, emit
+from fineslab.tables import add_json_flag, emit, repeats_arg
 from fineslab.workload import AZURE_CONV, SHAREGPT_STATS
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,8 @@ def _fidelity(args: argparse.Namespace) -> int:
                          Path(FineslabEnv.from_environ().model_cache_dir), url=args.url,
                          served_model=args.served_model,
                          duration_s=args.duration or (40.0 if args.quick else 120.0),
-                         seed=args.seed, calibrate=args.calibrate)
+                         seed=args.seed, calibrate=args.calibrate,
+                         repeats=args.repeats or (1 if args.quick else 3))
     acceptance, text = run_fidelity(cfg, replace(config, interference_per_neighbor=0.0))
     return _finish(args, "fidelity: live versus simulated", text, acceptance)
 
@@ -206,7 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--calibrate", action="store_true",
                              help="also re-measure the endpoint just before the run and "
                                   "simulate with that profile too")
+            cmd.add_argument("--repeats", type=repeats_arg, default=None,
+                             help="live runs of the workload, reported as their median with "
+                                  "min and max (default 3; --quick: 1)")
     return parser
+
+
 
 
 def main(argv: list[str] | None = None) -> int:
