@@ -4,7 +4,10 @@
 
 The mechanism a GPU wake uses (cuda_vmm.py, cuda_region.py), without SGLang: an arena of
 2 x `--gib` in slabs of `--slab-mib`, a region of `--gib` filled with random bytes, its host copy
-written once, then (best of 3):
+written once, then `--repeats` rounds (5), each a sleep, a wake and a plain copy of the same
+size, so that a slow moment of the machine lands on the wake and its baseline alike; each figure
+is the median of the rounds with its spread (`<figure>_spread`: median, min, max, n), and
+`wake_over_memcpy` the median of the rounds' own ratios:
 
     sleep_s          `unback`: the region's slabs unmapped and given back to the arena
     map_s            `back`: free slabs taken and mapped under the same addresses
@@ -20,17 +23,20 @@ written once, then (best of 3):
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from fineslab.tables import add_json_flag, emit
+from fineslab.bench.repeats import ratios, spread
+from fineslab.tables import add_json_flag, emit, repeats_arg
 
-ROUNDS = 3
+ROUNDS = 5
 
 
-def measure(device: str, gib: float, slab_mib: int, folder: Path) -> dict[str, Any]:
+def measure(device: str, gib: float, slab_mib: int, folder: Path,
+            rounds: int = ROUNDS) -> dict[str, Any]:
     import torch
 
     from fineslab.slabs.arena import ArenaSpec, SlabArena
@@ -48,42 +54,48 @@ def measure(device: str, gib: float, slab_mib: int, folder: Path) -> dict[str, A
         host_path = folder / "model.weights"
         write_host_copy(region, host_path)
         base, sync = region.base, (lambda: torch.cuda.synchronize(device))
-        best = {"sleep_s": float("inf"), "map_s": float("inf"), "restore_s": float("inf")}
+        times: dict[str, list[float]] = {"sleep_s": [], "map_s": [], "restore_s": [],
+                                         "memcpy_s": []}
         identical = True
         with PinnedHostCopy(host_path, nbytes) as pinned:
-            for _ in range(ROUNDS):
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            for _ in range(rounds):
                 sync()
                 start = time.perf_counter()
                 region.unback()
-                best["sleep_s"] = min(best["sleep_s"], time.perf_counter() - start)
+                times["sleep_s"].append(time.perf_counter() - start)
                 start = time.perf_counter()
                 region.back()
                 mapped = time.perf_counter()
                 pinned.copy_into(region.tensor())
                 done = time.perf_counter()
-                best["map_s"] = min(best["map_s"], mapped - start)
-                best["restore_s"] = min(best["restore_s"], done - mapped)
+                times["map_s"].append(mapped - start)
+                times["restore_s"].append(done - mapped)
                 identical &= bool(torch.equal(region.tensor(), data))
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            memcpy_s = float("inf")
-            for _ in range(ROUNDS):
                 sync()
                 start = time.perf_counter()
                 target.copy_(host, non_blocking=True)
                 sync()
-                memcpy_s = min(memcpy_s, time.perf_counter() - start)
+                times["memcpy_s"].append(time.perf_counter() - start)
         same_address = region.base == base
         region.close()
-    wake_s = best["map_s"] + best["restore_s"]
+    wakes = [m + r for m, r in zip(times["map_s"], times["restore_s"], strict=True)]
     gib_bytes = nbytes / 2**30
-    return {"device": torch.cuda.get_device_name(device), "weights_gib": round(gib_bytes, 3),
-            "slab_mib": slab_mib, "slabs": nbytes // slab_bytes,
-            **{k: round(v, 6) for k, v in best.items()}, "wake_s": round(wake_s, 6),
-            "wake_gib_s": round(gib_bytes / wake_s, 2),
-            "memcpy_gib_s": round(gib_bytes / memcpy_s, 2),
-            "wake_over_memcpy": round(memcpy_s / wake_s, 3),
-            "identical": identical, "same_address": same_address}
+    wake_gib_s = [gib_bytes / w for w in wakes]
+    memcpy_gib_s = [gib_bytes / m for m in times["memcpy_s"]]
+    over = ratios(times["memcpy_s"], wakes)  # (bytes / wake) / (bytes / memcpy), per round
+    figures: dict[str, Any] = {"device": torch.cuda.get_device_name(device),
+                               "weights_gib": round(gib_bytes, 3), "slab_mib": slab_mib,
+                               "slabs": nbytes // slab_bytes, "rounds": rounds}
+    for name, values, digits in [("sleep_s", times["sleep_s"], 6), ("map_s", times["map_s"], 6),
+                                 ("restore_s", times["restore_s"], 6), ("wake_s", wakes, 6),
+                                 ("wake_gib_s", wake_gib_s, 2),
+                                 ("memcpy_gib_s", memcpy_gib_s, 2),
+                                 ("wake_over_memcpy", over, 3)]:
+        figures[name] = round(statistics.median(values), digits)
+        figures[f"{name}_spread"] = spread(values, digits)
+    return {**figures, "identical": identical, "same_address": same_address}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda", help="cuda[:N] (a GPU is needed)")
     parser.add_argument("--gib", type=float, default=4.0, help="the region's size")
     parser.add_argument("--slab-mib", type=int, default=32, help="slab size, a multiple of 2")
+    parser.add_argument("--repeats", type=repeats_arg, default=ROUNDS,
+                        help=f"rounds of sleep, wake and the plain copy (default {ROUNDS})")
     add_json_flag(parser)
     return parser
 
@@ -99,9 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="fineslab-wake-") as folder:
-        figures = measure(args.device, args.gib, args.slab_mib, Path(folder))
-    emit("a weight region's sleep and wake on a GPU arena", ["figure", "value"],
-         list(figures.items()), figures, args.json)
+        figures = measure(args.device, args.gib, args.slab_mib, Path(folder), args.repeats)
+    emit("a weight region's sleep and wake on a GPU arena (medians of the rounds)",
+         ["figure", "value"], [(k, v) for k, v in figures.items() if not k.endswith("_spread")],
+         figures, args.json)
     return 0 if figures["identical"] and figures["same_address"] else 1
 
 

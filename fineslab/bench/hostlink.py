@@ -5,10 +5,12 @@
 A sleeping model's weights come back from its host copy (a file in the page cache, written
 once at its first sleep), and a streamed layer (issue #17) is copied from host memory before it
 runs. Both are bounded by the host link: memcpy bandwidth on CPU, the PCIe/NVLink-C2C link on a
-GPU. In one run, on this machine, with an `--mib`-sized host copy:
+GPU. In one run, on this machine, with an `--mib`-sized host copy, every copy timed in
+`--repeats` interleaved rounds (5), each figure the median of the rounds with its spread
+(`<figure>_spread`: median, min, max, n), the ratios the median of the rounds' own:
 
     memcpy_gib_s          the limit: on CPU a copy between two resident buffers; on CUDA a copy
-                          from pinned host memory to the device (best of 5)
+                          from pinned host memory to the device
     restore_gib_s         `fineslab.slabs.weights.copy_file_into`, the wake's restore as built:
                           the host copy mapped (MAP_POPULATE) and copied into device memory;
                           on CUDA pinned 256 MiB at a time for the copy, then unpinned
@@ -30,28 +32,18 @@ Results go in docs/elastic.md (restore) and docs/streaming.md (overlap).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fineslab.tables import add_json_flag, emit
+from fineslab.bench.repeats import ratios, spread, timed_rounds
+from fineslab.tables import add_json_flag, emit, repeats_arg
 
 REPEATS = 5
-
-
-def best_time_s(step: Callable[[], object], sync: Callable[[], None]) -> float:
-    """Best of REPEATS timed calls of `step`, each to the device's completion."""
-    step()  # warm-up: first-touch and first-call costs
-    sync()
-    best = float("inf")
-    for _ in range(REPEATS):
-        start_s = time.perf_counter()
-        step()
-        sync()
-        best = min(best, time.perf_counter() - start_s)
-    return best
 
 
 def _host_copy(nbytes: int, folder: Path) -> tuple[Path, Any]:
@@ -64,7 +56,23 @@ def _host_copy(nbytes: int, folder: Path) -> tuple[Path, Any]:
     return path, data
 
 
-def _overlap(device: str, layer_bytes: int, layers: int) -> dict[str, float]:
+def _rates(gib: float, times: dict[str, list[float]], out: dict[str, Any]) -> None:
+    """Each step's GiB/s as `<step>_gib_s` (the median of the rounds) and its spread."""
+    for name, seconds in times.items():
+        rates = [gib / t for t in seconds]
+        out[f"{name}_gib_s"] = round(statistics.median(rates), 3)
+        out[f"{name}_gib_s_spread"] = spread(rates, 3)
+
+
+def _over(times: dict[str, list[float]], name: str, base: str, key: str,
+          out: dict[str, Any]) -> None:
+    """`key`: the median of the rounds' rate ratios of `name` over `base`, with its spread."""
+    over = ratios(times[base], times[name])  # (bytes / t_name) / (bytes / t_base)
+    out[key] = round(statistics.median(over), 3)
+    out[f"{key}_spread"] = spread(over, 3)
+
+
+def _overlap(device: str, layer_bytes: int, layers: int, rounds: int) -> dict[str, Any]:
     """Copies on a side stream against matmuls on the default stream."""
     import torch
 
@@ -83,10 +91,10 @@ def _overlap(device: str, layer_bytes: int, layers: int) -> dict[str, float]:
         for _ in range(matmuls):
             torch.mm(a, a)
 
-    t_copy = best_time_s(copies, sync)
+    t_copy = statistics.median(timed_rounds({"copy": copies}, sync, rounds)["copy"])
     matmuls = 1
     while True:  # size the compute to about the copy chain's time
-        t_compute = best_time_s(compute, sync)
+        t_compute = statistics.median(timed_rounds({"c": compute}, sync, rounds)["c"])
         if t_compute >= t_copy or matmuls >= 4096:
             break
         matmuls = max(matmuls + 1, int(matmuls * t_copy / max(t_compute, 1e-6)))
@@ -95,12 +103,16 @@ def _overlap(device: str, layer_bytes: int, layers: int) -> dict[str, float]:
         copies()
         compute()
 
-    t_both = best_time_s(both, sync)
-    return {"copy_s": t_copy, "compute_s": t_compute, "both_s": t_both, "matmuls": matmuls,
-            "overlap": (t_copy + t_compute - t_both) / min(t_copy, t_compute)}
+    times = timed_rounds({"copy": copies, "compute": compute, "both": both}, sync, rounds)
+    overlap = [(c + m - b) / min(c, m)
+               for c, m, b in zip(times["copy"], times["compute"], times["both"], strict=True)]
+    return {"copy_s": round(statistics.median(times["copy"]), 6),
+            "compute_s": round(statistics.median(times["compute"]), 6),
+            "both_s": round(statistics.median(times["both"]), 6), "matmuls": matmuls,
+            "overlap": round(statistics.median(overlap), 3), "overlap_spread": spread(overlap, 3)}
 
 
-def run(device: str, nbytes: int, layer_bytes: int) -> dict[str, Any]:
+def run(device: str, nbytes: int, layer_bytes: int, rounds: int = REPEATS) -> dict[str, Any]:
     import torch
 
     from fineslab.slabs.weights import PinnedHostCopy, copy_file_into
@@ -108,46 +120,40 @@ def run(device: str, nbytes: int, layer_bytes: int) -> dict[str, Any]:
     cuda = device == "cuda"
     sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
     gib = nbytes / 2**30
-    result: dict[str, Any] = {"device": device, "host_copy_gib": gib}
+    result: dict[str, Any] = {"device": device, "host_copy_gib": gib, "rounds": rounds}
     if cuda:
         result["gpu"] = torch.cuda.get_device_name(0)
-    with tempfile.TemporaryDirectory(prefix="fineslab-hostlink-") as folder:
+    with tempfile.TemporaryDirectory(prefix="fineslab-hostlink-") as folder, \
+            contextlib.ExitStack() as held:
         path, data = _host_copy(nbytes, Path(folder))
         dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        # The limit: on CUDA from pinned host memory, on CPU between two resident buffers.
+        source = data.pin_memory() if cuda else data.clone()
+        steps: dict[str, Callable[[], object]] = {
+            "memcpy": (lambda: dst.copy_(source, non_blocking=True)) if cuda
+            else (lambda: dst.copy_(source)),
+            "restore": lambda: copy_file_into(path, dst)}
         if cuda:
-            pinned = data.pin_memory()
-            memcpy_s = best_time_s(lambda: dst.copy_(pinned, non_blocking=True), sync)
-            del pinned
-        else:
-            resident = data.clone()
-            memcpy_s = best_time_s(lambda: dst.copy_(resident), sync)
-            del resident
-        result["memcpy_gib_s"] = gib / memcpy_s
-
-        dst.zero_()
-        restore_s = best_time_s(lambda: copy_file_into(path, dst), sync)
-        verified = bool(torch.equal(dst.cpu(), data))
-        result["restore_gib_s"] = gib / restore_s
-        result["restore_over_memcpy"] = result["restore_gib_s"] / result["memcpy_gib_s"]
-
-        if cuda:
-            dst.zero_()
-            result["pageable_restore_gib_s"] = gib / best_time_s(
-                lambda: copy_file_into(path, dst, chunk_bytes=0), sync)
-            verified = verified and bool(torch.equal(dst.cpu(), data))
-            dst.zero_()
             start_s = time.perf_counter()
-            with PinnedHostCopy(path, nbytes) as kept:
-                result["register_s"] = time.perf_counter() - start_s
-                pinned_s = best_time_s(lambda: kept.copy_into(dst), sync)
-            verified = verified and bool(torch.equal(dst.cpu(), data))
-            result["pinned_restore_gib_s"] = gib / pinned_s
-            result["pinned_over_memcpy"] = result["pinned_restore_gib_s"] / result["memcpy_gib_s"]
+            kept = held.enter_context(PinnedHostCopy(path, nbytes))
+            result["register_s"] = round(time.perf_counter() - start_s, 6)
             other = torch.empty_like(dst)
-            result["d2d_gib_s"] = gib / best_time_s(lambda: other.copy_(dst), sync)
-            verified = verified and bool(torch.equal(other, dst))
-            del other
-            result.update(_overlap(device, layer_bytes, max(1, nbytes // layer_bytes)))
+            steps.update(pageable_restore=lambda: copy_file_into(path, dst, chunk_bytes=0),
+                         pinned_restore=lambda: kept.copy_into(dst),
+                         d2d=lambda: other.copy_(dst))
+        verified = True
+        for name, step in steps.items():  # every copy's bytes checked once
+            dst.zero_()
+            step()
+            sync()
+            verified = verified and bool(torch.equal(
+                (other if name == "d2d" else dst).cpu(), data))
+        times = timed_rounds(steps, sync, rounds)
+        _rates(gib, times, result)
+        _over(times, "restore", "memcpy", "restore_over_memcpy", result)
+        if cuda:
+            _over(times, "pinned_restore", "memcpy", "pinned_over_memcpy", result)
+            result.update(_overlap(device, layer_bytes, max(1, nbytes // layer_bytes), rounds))
         result["verified"] = verified
     return result
 
@@ -159,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mib", type=int, default=1024, help="host copy size in MiB (>= 1)")
     parser.add_argument("--layer-mib", type=int, default=64,
                         help="one streamed layer's size in MiB, for the overlap (>= 1)")
+    parser.add_argument("--repeats", type=repeats_arg, default=REPEATS,
+                        help=f"interleaved rounds of the copies (default {REPEATS})")
     add_json_flag(parser)
     return parser
 
@@ -172,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         if not torch.cuda.is_available():
             raise SystemExit("fineslab.bench.hostlink --device cuda: torch sees no CUDA device")
-    result = run(args.device, args.mib << 20, args.layer_mib << 20)
+    result = run(args.device, args.mib << 20, args.layer_mib << 20, args.repeats)
     keys = ("memcpy_gib_s", "restore_gib_s", "restore_over_memcpy", "pageable_restore_gib_s",
             "register_s",
             "pinned_restore_gib_s", "pinned_over_memcpy", "d2d_gib_s", "overlap", "verified")

@@ -5,13 +5,16 @@
 A generated Llama (transformers, random weights, seed 0) runs one prefill forward pass with the
 set S of streamed layers (every second layer) held in `--slots` slot buffers and copied from
 pinned host memory before each runs (`fineslab.slabs.layer_copy`: `StreamCopies` on a GPU, the
-copies ahead on a side stream; `SyncCopies` on CPU). In one run:
+copies ahead on a side stream; `SyncCopies` on CPU). In one run, each time the median of
+`--repeats` rounds (5) with its spread (`<figure>_spread`): the resident passes first, then, with
+S streamed, the streamed passes and the copies alone in interleaved rounds (the resident pass
+cannot be interleaved with them: streaming replaces the layers' weights):
 
-    t_none_s          the pass with every layer resident (best of 5, `best_time_s`)
-    t_copy_s          S's copies alone, one after another on the copy stream (best of 5)
-    t_stream_s        the pass with S streamed (best of 5)
-    overlap           (t_none + t_copy - t_stream) / min(t_none, t_copy): 1 when the copies hide
-                      entirely under compute, 0 when they serialize
+    t_none_s          the pass with every layer resident
+    t_copy_s          S's copies alone, one after another on the copy stream
+    t_stream_s        the pass with S streamed
+    overlap           (t_none + t_copy - t_stream) / min(t_none, t_copy) of the medians: 1 when
+                      the copies hide entirely under compute, 0 when they serialize
     copy_gib_s        S's bytes / t_copy
     identical         the streamed pass's logits equal the resident pass's, bit for bit
     saved_bytes       device bytes the streamed layers no longer hold (|S| - slots layers)
@@ -24,14 +27,16 @@ steps; docs/streaming.md). Results go in docs/streaming.md.
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from fineslab.bench.hostlink import best_time_s
+from fineslab.bench.repeats import spread, timed_rounds
 from fineslab.slabs.layer_copy import LayerCopies, StreamCopies, SyncCopies, hook_layers
-from fineslab.tables import add_json_flag, emit
+from fineslab.tables import add_json_flag, emit, repeats_arg
 
 ALIGN_BYTES = 256
+ROUNDS = 5
 
 
 def build_llama(hidden: int, layers: int, vocab: int, device: str, dtype: Any) -> Any:
@@ -98,7 +103,8 @@ class StreamedLayers:
             handle.remove()
 
 
-def measure(device: str, hidden: int, num_layers: int, tokens: int, slots: int) -> dict[str, Any]:
+def measure(device: str, hidden: int, num_layers: int, tokens: int, slots: int,
+            rounds: int = ROUNDS) -> dict[str, Any]:
     import torch
 
     cuda = device.startswith("cuda")
@@ -113,25 +119,31 @@ def measure(device: str, hidden: int, num_layers: int, tokens: int, slots: int) 
             return model(ids).logits
 
     reference = forward().float().cpu()
-    t_none = best_time_s(forward, sync)
+    times = timed_rounds({"none": forward}, sync, rounds)
     streamed = StreamedLayers(model.model.layers, range(1, num_layers, 2), slots, device,
                               stack=model.model)
     if cuda:
         torch.cuda.empty_cache()
     got = forward().float().cpu()
-    t_stream = best_time_s(forward, sync)
-    if cuda:
-        with torch.cuda.stream(streamed.copies.copy_stream):  # type: ignore[attr-defined]
-            t_copy = best_time_s(streamed.copy_all, sync)
-    else:
-        t_copy = best_time_s(streamed.copy_all, sync)
+
+    def copy_all() -> None:
+        if cuda:
+            with torch.cuda.stream(streamed.copies.copy_stream):  # type: ignore[attr-defined]
+                streamed.copy_all()
+        else:
+            streamed.copy_all()
+
+    times.update(timed_rounds({"stream": forward, "copy": copy_all}, sync, rounds))
+    t_none, t_stream, t_copy = (statistics.median(times[k]) for k in ("none", "stream", "copy"))
     s_bytes = len(streamed.order) * streamed.layer_bytes
     return {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "hidden": hidden, "layers": num_layers, "tokens": tokens, "slots": slots,
         "streamed_layers": len(streamed.order), "layer_bytes": streamed.layer_bytes,
+        "rounds": rounds,
         "t_none_s": round(t_none, 6), "t_copy_s": round(t_copy, 6),
         "t_stream_s": round(t_stream, 6),
+        **{f"t_{k}_s_spread": spread(v, 6) for k, v in times.items()},
         # On CPU the copies are synchronous: there is no overlap to measure.
         "overlap": (round((t_none + t_copy - t_stream) / min(t_none, t_copy), 3) if cuda
                     else None),
@@ -148,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--slots", type=int, default=2, choices=(1, 2))
     parser.add_argument("--quick", action="store_true",
                         help="a small model and pass (CPU smoke run)")
+    parser.add_argument("--repeats", type=repeats_arg, default=ROUNDS,
+                        help=f"timed rounds of each pass and of the copies (default {ROUNDS})")
     add_json_flag(parser)
     return parser
 
@@ -155,11 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick or not args.device.startswith("cuda"):
-        figures = measure(args.device, 256, 4, 64, args.slots)
+        figures = measure(args.device, 256, 4, 64, args.slots, args.repeats)
     else:
-        figures = measure(args.device, 4096, 8, 4096, args.slots)
-    emit("streamed layers on a copy stream", ["figure", "value"], list(figures.items()),
-         figures, args.json)
+        figures = measure(args.device, 4096, 8, 4096, args.slots, args.repeats)
+    emit("streamed layers on a copy stream (medians of the rounds)", ["figure", "value"],
+         [(k, v) for k, v in figures.items() if not k.endswith("_spread")], figures, args.json)
     return 0 if figures["identical"] else 1
 
 

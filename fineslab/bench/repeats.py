@@ -9,11 +9,15 @@ rounds (#38: one run on a noisy machine gave the key-pool allocation ratio 0.99,
   happened to run then.
 - `ratios(numerators, denominators)`: the round-by-round ratios of two interleaved sides; their
   median is the benchmark's ratio, their min and max its spread.
+- `timed_rounds(steps, sync, rounds)`: seconds of each step (a device copy, a forward pass), one
+  per round, interleaved, each step run once first untimed and every call timed to the device's
+  completion (`sync`).
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
@@ -50,3 +54,23 @@ def ratios(numerators: Sequence[float], denominators: Sequence[float]) -> list[f
     if len(numerators) != len(denominators):
         raise ValueError("one numerator per denominator")
     return [n / d for n, d in zip(numerators, denominators, strict=True)]
+
+
+def timed_rounds(steps: Mapping[str, Callable[[], object]], sync: Callable[[], None],
+                 rounds: int) -> dict[str, list[float]]:
+    """Each step's seconds, one per round, the rounds interleaved (`interleave`); every step
+    runs once untimed first (first-touch and first-call costs)."""
+    for step in steps.values():
+        step()
+        sync()
+
+    def timed(step: Callable[[], object]) -> Callable[[int], float]:
+        def one(_round: int) -> float:
+            sync()
+            start_s = time.perf_counter()
+            step()
+            sync()
+            return time.perf_counter() - start_s
+        return one
+
+    return interleave({name: timed(step) for name, step in steps.items()}, rounds)
