@@ -9,7 +9,9 @@ shape (32 layers, 8 KV heads, head_dim 128): tokens_per_gib = GiB * blocks_per_s
 slab. Decode speed: the runtimes (bf16, fp8, awq, kv4, qoq) are started in one arena
 (`fineslab.quant.serving`), then, one runtime at a time, `--batch` greedy requests of
 `--new-tokens` tokens each (after one warm-up request); tokens/s = batch * new_tokens / wall
-seconds (includes the short prefill).
+seconds (includes the short prefill), the median of `--repeats` interleaved rounds (3: each
+round times every runtime once, the first rotating) with its spread
+(`decode_tokens_per_s_spread`).
 
 Weights: each precision's checkpoint as fineslab writes it (bf16 and kv4: the source; fp8:
 the FP8 checkpoint, which CPU serves dequantized to bf16; awq group 64; qoq group 128, both with
@@ -36,12 +38,16 @@ import argparse
 import dataclasses
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from fineslab.bench.precision_fleet import RunningFleet, run_fleet
+from fineslab.bench.repeats import interleave, spread
 from fineslab.models import smollm2
 from fineslab.models.generate import ensure_model
 from fineslab.precisions import (
@@ -65,12 +71,15 @@ from fineslab.quant.serving import prepare_runtime
 from fineslab.quant.verify import read_headers
 from fineslab.slabs import KVShape, plan_slabs
 from fineslab.slabs.formats import KVDtype
-from fineslab.tables import add_json_flag, emit
+from fineslab.tables import add_json_flag, emit, repeats_arg
 
 GIB = 1 << 30
 PAGE_SIZE_TOKENS = 16
 EIGHT_B = KVShape("8b", num_layers=32, num_kv_heads=8, head_dim=128, kv_dtype=KVDtype.BF16)
 PROMPT = "The quick brown fox jumps over the lazy dog while the GPU serves four models"
+
+#: Interleaved rounds of the decode timing.
+ROUNDS = 3
 
 
 def tokens_per_gib(shape: KVShape) -> dict[str, float]:
@@ -131,16 +140,25 @@ def accuracy(fleet: RunningFleet) -> dict[str, dict[str, float]]:
     return out
 
 
-def decode_tokens_per_s(fleet: RunningFleet, batch: int, new_tokens: int) -> dict[str, float]:
-    speeds = {}
+def decode_tokens_per_s(fleet: RunningFleet, batch: int, new_tokens: int, rounds: int = ROUNDS,
+                        ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """Each precision's decode tokens/s, the median of `rounds` interleaved rounds (one batch
+    of each runtime a round, the first rotating), and its spread."""
     params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    for precision, member in fleet.members.items():
+
+    def timed(member: Any) -> Callable[[int], float]:
+        def one(_round: int) -> float:
+            start = time.perf_counter()
+            member.generate({"text": [f"{PROMPT} {i}" for i in range(batch)],
+                             "sampling_params": params})
+            return batch * new_tokens / (time.perf_counter() - start)
+        return one
+
+    for member in fleet.members.values():  # one warm-up request each
         member.generate({"text": PROMPT, "sampling_params": dict(params, max_new_tokens=4)})
-        start = time.perf_counter()
-        member.generate({"text": [f"{PROMPT} {i}" for i in range(batch)],
-                         "sampling_params": params})
-        speeds[precision] = batch * new_tokens / (time.perf_counter() - start)
-    return speeds
+    speeds = interleave({p: timed(m) for p, m in fleet.members.items()}, rounds)
+    return ({p: round(statistics.median(v), 2) for p, v in speeds.items()},
+            {p: spread(v) for p, v in speeds.items()})
 
 
 def source_model(cache: Path, name: str) -> Path:
@@ -160,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="auto (SmolLM2 if installed, else llama-tiny) or a generated preset")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=repeats_arg, default=ROUNDS,
+                        help=f"interleaved rounds of the decode timing (default {ROUNDS})")
     add_json_flag(parser)
     return parser
 
@@ -180,12 +200,14 @@ def main(argv: list[str] | None = None) -> int:
         eight_b = tokens_per_gib(EIGHT_B)
         total_bytes, ratio = weight_bytes(src, work)
         speeds: dict[str, float] = {}
+        speed_spread: dict[str, dict[str, float]] = {}
         gates: dict[str, dict[str, float]] = {}
         if not args.no_decode:
             runtimes = [prepare_runtime(p, src, work, device=args.device) for p in FLEET_PRECISIONS]
             with run_fleet(runtimes, work, f"bench{os.getpid()}", arena_bytes=64 << 20,
                            page_size_tokens=PAGE_SIZE_TOKENS, cpu=args.device == "cpu") as fleet:
-                speeds = decode_tokens_per_s(fleet, args.batch, args.new_tokens)
+                speeds, speed_spread = decode_tokens_per_s(fleet, args.batch, args.new_tokens,
+                                                           args.repeats)
                 gates = accuracy(fleet)
     result: dict[str, object] = {
         "model": src.name, "device": args.device, "tokens_per_gib": served,
@@ -193,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         "fp8_vs_bf16": served["fp8"] / served["bf16"], "weight_bytes": total_bytes,
         "weight_ratio": ratio}
     if speeds:
-        result.update(decode_tokens_per_s=speeds, **gates)
+        result.update(decode_tokens_per_s=speeds, decode_tokens_per_s_spread=speed_spread,
+                      **gates)
         if src.name == smollm2.MODEL_NAME:
             result.update({f"{key}_smollm2": value for key, value in gates.items()})
     nan = float("nan")
