@@ -61,6 +61,7 @@ Cost on a GPU: one `index_fill_` over the new pages per allocation (their bytes 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Protocol
 
 import torch
@@ -72,6 +73,11 @@ from fineslab.errors import ArenaExhausted, InvalidBlockError
 from fineslab.slabs.table import SlabTable
 
 logger = logging.getLogger(__name__)
+
+#: How long an allocation the arena cannot serve waits for neighbours (s), and how often it
+#: tries again meanwhile (`SlabAllocator._wait_for`).
+STARVED_WAIT_S = 10.0
+STARVED_POLL_S = 0.01
 
 
 class BlockSource(Protocol):
@@ -198,6 +204,8 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         # clear() runs inside the base constructor and needs these.
         self._source = source
         self._keep_freed = False
+        #: While `_evict_for` evicts: available_size counts only the pages in hand.
+        self._in_hand_only = False
         self._padding_pages = source.blocks_per_slab
         self._page_bytes = page_bytes
         self._max_pages = size // page_size
@@ -223,6 +231,8 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         reaches it parks it whole). Counting it let SGLang admit a prefill one slab larger than
         the arena could give ("Prefill out of memory", a crash: found once weights stopped
         taking slab 0, which then stayed free for the first KV draw)."""
+        if self._in_hand_only:
+            return len(self._reserved) * self.page_size
         room = self._max_pages - self._num_used() - len(self._reserved)
         free = self._source.available_blocks()
         if self._source.padding_slab_free():
@@ -327,20 +337,45 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
 
     def _evict_for(self, num_pages: int) -> bool:
         """An allocation's last resort when the arena came up short: evict this runtime's own
-        prefix cache into the reserve and draw once more. The admission held only what the
-        prefix cache could not free (`SlabPrefillBudget._hold`), and SGLang's eviction right
-        before the allocation evicts nothing while the arena's free slabs cover it; a neighbour
-        that takes those slabs in between would otherwise fail the allocation, fatally."""
+        prefix cache into the reserve until the pages in hand cover the allocation, draw the
+        rest, and failing that wait up to STARVED_WAIT_S for neighbours to give pages back.
+        The admission held only what the prefix cache could not free
+        (`SlabPrefillBudget._hold`), and SGLang's eviction right before the allocation evicts
+        nothing while the arena's free slabs cover it; a neighbour that takes those slabs in
+        between would otherwise fail the allocation, fatally ("Prefill out of memory": the
+        runtime dies with every request it holds). The eviction here counts only the pages in
+        hand (`_in_hand_only`), not the arena's free pages: a neighbour busy in the same arena
+        took those once already, and did again in the live capacity benchmark, where an
+        eviction that counted them freed nothing and the runtime died."""
         if self._tree_cache is None or not self._tree_cache.supports_prefix_sharing():
-            return False
+            return self._wait_for(num_pages)
         logger.info("the arena's free pages went to a neighbour before this allocation of %d "
                     "page(s); evicting this runtime's own prefix cache", num_pages)
-        self._keep_freed = True
+        self._keep_freed = self._in_hand_only = True
         try:
             super().evict_to_free_tokens(self._tree_cache, num_pages * self.page_size)
         finally:
-            self._keep_freed = False
-        return self._top_up(num_pages)
+            self._keep_freed = self._in_hand_only = False
+        return self._top_up(num_pages) or self._wait_for(num_pages)
+
+    def _wait_for(self, num_pages: int) -> bool:
+        """Draw `num_pages` again every STARVED_POLL_S for up to STARVED_WAIT_S: the pages a
+        neighbour's requests hold come back as they finish. The scheduler waits meanwhile; an
+        allocation that fails kills it. Only when neighbours hold the memory: past this
+        runtime's own capacity or KV limit (`cap_allows`) nothing would come back."""
+        if not self.cap_allows(num_pages * self.page_size):
+            return False
+        logger.warning("an allocation of %d page(s) is short in the arena with nothing of its "
+                       "own left to evict; waiting up to %.0f s for neighbours to give pages "
+                       "back", num_pages, STARVED_WAIT_S)
+        deadline = time.monotonic() + STARVED_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(STARVED_POLL_S)
+            if self._top_up(num_pages):
+                return True
+        logger.error("an allocation of %d page(s) found no room in the arena for %.0f s",
+                     num_pages, STARVED_WAIT_S)
+        return False
 
     def release_reserve(self) -> None:
         """Give the reserved pages back to the block source (after each allocation)."""

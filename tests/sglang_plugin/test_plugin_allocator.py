@@ -30,6 +30,15 @@ NUM_SLABS = 8
 BPS = 4  # blocks a slab = the padding slab's pages
 
 
+@pytest.fixture(autouse=True)
+def _short_starved_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An allocation the arena cannot serve waits STARVED_WAIT_S for neighbours before it
+    fails; here nobody gives memory back unless a test says so (the wait's own tests set it)."""
+    from fineslab.sglang_plugin import allocator as module
+
+    monkeypatch.setattr(module, "STARVED_WAIT_S", 0.05)
+
+
 @pytest.fixture
 def setup() -> Iterator[tuple[SlabAllocator, RuntimeSlabs, RuntimeSlabs, ScratchArena]]:
     arena = ScratchArena.create(SLAB_BYTES, NUM_SLABS, 4)
@@ -297,6 +306,91 @@ def test_pages_an_eviction_frees_for_an_allocation_are_not_lost_to_a_neighbour(
     monkeypatch.setattr(source, "free", real_free)
     allocator.free(out)
     neighbour.free(grabbed)
+    _check(allocator, source)
+
+
+def _one_slab(blocks: list[int]) -> list[int]:
+    """The blocks of one whole slab among `blocks`."""
+    slab = min(blocks) // BPS
+    return [b for b in blocks if b // BPS == slab]
+
+
+def test_an_eviction_for_an_allocation_counts_only_the_pages_in_hand(
+        setup: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found by the live capacity benchmark (2026-11-29, "Prefill out of memory", the runtime
+    # died with its requests): the admission saw room, a neighbour took it before the draw,
+    # gave a slab back, and took it again at the next draw. The last-resort eviction asked
+    # SGLang to evict the shortfall against available_size, which counted that free slab, so
+    # it evicted nothing and the draw failed. It must count only the pages in hand.
+    allocator, source, neighbour, _ = setup
+    cached = allocator.alloc(2 * BPS * PAGE)  # two slabs of this runtime's cached prefixes
+    assert cached is not None
+    cache = _EvictingCache(allocator, cached)
+    allocator.evict_to_free_tokens(cache, PAGE)  # SGLang hands over its cache (fits: no-op)
+    grabbed = neighbour.alloc(neighbour.available_blocks())  # the rest of the arena
+    real_alloc, draws = source.alloc, []
+
+    def neighbour_first(num_blocks: int) -> list[int]:
+        draws.append(num_blocks)
+        grabbed.extend(neighbour.alloc(neighbour.available_blocks()))  # whatever is free
+        try:
+            return real_alloc(num_blocks)
+        finally:
+            if len(draws) == 1:  # then a request of the neighbour's ends: a slab free again
+                freed = _one_slab(grabbed)
+                neighbour.free(freed)
+                for block in freed:
+                    grabbed.remove(block)
+
+    monkeypatch.setattr(source, "alloc", neighbour_first)
+    out = allocator.alloc(BPS * PAGE)
+    assert out is not None, "the runtime's own cache covers it: the allocation must not fail"
+    assert set((out // PAGE).tolist()) <= set((cached // PAGE).tolist()), "from its own cache"
+    monkeypatch.setattr(source, "alloc", real_alloc)
+    allocator.free(out)
+    neighbour.free(grabbed)
+    _check(allocator, source)
+
+
+def test_a_short_allocation_waits_for_a_neighbour_to_give_pages_back(
+        setup: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing of its own to evict and the neighbour holds the arena: the allocation waits
+    (up to STARVED_WAIT_S) instead of failing, which SGLang treats as fatal."""
+    import threading
+
+    from fineslab.sglang_plugin import allocator as module
+
+    allocator, source, neighbour, _ = setup
+    monkeypatch.setattr(module, "STARVED_WAIT_S", 10.0)
+    grabbed = neighbour.alloc(neighbour.available_blocks())
+    freed = _one_slab([b for b in grabbed if b >= BPS])  # not the padding slab
+    timer = threading.Timer(0.3, neighbour.free, args=(freed,))
+    start = time.monotonic()
+    timer.start()
+    out = allocator.alloc(BPS * PAGE)
+    waited = time.monotonic() - start
+    timer.join()
+    assert out is not None and waited >= 0.25, (out, waited)
+    allocator.free(out)
+    neighbour.free([b for b in grabbed if b not in freed])
+    _check(allocator, source)
+
+
+def test_an_allocation_past_the_kv_limit_fails_at_once(
+        setup: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiting frees nothing past the runtime's own limit: no wait there."""
+    from fineslab.sglang_plugin import allocator as module
+
+    allocator, source, _, arena = setup
+    monkeypatch.setattr(module, "STARVED_WAIT_S", 10.0)
+    arena.arena.table.set_kv_limit("m", SLAB_BYTES)
+    held = allocator.alloc(BPS * PAGE)
+    assert held is not None
+    start = time.monotonic()
+    assert allocator.alloc(PAGE) is None
+    assert time.monotonic() - start < 1.0, "no wait for memory nothing would free"
+    arena.arena.table.set_kv_limit("m", None)
+    allocator.free(held)
     _check(allocator, source)
 
 
