@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 #: The KV dtypes SGLang may store in the arena through the plain slab pool.
 SGLANG_KV_DTYPES = (KVDtype.BF16, KVDtype.FP16, KVDtype.FP8_E4M3)
+#: A scheduler turn that admitted nothing while requests wait for memory and none runs sleeps
+#: this long (s) before SGLang's next turn (`PluginSession.new_batch_prefill`).
+STARVED_BACKOFF_S = 0.005
 
 
 def kv_shape_of(configurator: Any, runtime_id: str) -> KVShape:
@@ -259,15 +263,28 @@ class PluginSession:
                           **kwargs: Any) -> Any:
         """Reopen SGLang's admission when a neighbour gave memory back (see
         `SlabAllocator.admission_reopens`), then run SGLang's own prefill admission (on what
-        the engine policy admitted, when there is one)."""
+        the engine policy admitted, when there is one); a turn that admitted nothing while
+        requests wait and none runs sleeps STARVED_BACKOFF_S."""
         allocator = scheduler.token_to_kv_pool_allocator
         running_batch = kwargs.get("running_batch", args[1] if len(args) > 1 else None)
         if isinstance(allocator, SlabAllocator) and running_batch is not None and \
                 allocator.admission_reopens(bool(running_batch.batch_is_full)):
             running_batch.batch_is_full = False
         if self.engine is not None:
-            return self.engine.around(original, scheduler, *args, **kwargs)
-        return original(scheduler, *args, **kwargs)
+            result = self.engine.around(original, scheduler, *args, **kwargs)
+        else:
+            result = original(scheduler, *args, **kwargs)
+        formed = result[0] if isinstance(result, tuple) else result  # (new batch, running)
+        running = result[1] if isinstance(result, tuple) else running_batch
+        if formed is None and isinstance(allocator, SlabAllocator) and scheduler.waiting_queue \
+                and (running is None or running.batch_size() == 0):
+            # Requests wait, none runs, none was admitted: the memory they wait for is the
+            # neighbours' (or a request's own budget). SGLang turns again at once, so a starved
+            # runtime spun a core until memory came back (the live capacity grid: three idle
+            # fleets' starved schedulers took 55% of a core each, slowing the probed fleet).
+            # Memory comes back from other processes, so a short sleep, not a wait on sockets.
+            time.sleep(STARVED_BACKOFF_S)
+        return result
 
     def update_running_batch(self, original: Callable[..., Any], scheduler: Any, *args: Any,
                              **kwargs: Any) -> Any:
