@@ -19,7 +19,7 @@ Public API
     refuse_unsupported(settings)  the start-up refusal of features the arena layout cannot serve
 
 Memory accounting for the router and the launcher is read from the slab table itself
-(`fineslab.slabs.snapshot`), not from the runtime.
+(`fineslab.slabs`), not from the runtime: see `accounting.py`.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from plugin_test_support import (
 )
 
 from fineslab.runtime import ServerProcess, ServerSpec, free_port
-from fineslab.slabs import ArenaPaths, SlabTable, snapshot
+from fineslab.sglang_plugin.accounting import read_memory
 
 pytestmark = pytest.mark.slow
 
@@ -149,17 +149,14 @@ def test_two_precisions_serve_concurrently_with_correct_output(
             f"{problems}")
     arena = shared.arenas["a"]
     wait_idle(arena)
-    table = SlabTable.open(ArenaPaths.of(arena.fleet_id, "cpu0").table, writable=False)
-    try:
-        snap = snapshot(table)  # the observers' reading (the router's, `fineslab top`'s)
-    finally:
-        table.close()
-    live = {o.runtime_id for o in snap.owners if o.alive}
-    assert live >= set(MODELS), f"the table must list every live runtime: {snap.owners}"
-    assert sum(o.used_bytes for o in snap.owners) <= SLAB_BYTES, (
-        f"between requests the runtimes hold at most the parked padding slab: {snap.owners}")
-    held = sum(o.num_slabs * snap.slab_bytes for o in snap.owners)
-    assert snap.free_bytes + held == snap.num_slabs * snap.slab_bytes == arena.arena_bytes, (
+    memory = read_memory(arena.fleet_id, "cpu0", tokens_per_block={"a": PAGE, "b": PAGE})
+    for rid in MODELS:
+        model = memory.of(rid)
+        assert model is not None and model.alive, f"the table must list live runtime {rid}"
+    assert sum(m.used_bytes for m in memory.models) <= SLAB_BYTES, (
+        f"between requests the runtimes hold at most the parked padding slab: {memory.models}")
+    held = sum(m.held_bytes for m in memory.models)
+    assert memory.free_bytes + held == memory.arena_bytes == arena.arena_bytes, (
         "free space plus every runtime's slabs must be the whole arena")
     settled_integrity(arena.arena.table)
 
