@@ -58,7 +58,7 @@ from typing import Any
 import httpx
 
 from fineslab.bench.chaos_fleet import ChaosFleet
-from fineslab.bench.repeats import interleave, spread
+from fineslab.bench.repeats import interleave, merge_rounds, spread
 from fineslab.fleet.config import fleet_from_dict
 from fineslab.fleet.plan import model_dir_of
 from fineslab.fleet.profiles import find_profile
@@ -180,16 +180,9 @@ SPREAD = ("attainment", "goodput_per_s", "ttft_p50_s", "ttft_p99_s")
 def summarize_mode(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One mode's rounds as one entry: counts summed, figures the median of the rounds, the
     timed ones with their spread, and every round's own figures under `rounds`."""
-    out: dict[str, Any] = {"slo_s": rounds[0]["slo_s"]}
-    for key in SUMMED:
-        out[key] = sum(r[key] for r in rounds)
-    for key in SPREAD:
-        values = [r[key] for r in rounds if r[key] is not None]
-        out[key] = round(statistics.median(values), 4) if values else None
-        if values:
-            out[f"{key}_spread"] = spread(values, 4)
-    out["rounds"] = rounds
-    return out
+    return {"slo_s": rounds[0]["slo_s"],
+            **merge_rounds(rounds, SUMMED + SPREAD, summed=SUMMED, with_spread=SPREAD),
+            "rounds": rounds}
 
 
 def run(cfg: EngineBenchConfig, progress: bool = False) -> dict[str, Any]:

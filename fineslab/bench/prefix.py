@@ -52,7 +52,7 @@ import numpy as np
 import yaml
 
 from fineslab.bench.chaos_fleet import ChaosFleet
-from fineslab.bench.repeats import interleave, spread
+from fineslab.bench.repeats import interleave, merge_rounds
 from fineslab.errors import ConfigError
 from fineslab.tables import repeats_arg
 from fineslab.workload.sessions import Session, SessionSpec, build_sessions
@@ -367,6 +367,8 @@ def summarize(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
 #: The timed figures, reported with their spread over the rounds.
 TIMED = ("ttft_later_turns_p50_off", "ttft_later_turns_p50_on", "ttft_ratio",
          "lender_reclaim_ms", "lender_carve_unlent_ms", "carve_alone_ms", "carve_during_stores_ms")
+#: The counts, summed over the rounds.
+COUNTS = ("later_turns_off", "later_turns_on", "errors_off", "errors_on", "lender_reclaims")
 
 
 def summarize_rounds(offs: Sequence[dict[str, Any]], ons: Sequence[dict[str, Any]]
@@ -374,18 +376,9 @@ def summarize_rounds(offs: Sequence[dict[str, Any]], ons: Sequence[dict[str, Any
     """Each round's figures (`summarize`), as their medians, the timed ones with their spread;
     counts (turns, errors) summed, the lent peak the highest."""
     rounds = [summarize(off, on) for off, on in zip(offs, ons, strict=True)]
-    figures: dict[str, Any] = {"rounds": len(rounds)}
-    for key in rounds[0]:
-        values = [r[key] for r in rounds]
-        if key.startswith(("later_turns_", "errors_", "lender_reclaims")):
-            figures[key] = sum(values)
-        elif key == "lent_slabs_peak":
-            figures[key] = max(values)
-        else:
-            figures[key] = round(statistics.median(values), 4)
-        if key in TIMED:
-            figures[f"{key}_spread"] = spread(values, 4)
-    return figures
+    return {"rounds": len(rounds),
+            **merge_rounds(rounds, rounds[0], summed=COUNTS, highest=("lent_slabs_peak",),
+                           with_spread=TIMED)}
 
 
 def build_parser() -> argparse.ArgumentParser:

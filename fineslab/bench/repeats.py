@@ -9,6 +9,8 @@ rounds (#38: one run on a noisy machine gave the key-pool allocation ratio 0.99,
   happened to run then.
 - `ratios(numerators, denominators)`: the round-by-round ratios of two interleaved sides; their
   median is the benchmark's ratio, their min and max its spread.
+- `merge_rounds(rounds, keys, ...)`: several rounds' figures as one entry: counts summed, peaks
+  the highest, the rest the median of the rounds (the timed ones with their spread).
 - `timed_rounds(steps, sync, rounds)`: seconds of each step (a device copy, a forward pass), one
   per round, interleaved, each step run once first untimed and every call timed to the device's
   completion (`sync`).
@@ -18,8 +20,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -54,6 +56,26 @@ def ratios(numerators: Sequence[float], denominators: Sequence[float]) -> list[f
     if len(numerators) != len(denominators):
         raise ValueError("one numerator per denominator")
     return [n / d for n, d in zip(numerators, denominators, strict=True)]
+
+
+def merge_rounds(rounds: Sequence[Mapping[str, Any]], keys: Iterable[str], *,
+                 summed: Sequence[str] = (), highest: Sequence[str] = (),
+                 with_spread: Sequence[str] = (), digits: int = 4) -> dict[str, Any]:
+    """`keys` of the rounds' figures as one entry: those in `summed` summed, in `highest` the
+    highest, the rest the median of the rounds that have a value (None when none has), those in
+    `with_spread` also as `<key>_spread` (`spread`)."""
+    out: dict[str, Any] = {}
+    for key in keys:
+        values = [r[key] for r in rounds if r[key] is not None]
+        if key in summed:
+            out[key] = sum(values)
+        elif key in highest:
+            out[key] = max(values, default=None)
+        else:
+            out[key] = round(statistics.median(values), digits) if values else None
+        if key in with_spread and values:
+            out[f"{key}_spread"] = spread(values, digits)
+    return out
 
 
 def timed_rounds(steps: Mapping[str, Callable[[], object]], sync: Callable[[], None],
