@@ -100,7 +100,7 @@ def watch(fd: int, child: Child, what: str, grace_s: float) -> int:
                   "gone; stopping its process tree", file=sys.stderr, flush=True)
             stop_group(os.getpgid(0), grace_s, exclude=os.getpid(), reap=_reap)
             remove_files(files)
-            _remove_dead_arenas()
+            remove_dead_fleet_files()
             return 1
         code = child.poll()
         if code is not None:
@@ -116,18 +116,23 @@ def watch(fd: int, child: Child, what: str, grace_s: float) -> int:
     raise AssertionError("unreachable")
 
 
-def _remove_dead_arenas() -> None:
-    """The fleet's arena files, once their launcher is gone (the arena is RAM on CPU)."""
-    fleet_id = os.environ.get(FLEET_MARKER)
+def remove_dead_fleet_files(fleet_id: str | None = None,
+                            record_wait_s: float = RECORD_WAIT_S) -> None:
+    """The fleet's arena files, once their launcher is gone (the arena is RAM on CPU), and,
+    the last of the fleet out, its run record: called by each runtime's lifeline and by the
+    fleet's zygote (which may be all there is of a fleet whose launcher died starting up), and
+    by `FleetHandle.cleanup` (which kills the zygote too). `fleet_id` defaults to this
+    process's fleet marker."""
+    fleet_id = fleet_id or os.environ.get(FLEET_MARKER)
     if not fleet_id:
         return
     from fineslab.slabs.arena import remove_dead_arenas  # heavier; only on this path
 
     for table in remove_dead_arenas(fleet_id):
-        print(f"fineslab.lifeline: removed the arena {table.stem} of a dead launcher",
+        print(f"fineslab: removed the arena {table.stem} of a dead launcher",
               file=sys.stderr, flush=True)
-    if remove_dead_record(fleet_id, wait_s=RECORD_WAIT_S):
-        print(f"fineslab.lifeline: the last of fleet {fleet_id!r} out: removed its run record",
+    if remove_dead_record(fleet_id, wait_s=record_wait_s):
+        print(f"fineslab: the last of fleet {fleet_id!r} out: removed its run record",
               file=sys.stderr, flush=True)
 
 

@@ -295,8 +295,9 @@ def remove_dead_record(fleet_id: str, wait_s: float = 0.0, shm_dir: Path | None 
     after the launcher was SIGKILLed, waiting up to `wait_s` for the other trees and the
     fleet's zygote to go (before, record and folders stayed until a relaunch swept them, #39).
     A record whose launcher lives (a relaunch's too) stays, and so does one while a process of
-    the fleet still runs after `wait_s` (the next launch's sweep sees to it). Lifelines do not
-    count: they all end this way, and each may remove what another already did. Returns
+    the fleet still runs after `wait_s` (the next launch's sweep sees to it). Lifelines and the
+    caller do not count: they all end this way, and each may remove what another already did
+    (the fleet's zygote calls it too). Returns
     whether the record went."""
     path = run_record_path(fleet_id, shm_dir)
     deadline = time.monotonic() + wait_s
@@ -309,7 +310,8 @@ def remove_dead_record(fleet_id: str, wait_s: float = 0.0, shm_dir: Path | None 
             return False
         if launcher.is_alive():
             return False
-        running = [p for p in fleet_processes(fleet_id) if not _is_lifeline(p)]
+        running = [p for p in fleet_processes(fleet_id)
+                   if p != os.getpid() and not _is_lifeline(p)]
         if not running:
             break
         if time.monotonic() >= deadline:

@@ -30,7 +30,8 @@ import httpx
 import yaml
 
 from fineslab.errors import EnvironmentSetupError
-from fineslab.proctree import FLEET_MARKER, stat_fields, stop_group
+from fineslab.lifeline import remove_dead_fleet_files
+from fineslab.proctree import fleet_processes, stop_group
 from fineslab.runtime import free_port, lifeline_read_fd
 from fineslab.slabs.shm import default_shm_dir
 
@@ -40,24 +41,6 @@ READY_TIMEOUT_S = 900.0
 
 class FleetStartError(EnvironmentSetupError):
     """The launcher exited or was not ready in time; the message ends with its output."""
-
-
-def fleet_processes(fleet_id: str) -> list[int]:
-    """Live processes whose environment carries `FINESLAB_FLEET_ID=<fleet_id>`."""
-    marker = f"{FLEET_MARKER}={fleet_id}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if marker not in f.read().split(b"\0"):
-                    continue
-        except OSError:
-            continue
-        if stat_fields(int(entry))[:1] not in ([], ["Z"]):  # gone, or a zombie
-            found.append(int(entry))
-    return found
 
 
 def leftover_files(fleet_id: str, sglang_files: list[str]) -> list[str]:
@@ -125,7 +108,11 @@ class FleetHandle:
                                     start_new_session=True, pass_fds=pass_fds)
         fleet = cls(proc, f"http://127.0.0.1:{router['port']}", str(config["fleet_id"]),
                     [str(m["name"]) for m in config["models"]], output)
-        fleet.wait_ready(timeout_s, progress)
+        try:
+            fleet.wait_ready(timeout_s, progress)
+        except BaseException:  # Ctrl-C in a notebook, a progress callback's error: no fleet left
+            fleet.cleanup()
+            raise
         return fleet
 
     # -- start ----------------------------------------------------------------------------------
@@ -231,13 +218,16 @@ class FleetHandle:
             time.sleep(0.5)
 
     def cleanup(self) -> None:
-        """Whatever a failed run leaves: the launcher's session and the fleet's processes."""
+        """Whatever a failed run leaves: the launcher's session (its zygote too), the fleet's
+        processes, and then its arena files and run record (a launcher killed before any
+        runtime's lifeline ran leaves nobody else to remove them)."""
         self.kill()
         for pid in fleet_processes(self.fleet_id):
             try:
                 stop_group(os.getpgid(pid), grace_s=1.0)
             except ProcessLookupError:
                 continue
+        remove_dead_fleet_files(self.fleet_id, record_wait_s=0.0)
 
     def __enter__(self) -> FleetHandle:
         return self

@@ -14,7 +14,10 @@ environment and arena are applied in the forked child (`child.py`).
 It reaps its runtimes and writes each one's exit status to the pipe that came with its
 request. It exits when its launcher's lifeline closes (the launcher is gone, however it
 ended), on SIGTERM, or when its socket is removed; the runtimes it forked are not its to stop
-(each watches the same lifeline).
+(each watches the same lifeline). A launcher that died leaves its fleet's arena files and run
+record to the fleet's last process out: the zygote takes its share of that
+(`fineslab.lifeline.remove_dead_fleet_files`), as it may be all there is of a fleet whose
+launcher died while starting its runtimes.
 
 Invariant: `tracked` holds exactly the status pipes of forked runtimes not yet reaped; every
 descriptor of the zygote's own (its socket, its lifeline, `tracked`) is closed in each child.
@@ -35,6 +38,7 @@ import socket
 import sys
 import time
 
+from fineslab.lifeline import remove_dead_fleet_files
 from fineslab.zygote.protocol import (
     NUM_FDS,
     STATUS,
@@ -214,29 +218,51 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's Ctrl-C is the launcher's
     _detach()
+    zygote = os.getpid()
+    try:
+        return _serve(args)
+    finally:
+        # However it ends (SIGTERM too) once its launcher is gone; never in a fork, whose
+        # copy of the lifeline is closed.
+        if os.getpid() == zygote and _gone(args.lifeline_fd):
+            _after_launcher(args.socket)
+
+
+def _serve(args: argparse.Namespace) -> int:
     try:
         if not preload(PRELOAD if args.preload is None else tuple(args.preload),
                        args.lifeline_fd):
-            print("error: the launcher went away during the imports", flush=True)
             return 0
         if cuda_initialized():
-            print("error: importing SGLang initialised CUDA; runtimes start plainly", flush=True)
+            _tell("error: importing SGLang initialised CUDA; runtimes start plainly")
             return 3
         server = ZygoteServer(args.socket, args.lifeline_fd)
     except Exception as exc:  # told to the launcher, which starts plainly
-        print(f"error: {type(exc).__name__}: {exc}", flush=True)
+        _tell(f"error: {type(exc).__name__}: {exc}")
         return 2
     from fineslab.zygote.child import set_title
 
     set_title([sys.executable, "-m", "fineslab.zygote", "--socket", args.socket])
     gc.freeze()  # the imported objects stay shared with every fork (no gc writes to them)
-    print(f"ready {os.getpid()}", flush=True)
-    reason = "error"
+    _tell(f"ready {os.getpid()}")
     try:
-        reason = server.serve()
+        server.serve()
     finally:
         server.close()
-    folder = os.path.dirname(args.socket)
-    if reason == "lifeline" and os.path.basename(folder).startswith("fineslab-zygote-"):
-        shutil.rmtree(folder, ignore_errors=True)  # no launcher is left to remove it
     return 0
+
+
+def _tell(line: str) -> None:
+    """A line to the launcher, which may be gone (its pipe closed: nothing to tell)."""
+    with contextlib.suppress(BrokenPipeError):
+        print(line, flush=True)
+
+
+def _after_launcher(socket_path: str) -> None:
+    """The launcher is gone: remove what it made that nobody else is left to (before, a zygote
+    told of it while importing died of the closed pipe and left the fleet's arena behind)."""
+    logger.info("fineslab zygote: its launcher is gone; removing what it left")
+    folder = os.path.dirname(socket_path)
+    if os.path.basename(folder).startswith("fineslab-zygote-"):
+        shutil.rmtree(folder, ignore_errors=True)
+    remove_dead_fleet_files()

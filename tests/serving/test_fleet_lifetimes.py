@@ -5,6 +5,7 @@ processes and shared memory; the checks run in file order.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import pytest
 from fleet_support import REPO, LaunchedFleet, group_alive, launch, shm_files
 
 from fineslab.bench.chaos_fleet import fleet_processes
+from fineslab.fleet import FleetHandle
 from fineslab.proctree import stat_fields
 from fineslab.runtime import free_port
 
@@ -178,3 +180,85 @@ def test_a_harness_killed_mid_start_takes_the_fleet_it_started_with_it(
     while stat_fields(launcher)[:1] not in ([], ["Z"]):
         assert time.monotonic() < deadline, "the launcher did not exit after its fleet stopped"
         time.sleep(0.2)
+
+
+def test_a_launcher_killed_while_its_zygote_imports_leaves_no_arena(
+        folder: Path, model_cache: Path) -> None:
+    """kill -9 of the launcher alone after it made its arena, while its zygote still imports
+    SGLang and no runtime's lifeline runs yet: the zygote is the fleet's last process out.
+    Before, it died of its closed stdout pipe and left the arena and the run record."""
+    import yaml
+
+    fleet_id = f"zygote-only-{os.getpid()}"
+    config = yaml.safe_load((REPO / "examples" / "cpu-demo.yaml").read_text())
+    config.update(fleet_id=fleet_id, models=config["models"][:1])
+    config["router"]["port"] = free_port()
+    path, output = folder / "zygote-only.yaml", folder / "zygote-only.out"
+    path.write_text(yaml.safe_dump(config))
+    with open(output, "wb") as out:
+        launcher = subprocess.Popen([sys.executable, "-m", "fineslab.launch", "--config",
+                                     str(path), "--log-dir", str(folder / "zygote-only-logs")],
+                                    stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                    start_new_session=True,
+                                    env=dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache)))
+    record = Path(f"/dev/shm/fineslab-{fleet_id}.run")
+    try:
+        deadline = time.monotonic() + 300
+        while b"starting 1 runtimes" not in output.read_bytes():
+            assert launcher.poll() is None and time.monotonic() < deadline, \
+                output.read_text()[-3000:]
+            time.sleep(0.2)
+        assert shm_files(fleet_id) and record.exists() and fleet_processes(fleet_id)
+        os.kill(launcher.pid, signal.SIGKILL)  # the launcher alone: its zygote lives on
+        launcher.wait(30)
+        deadline = time.monotonic() + 90
+        while fleet_processes(fleet_id) or shm_files(fleet_id) or record.exists():
+            assert time.monotonic() < deadline, (
+                f"left after 90 s: {fleet_processes(fleet_id)}, {shm_files(fleet_id)}, "
+                f"run record {record.exists()}")
+            time.sleep(0.5)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        for pid in fleet_processes(fleet_id):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_start_interrupted_while_waiting_leaves_no_fleet(folder: Path,
+                                                           model_cache: Path) -> None:
+    """Ctrl-C in a notebook's cell while FleetHandle waits for ready (#39 finding 6): the
+    launcher lives in a session of its own and the notebook's kernel lives on, so before, its
+    runtimes kept running until the kernel went."""
+    import yaml
+
+    fleet_id = f"interrupted-{os.getpid()}"
+    config = yaml.safe_load((REPO / "examples" / "cpu-demo.yaml").read_text())
+    config.update(fleet_id=fleet_id, models=config["models"][:1])
+    seen: list[int] = []
+
+    def interrupt_once_runtimes_run(line: str) -> None:
+        deadline = time.monotonic() + 120
+        while line.startswith("starting 1 runtimes") and not seen:
+            seen.extend(p for p in fleet_processes(fleet_id) if p not in seen)
+            assert time.monotonic() < deadline, "no runtime process appeared"
+            time.sleep(0.2)
+        if seen:
+            time.sleep(2)  # the runtime is starting: SGLang is importing
+            raise KeyboardInterrupt
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            FleetHandle.launch(config, folder, "interrupted", cwd=REPO, timeout_s=300,
+                               env=dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache)),
+                               progress=interrupt_once_runtimes_run)
+        assert seen, "the interruption came while the fleet's processes ran"
+        deadline = time.monotonic() + 60
+        record = Path(f"/dev/shm/fineslab-{fleet_id}.run")
+        while fleet_processes(fleet_id) or shm_files(fleet_id) or record.exists():
+            assert time.monotonic() < deadline, (
+                f"left after 60 s: {fleet_processes(fleet_id)}, {shm_files(fleet_id)}, "
+                f"run record {record.exists()}")
+            time.sleep(0.5)
+    finally:
+        for pid in fleet_processes(fleet_id):
+            os.kill(pid, signal.SIGKILL)
