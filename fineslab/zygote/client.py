@@ -180,6 +180,7 @@ class Zygote:
             line = _read_line(starter.stdout, timeout_s)
         except BaseException:  # interrupted (the launcher stopping): no zygote left behind
             self._stop_group(starter.pid)
+            shutil.rmtree(self.folder, ignore_errors=True)
             raise
         finally:
             starter.stdout.close()
@@ -187,8 +188,10 @@ class Zygote:
         word, _, pid = line.partition(" ")
         if word != "ready" or not pid.isdigit():
             self._stop_group(starter.pid)
+            tail = self.log_tail()
+            shutil.rmtree(self.folder, ignore_errors=True)
             raise ZygoteUnavailable(f"the zygote did not start ({line or 'no answer'}); "
-                                    f"its log's end:\n{self.log_tail()}")
+                                    f"its log's end:\n{tail}")
         self.identity = ProcessIdentity.of(int(pid))
         self.ready_s = time.monotonic() - started
         logger.info("zygote pid %s ready in %.1f s (SGLang imported once for every runtime)",

@@ -209,13 +209,18 @@ def test_a_launcher_killed_while_its_zygote_imports_leaves_no_arena(
                 output.read_text()[-3000:]
             time.sleep(0.2)
         assert shm_files(fleet_id) and record.exists() and fleet_processes(fleet_id)
+        sockets = [re.search(rb"--socket\0([^\0]+)", Path(f"/proc/{pid}/cmdline").read_bytes())
+                   for pid in fleet_processes(fleet_id)]
+        zygote_folders = [Path(m.group(1).decode()).parent for m in sockets if m]
+        assert zygote_folders and all(f.exists() for f in zygote_folders), sockets
         os.kill(launcher.pid, signal.SIGKILL)  # the launcher alone: its zygote lives on
         launcher.wait(30)
         deadline = time.monotonic() + 90
-        while fleet_processes(fleet_id) or shm_files(fleet_id) or record.exists():
+        while fleet_processes(fleet_id) or shm_files(fleet_id) or record.exists() or \
+                any(f.exists() for f in zygote_folders):
             assert time.monotonic() < deadline, (
                 f"left after 90 s: {fleet_processes(fleet_id)}, {shm_files(fleet_id)}, "
-                f"run record {record.exists()}")
+                f"run record {record.exists()}, zygote folders {zygote_folders}")
             time.sleep(0.5)
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -18,10 +18,10 @@ def _execute(name: str, model_cache: Path) -> str:
     return execute_notebook(name, {"FINESLAB_MODEL_CACHE": str(model_cache)})
 
 
-def _assert_folder_removed(outputs: str) -> None:
-    """The notebook removed its /tmp/fineslab-notebook-* folder (#39 finding 6: each run left
-    one)."""
-    removed = re.search(r"removed (\S*fineslab-notebook-\S+)", outputs)
+def _assert_folder_removed(outputs: str, prefix: str = "fineslab-notebook-") -> None:
+    """The notebook removed its /tmp/fineslab-notebook-* (or `prefix`) folder (#39 finding 6:
+    each run left one)."""
+    removed = re.search(rf"removed (\S*{prefix}\S+)", outputs)
     assert removed and not Path(removed.group(1)).exists(), outputs[-1000:]
 
 
@@ -92,3 +92,4 @@ def test_custom_sglang_notebook_installs_the_pool_without_launcher_or_entry_poin
                      r"slab\(s\) of \d+ B blocks, [1-9]\d* used blocks", outputs), outputs
     assert re.search(r"SGLang's KV capacity (\d+) tokens = the arena's \1", outputs), outputs
     assert "processes left: [] shared memory left: []" in outputs, outputs[-2000:]
+    _assert_folder_removed(outputs, "fineslab-custom-")

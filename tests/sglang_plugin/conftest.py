@@ -2,7 +2,7 @@
 
 Stock SGLang's greedy outputs depend only on SGLang's version, the model's files, the page
 size, the dtype, the prompts and the number of new tokens, never on fineslab's code: each is
-computed once (one in-process engine per model and settings) and kept in
+computed once (one server per model and settings, forked warm from the zygote) and kept in
 `~/.cache/fineslab/stock-outputs/` under a key of exactly those (`FINESLAB_STOCK_CACHE`
 names another folder; an empty value keeps them in memory only).
 """

@@ -178,6 +178,7 @@ def test_a_zygote_whose_imports_initialise_cuda_refuses_to_serve(
     with pytest.raises(ZygoteUnavailable, match="CUDA"):
         z.start(timeout_s=60)
     assert not z.alive()
+    assert not z.folder.exists(), "a zygote that did not start leaves no folder"
 
 
 def test_the_zygote_leaves_its_starters_process_tree(zygote: Zygote) -> None:
