@@ -9,6 +9,7 @@ collection of the suite."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -35,6 +36,26 @@ def test_gpu_check_script_refuses_an_unknown_option() -> None:
     result = subprocess.run(["bash", "scripts/gpu_check.sh", "--chek"], cwd=REPO,
                             capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 2 and "usage" in result.stderr, result.stderr
+
+
+def test_gpu_twin_script_helps_and_refuses_before_building(tmp_path: Path) -> None:
+    """scripts/gpu_twin.sh builds 5 GB: its help, a bad option and a missing Python 3.12 are
+    answered before anything is built or downloaded."""
+    helped = subprocess.run(["bash", "scripts/gpu_twin.sh", "--help"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert helped.returncode == 0 and "CPU twin" in helped.stdout, helped.stdout + helped.stderr
+    bad = subprocess.run(["bash", "scripts/gpu_twin.sh", "--stagez", "env"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and "usage" in bad.stderr, bad.stderr
+    not_312 = tmp_path / "python3.12"
+    not_312.write_text("#!/bin/sh\nexit 1\n")  # a Python 3.12 that is not one
+    not_312.chmod(0o755)
+    no_python = subprocess.run(
+        ["bash", "scripts/gpu_twin.sh", "--venv", str(tmp_path / "twin")], cwd=REPO,
+        capture_output=True, text=True, timeout=60, check=False,
+        env={**os.environ, "PYTHON312": str(not_312)})
+    assert no_python.returncode == 2 and "no Python 3.12" in no_python.stderr, no_python.stderr
+    assert not (tmp_path / "twin").exists(), "nothing is built without Python 3.12"
 
 
 @pytest.mark.parametrize(("entry", "why"), [

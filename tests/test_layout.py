@@ -27,6 +27,33 @@ def test_scheduler_is_not_a_bare_top_level_package(tmp_path: Path) -> None:
     assert result.returncode == 0, "installing fineslab must not install a top-level 'scheduler'"
 
 
+#: Python run with the checkout on sys.path and the editable install's finder gone: how the
+#: air-gapped GPU machine imports fineslab (scripts/gpu_check.sh; nothing is installed there).
+_PLAIN_CHECKOUT = (
+    "import sys; sys.meta_path[:] = [f for f in sys.meta_path "
+    "if not f.__module__.startswith('__editable__')]; "
+    "sys.path.insert(0, {repo!r}); import fineslab; {before}"
+    "import fineslab.scheduler.local as m; print(m.__file__)")
+
+
+def test_a_plain_checkout_on_sys_path_imports_fineslab_scheduler(tmp_path: Path) -> None:
+    """Found on the CPU twin of the GPU image (scripts/gpu_twin.sh): from a checkout,
+    `fineslab.scheduler` (shipped from scheduler/ by setup.py) did not import, and every
+    runtime there died loading the plugin. The control drops fineslab's checkout finder."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    ok = subprocess.run([sys.executable, "-c", _PLAIN_CHECKOUT.format(repo=str(REPO), before="")],
+                        cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
+    assert ok.returncode == 0, ok.stderr
+    assert Path(ok.stdout.strip()) == REPO / "scheduler" / "local" / "__init__.py", ok.stdout
+    drop = ("sys.meta_path[:] = [f for f in sys.meta_path "
+            "if type(f).__name__ != '_CheckoutScheduler']; ")
+    control = subprocess.run(
+        [sys.executable, "-c", _PLAIN_CHECKOUT.format(repo=str(REPO), before=drop)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
+    assert control.returncode != 0 and "No module named 'fineslab.scheduler'" in control.stderr, \
+        control.stdout + control.stderr
+
+
 def test_structure_doc_names_every_package() -> None:
     doc = (REPO / "docs" / "structure.md").read_text()
     packages = [p.parent for p in (REPO / "fineslab").rglob("__init__.py")

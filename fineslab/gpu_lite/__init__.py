@@ -5,7 +5,7 @@ run; SGLang's own CUDA stack is over 400 MiB. Its image already holds Python 3.1
 with CUDA, triton and transformers. What SGLang needs beyond that is small:
 
     .gpu/                       built here by `bash scripts/gpu_bundle.sh` (this package's `bundle`)
-      wheels/                   sglang 0.5.23, trimmed (`wheels.py`), and 35 small wheels
+      wheels/                   sglang 0.5.23, trimmed (`wheels.py`), and 36 small wheels
                                 (requirements/gpu-lite.txt, their exact versions)
       stubs/                    fineslab's CUDA stand-in for `sgl_kernel` (`stubs/sgl_kernel`)
       models/                   the generated test models the checks serve (llama-tiny,

@@ -23,7 +23,8 @@ Stages (`STAGES`):
 `--device cpu` runs the same stages on this machine's CPU mode: the rehearsal of the harness
 that CI runs (tests/test_gpu_lite_check.py), so that a lent GPU's minutes go to the GPU.
 On CUDA the runtimes take SGLang's triton attention backend, torch sampling, no CUDA graphs and
-no grammar backend (`CUDA_ARGS`): the gpu-lite path (docs/gpu.md).
+no grammar backend (`CUDA_ARGS`, and no grammar backend on either device): the gpu-lite path
+(docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ PROMPTS = ([11, 250, 37, 999, 4, 512, 77, 1200, 31, 8], [5, 6, 7, 8, 9, 10], [30
 NEW_TOKENS = 8
 #: The gpu-lite path on CUDA: kernels that need no compiled sgl_kernel.
 CUDA_ARGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch",
-             "--disable-cuda-graph", "--grammar-backend", "none",
+             "--disable-cuda-graph",
              "--mem-fraction-static", "0.15", "--max-total-tokens", "8192")
 SLAB_BYTES = 1 << 21
 ARENA_SLABS = 32
@@ -67,7 +68,9 @@ def _model_dir(name: str) -> Path:
 def _server(model: Path, page: int, device: str, log: Path, env: dict[str, str]) -> Any:
     from fineslab.runtime import ServerProcess, ServerSpec, free_port
 
-    args: tuple[str, ...] = ("--page-size", str(page), "--log-level", "warning")
+    # No grammar backend on either device: the CPU rehearsal runs what the GPU runs.
+    args: tuple[str, ...] = ("--page-size", str(page), "--log-level", "warning",
+                             "--grammar-backend", "none")
     if device == "cuda":
         args += CUDA_ARGS
     spec = ServerSpec(str(model), free_port(), cpu=device == "cpu", extra_args=args, env=env)

@@ -133,7 +133,8 @@ read_end, _ = os.pipe()
 with open(sys.argv[2], "wb") as out:
     launcher = subprocess.Popen(
         [sys.executable, "-m", "fineslab.launch", "--config", sys.argv[1],
-         "--stop-with-fd", str(read_end)], pass_fds=(read_end,), stdout=out,
+         "--stop-with-fd", str(read_end), "--log-dir", sys.argv[3]], pass_fds=(read_end,),
+        stdout=out,
         stderr=subprocess.STDOUT, start_new_session=True)
 print(launcher.pid, flush=True)
 time.sleep(3600)
@@ -151,7 +152,8 @@ def test_a_harness_killed_mid_start_takes_the_fleet_it_started_with_it(
     config["router"]["port"] = free_port()
     path, output = folder / "harness.yaml", folder / "harness.out"
     path.write_text(yaml.safe_dump(config))
-    harness = subprocess.Popen([sys.executable, "-c", HARNESS, str(path), str(output)],
+    harness = subprocess.Popen([sys.executable, "-c", HARNESS, str(path), str(output),
+                                str(folder / "harness-logs")],
                                stdout=subprocess.PIPE, cwd=REPO, start_new_session=True,
                                env=dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache)))
     try:
