@@ -184,11 +184,19 @@ def test_a_harness_killed_mid_start_takes_the_fleet_it_started_with_it(
         time.sleep(0.2)
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
+
+
 def test_a_launcher_killed_while_its_zygote_imports_leaves_no_arena(
         folder: Path, model_cache: Path) -> None:
     """kill -9 of the launcher alone after it made its arena, while its zygote still imports
-    SGLang and no runtime's lifeline runs yet: the zygote is the fleet's last process out.
-    Before, it died of its closed stdout pipe and left the arena and the run record."""
+    SGLang (or has just finished) and no runtime's lifeline runs yet: the zygote is the fleet's
+    last process out. Before, it died of its closed stdout pipe and left the arena and the run
+    record."""
     import yaml
 
     fleet_id = f"zygote-only-{os.getpid()}"
@@ -211,7 +219,9 @@ def test_a_launcher_killed_while_its_zygote_imports_leaves_no_arena(
                 output.read_text()[-3000:]
             time.sleep(0.2)
         assert shm_files(fleet_id) and record.exists() and fleet_processes(fleet_id)
-        sockets = [re.search(rb"--socket\0([^\0]+)", Path(f"/proc/{pid}/cmdline").read_bytes())
+        # The zygote's --socket names its folder: NUL-separated while it imports, spaces once
+        # it titled itself ready (a loaded machine may get there before this line).
+        sockets = [re.search(rb"--socket[\0 ]([^\0 ]+)", _cmdline(pid))
                    for pid in fleet_processes(fleet_id)]
         zygote_folders = [Path(m.group(1).decode()).parent for m in sockets if m]
         assert zygote_folders and all(f.exists() for f in zygote_folders), sockets
