@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fleet_support import REPO, LaunchedFleet, group_alive, launch, shm_files
@@ -47,12 +48,21 @@ def first(folder: Path, model_cache: Path, fleet_id: str) -> Iterator[LaunchedFl
         os.killpg(fleet.proc.pid, signal.SIGKILL)
 
 
-def _launch_fails(folder: Path, fleet_id: str, port: int, name: str) -> tuple[int, str, float]:
+def _one_model_demo(fleet_id: str, port: int | None = None) -> dict[str, Any]:
+    """The demo's config with its first model only, as `fleet_id` (on `port` if given)."""
     import yaml
 
     config = yaml.safe_load((REPO / "examples" / "cpu-demo.yaml").read_text())
     config.update(fleet_id=fleet_id, models=config["models"][:1])
-    config["router"]["port"] = port
+    if port is not None:
+        config["router"]["port"] = port
+    return dict(config)
+
+
+def _launch_fails(folder: Path, fleet_id: str, port: int, name: str) -> tuple[int, str, float]:
+    import yaml
+
+    config = _one_model_demo(fleet_id, port)
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     start_s = time.monotonic()
@@ -147,9 +157,7 @@ def test_a_harness_killed_mid_start_takes_the_fleet_it_started_with_it(
     import yaml
 
     fleet_id = f"harness-{os.getpid()}"
-    config = yaml.safe_load((REPO / "examples" / "cpu-demo.yaml").read_text())
-    config.update(fleet_id=fleet_id, models=config["models"][:1])
-    config["router"]["port"] = free_port()
+    config = _one_model_demo(fleet_id, free_port())
     path, output = folder / "harness.yaml", folder / "harness.out"
     path.write_text(yaml.safe_dump(config))
     harness = subprocess.Popen([sys.executable, "-c", HARNESS, str(path), str(output),
@@ -200,9 +208,7 @@ def test_a_launcher_killed_while_its_zygote_imports_leaves_no_arena(
     import yaml
 
     fleet_id = f"zygote-only-{os.getpid()}"
-    config = yaml.safe_load((REPO / "examples" / "cpu-demo.yaml").read_text())
-    config.update(fleet_id=fleet_id, models=config["models"][:1])
-    config["router"]["port"] = free_port()
+    config = _one_model_demo(fleet_id, free_port())
     path, output = folder / "zygote-only.yaml", folder / "zygote-only.out"
     path.write_text(yaml.safe_dump(config))
     with open(output, "wb") as out:
@@ -246,11 +252,8 @@ def test_a_start_interrupted_while_waiting_leaves_no_fleet(folder: Path,
     """Ctrl-C in a notebook's cell while FleetHandle waits for ready (#39 finding 6): the
     launcher lives in a session of its own and the notebook's kernel lives on, so before, its
     runtimes kept running until the kernel went."""
-    import yaml
-
     fleet_id = f"interrupted-{os.getpid()}"
-    config = yaml.safe_load((REPO / "examples" / "cpu-demo.yaml").read_text())
-    config.update(fleet_id=fleet_id, models=config["models"][:1])
+    config = _one_model_demo(fleet_id)
     seen: list[int] = []
 
     def interrupt_once_runtimes_run(line: str) -> None:
