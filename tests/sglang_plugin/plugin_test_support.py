@@ -236,6 +236,23 @@ def generate_http(base_url: str, input_ids: list[int], max_new_tokens: int,
     return list(resp.json()["output_ids"])
 
 
+def generate_batch(base_url: str, input_ids: list[list[int]], max_new_tokens: int,
+                   timeout_s: float = 1200.0) -> list[list[int] | BaseException]:
+    """The requests as one batched /generate request: SGLang's tokenizer manager sends token-id
+    batches to the scheduler in one message, so they reach the same admission pass however
+    loaded the machine is (separate HTTP requests may arrive steps apart)."""
+    try:
+        resp = httpx.post(base_url + "/generate", timeout=timeout_s, json={
+            "input_ids": input_ids,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens,
+                                "ignore_eos": True}})
+        resp.raise_for_status()
+        answers = resp.json()
+    except BaseException as exc:  # reported to the caller as each request's result
+        return [exc] * len(input_ids)
+    return [list(answer["output_ids"]) for answer in answers]
+
+
 #: Largest logprob gap (nats) between two tokens that still counts as a tie where a served
 #: greedy output parts from its reference. A request that was retracted and re-prefilled, or
 #: batched differently, computes its KV with other matmul shapes, which round bf16/fp16

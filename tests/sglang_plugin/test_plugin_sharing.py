@@ -29,6 +29,7 @@ from plugin_test_support import (
     ScratchArena,
     UsageSampler,
     arena_for,
+    generate_batch,
     generate_concurrently,
     generate_http,
     kv_shape,
@@ -49,9 +50,11 @@ MODELS = {"a": ("llama-tiny", "bfloat16"), "b": ("qwen2-tiny", "float16")}
 # Phase loads. SGLang admits a request only when its prompt, all of its max_new_tokens
 # (ignore_eos: no early-stop discount) and a page of headroom fit next to what the running
 # requests have reserved, so how full the pool gets is set by which requests SGLang admits
-# together. B's load is therefore two requests that are always admitted together, whatever their
-# arrival order: 2 x (prompt + 680 + 16) = 1,436 tokens <= 1,472, B's capacity (23 slabs: slab 0
-# is the padding slab); at their last step they hold 44 + 44 = 88 of the arena's 96 pages of B
+# together. B's load is therefore two requests that are always admitted together, sent as one
+# batch (one message to SGLang's scheduler; as two HTTP requests they reached it 32 tokens apart
+# on a machine at load 7, and B peaked at 86 pages, under 90%): 2 x (prompt + 680 + 16) = 1,436
+# tokens <= 1,472, B's capacity (23 slabs: slab 0 is the padding slab); at their last step they
+# hold 44 + 44 = 88 of the arena's 96 pages of B
 # (92%, 22 slabs), more than the 86.4 pages that 90% needs. Exactly 22 slabs, so that B never
 # needs the one slab left free: a waiting runtime's failed admission pass keeps the pages it
 # reserved for its first request (SlabPrefillBudget draws before SGLang's ignore_eos check
@@ -178,7 +181,7 @@ def run_phases(pair: Pair, sampler: UsageSampler, with_a: bool = True
     """
     results: dict[str, list] = {}
     b_thread = threading.Thread(target=lambda: results.__setitem__(
-        "b", generate_concurrently(pair.url("b"), LOADS["b"], NEW_TOKENS["b"])))
+        "b", generate_batch(pair.url("b"), LOADS["b"], NEW_TOKENS["b"])))
     b_thread.start()
     arena_b = pair.arenas["b"].arena_bytes
     while b_thread.is_alive() and sampler.peak_fraction("b", arena_b) < 0.9:
