@@ -21,11 +21,9 @@ import numpy as np
 import torch
 
 from fineslab.runtime import (
+    ServerProcess,
     ServerSpec,
-    cpu_engine_kwargs,
     free_port,
-    shutdown_engine,
-    start_engine,
     start_server,
 )
 from fineslab.sglang_plugin import ArenaJoin
@@ -165,52 +163,47 @@ def whole_page_chunk(page_size: int) -> dict[str, object]:
     return {"chunked_prefill_size": 200 * page_size} if page_size & (page_size - 1) else {}
 
 
-def engine_outputs(model_path: Path, input_ids: list[list[int]], *, page_size: int,
-                   dtype: str = "bfloat16", join: ArenaJoin | None = None,
-                   max_new_tokens: int = 16, extra: dict[str, object] | None = None
+def plugin_outputs(model_path: Path, input_ids: list[list[int]], *, page_size: int,
+                   join: ArenaJoin, dtype: str = "bfloat16", max_new_tokens: int = 16,
                    ) -> list[list[int]]:
-    """Greedy outputs of an in-process SGLang Engine (plugin when `join` is given)."""
-    return engine_batches(model_path, [(input_ids, max_new_tokens)], page_size=page_size,
-                          dtype=dtype, join=join, extra=extra)[0]
+    """Greedy outputs of a server with the plugin's pool over the arena `join` names (forked
+    warm from the zygote, told the join in its environment, as a launched fleet's runtime is),
+    stopped before this returns."""
+    chunk = whole_page_chunk(page_size).get("chunked_prefill_size")
+    extra = ["--dtype", dtype, "--page-size", str(page_size), "--log-level", "error",
+             *(["--chunked-prefill-size", str(chunk)] if chunk else [])]
+    spec = ServerSpec(str(model_path), free_port(), extra_args=tuple(extra), env=join.environ())
+    with start_server(spec) as server:
+        resp = httpx.post(server.spec.base_url + "/generate", timeout=1200, json={
+            "input_ids": input_ids, "sampling_params": {
+                "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}})
+        resp.raise_for_status()
+        return [list(o["output_ids"]) for o in resp.json()]
 
 
-def engine_batches(model_path: Path, jobs: list[tuple[list[list[int]], int]], *, page_size: int,
-                   dtype: str = "bfloat16", join: ArenaJoin | None = None,
-                   extra: dict[str, object] | None = None) -> list[list[list[int]]]:
-    """`engine_outputs` of several (prompts, new tokens) batches, one after the other in one
-    engine (an engine start costs more than most batches); the prefix cache is flushed between
-    batches, so each is computed as by an engine of its own."""
-
-    kwargs: dict[str, object] = dict(model_path=str(model_path), dtype=dtype, log_level="error",
-                                     page_size=page_size, **cpu_engine_kwargs())
-    if join is None:
-        kwargs["max_total_tokens"] = 4096
-    kwargs.update(whole_page_chunk(page_size), **(extra or {}))
-    with joined(join):
-        engine = start_engine(**kwargs)
-    outputs = []
-    try:
-        for input_ids, max_new_tokens in jobs:
-            engine.flush_cache()
-            out = engine.generate(input_ids=input_ids, sampling_params={
-                "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True})
-            outputs.append([o["output_ids"] for o in out])
-    finally:
-        shutdown_engine(engine)
-    return outputs
+def stock_server(model_path: Path, page_size: int, dtype: str = "bfloat16") -> ServerProcess:
+    """A server of SGLang's own pool for `server_batches`, forked warm from the zygote: the
+    same scheduler and arguments behind /generate as an in-process engine (outputs identical,
+    checked 2026-11-29 for llama-tiny at pages 16 and 3 and qwen2-tiny at page 1), where an
+    engine costs 15-50 s to start and, after it, a new zygote (the variables it sets in this
+    process). It sleeps when idle (`--sleep-on-idle`: no CPU between the tests it serves)."""
+    chunk = whole_page_chunk(page_size).get("chunked_prefill_size")
+    extra = ["--dtype", dtype, "--page-size", str(page_size), "--max-total-tokens", "4096",
+             "--log-level", "error", "--sleep-on-idle",
+             *(["--chunked-prefill-size", str(chunk)] if chunk else [])]
+    return start_server(ServerSpec(str(model_path), free_port(), extra_args=tuple(extra)))
 
 
 def server_batches(model_path: Path, jobs: list[tuple[list[list[int]], int]], *, page_size: int,
-                   dtype: str = "bfloat16") -> list[list[list[int]]]:
-    """`engine_batches` without a join (SGLang's own pool), from a server forked warm from
-    the zygote: the same scheduler and arguments behind /generate (outputs identical, checked
-    2026-11-29 for llama-tiny at pages 16 and 3 and qwen2-tiny at page 1), where an
-    in-process engine costs 15-50 s to start and, after it, a new zygote (the variables it
-    sets in this process). The stock reference outputs are computed here (`StockOutputs`)."""
-    chunk = whole_page_chunk(page_size).get("chunked_prefill_size")
-    extra = ["--dtype", dtype, "--page-size", str(page_size), "--max-total-tokens", "4096",
-             "--log-level", "error", *(["--chunked-prefill-size", str(chunk)] if chunk else [])]
-    server = start_server(ServerSpec(str(model_path), free_port(), extra_args=tuple(extra)))
+                   dtype: str = "bfloat16", server: ServerProcess | None = None,
+                   ) -> list[list[list[int]]]:
+    """Greedy outputs of SGLang's own pool for each (prompts, new tokens) batch, on `server`
+    (a `stock_server` of the same settings) or on one started for these jobs alone. The prefix
+    cache is flushed before each batch: a kept server answers as a fresh one. The stock
+    reference outputs are computed here (`StockOutputs`)."""
+    own = server is None
+    if server is None:
+        server = stock_server(model_path, page_size, dtype)
     outputs = []
     try:
         for input_ids, max_new_tokens in jobs:
@@ -221,8 +214,44 @@ def server_batches(model_path: Path, jobs: list[tuple[list[list[int]], int]], *,
             resp.raise_for_status()
             outputs.append([list(o["output_ids"]) for o in resp.json()])
     finally:
-        server.stop()
+        if own:
+            server.stop()
     return outputs
+
+
+class StockServers:
+    """The last `keep` stock servers, one per (model, page size, dtype), kept between the
+    session's reference computations (a cold cache asks several batches of each settings, at
+    different tests: a start each, before). Stopped by `close()`."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self.servers: dict[tuple[str, int, str], ServerProcess] = {}
+        self.started = 0
+
+    def __call__(self, model_path: Path, jobs: list[tuple[list[list[int]], int]], *,
+                 page_size: int, dtype: str = "bfloat16") -> list[list[list[int]]]:
+        key = (str(model_path), page_size, dtype)
+        server = self.servers.pop(key, None)
+        if server is not None and not server.tree_intact():
+            server.stop()
+            server = None
+        if server is None:
+            while len(self.servers) >= self.keep:  # the least recently used goes
+                self.servers.pop(next(iter(self.servers))).stop()
+            server = stock_server(model_path, page_size, dtype)
+            self.started += 1
+        self.servers[key] = server  # the most recently used last
+        try:
+            return server_batches(model_path, jobs, page_size=page_size, dtype=dtype,
+                                  server=server)
+        except BaseException:
+            self.servers.pop(key).stop()
+            raise
+
+    def close(self) -> None:
+        while self.servers:
+            self.servers.popitem()[1].stop()
 
 
 def generate_http(base_url: str, input_ids: list[int], max_new_tokens: int,

@@ -1,6 +1,7 @@
 """Identity: greedy output with the slab pool equals output with SGLang's own pool.
 
-Real in-process SGLang engines (scheduler in its own process) on CPU, torch_native attention:
+Real SGLang servers on CPU (forked warm from the zygote; the plugin's told its arena in its
+environment, as a fleet's runtime is), torch_native attention:
 Llama (page sizes 1 and 20) and Qwen2 (16) (a key-sharing plan's kind of page: not a power of
 two, so SGLang allocates its slots on the torch path), BF16 KV. FP8 KV cannot run end to end
 on CPU (SGLang 0.5.23 serves CPU FP8 KV only through the intel_amx backend, which needs the
@@ -16,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from plugin_test_support import Reference, arena_for, engine_outputs, kv_shape, prompts
+from plugin_test_support import Reference, arena_for, kv_shape, plugin_outputs, prompts
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from fineslab.sglang_plugin.pool import SlabKVPool
@@ -28,7 +29,7 @@ PROMPTS = tuple(tuple(p) for p in prompts(3, 24, seed=7))
 NEW_TOKENS = 16
 
 
-# Each page size once and each model once, not the whole grid: every case costs two engine
+# Each page size once and each model once, not the whole grid: every case costs two server
 # starts (plugin and stock), and the page size and the model touch different code (the slot
 # path for page 1 and 20, the geometry and qkv bias for the model).
 @pytest.mark.slow
@@ -39,10 +40,10 @@ def test_greedy_output_equals_stock_pool(model_cache: Path, stock_outputs: Refer
     slab_bytes = 5 << 18 if page_size == 20 else 1 << 20  # 1.25 MiB: a multiple of 20 tokens
     arena = arena_for([kv_shape(model, "bfloat16", "m")], page_size, slab_bytes, num_slabs=4)
     try:
-        plugin = engine_outputs(model_cache / model, [list(p) for p in PROMPTS],
+        plugin = plugin_outputs(model_cache / model, [list(p) for p in PROMPTS],
                                 page_size=page_size, join=arena.join("m"),
                                 max_new_tokens=NEW_TOKENS)
-        # The engine is gone; its blocks must be back in the free space (dead owner reclaimed).
+        # The server is gone; its blocks must be back in the free space (dead owner reclaimed).
         assert arena.arena.table.reclaim_dead_owners() in ([], ["m"])
         assert arena.used_bytes() == {}, "a stopped runtime must hold no arena memory"
     finally:
@@ -78,7 +79,7 @@ def test_greedy_output_equals_stock_pool_in_a_key_pool(model_cache: Path,
         for block in kept:
             data[block].fill_(block % 251 + 1)
         join = dataclasses.replace(arena.join("m"), key_pool=True)
-        plugin = engine_outputs(model_cache / model, [list(p) for p in PROMPTS],
+        plugin = plugin_outputs(model_cache / model, [list(p) for p in PROMPTS],
                                 page_size=page_size, join=join, max_new_tokens=NEW_TOKENS)
         for block in kept:
             assert bool((data[block] == block % 251 + 1).all()), f"block {block} overwritten"

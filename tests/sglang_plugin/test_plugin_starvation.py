@@ -8,7 +8,7 @@ second runtime plays the neighbour:
 
     arena: 4 slabs x 4 blocks of 16 tokens; slab 0 parked (padding); the neighbour takes the rest
 
-The slow test runs a real SGLang engine and starves its only request mid-decode.
+The slow test runs a real SGLang server and starves its only request mid-decode.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from plugin_test_support import (
     Reference,
     ScratchArena,
     arena_for,
-    engine_outputs,
     kv_shape,
+    plugin_outputs,
     prompts,
     slab_allocator,
 )
@@ -208,12 +208,12 @@ def test_a_starved_runtime_finishes_its_request_once_memory_frees(
     assert fmt is not None
     neighbour = arena.arena.client("n", fmt)
     result: dict[str, list[list[int]]] = {}
-    engine = threading.Thread(target=lambda: result.__setitem__("out", engine_outputs(
+    runtime = threading.Thread(target=lambda: result.__setitem__("out", plugin_outputs(
         model_cache / model, prompt, page_size=page, join=arena.join("m"),
         max_new_tokens=new_tokens)))
     try:
-        engine.start()
-        while engine.is_alive() and arena.used_bytes().get("m", 0) < 3 * slab_bytes:
+        runtime.start()
+        while runtime.is_alive() and arena.used_bytes().get("m", 0) < 3 * slab_bytes:
             time.sleep(0.005)
         at_grab = arena.used_bytes().get("m", 0)
         grabbed = neighbour.alloc(neighbour.available_blocks())
@@ -221,9 +221,9 @@ def test_a_starved_runtime_finishes_its_request_once_memory_frees(
         held_before = arena.used_bytes().get("m", 0)
         time.sleep(2.0)
         held_after = arena.used_bytes().get("m", 0)
-        running = engine.is_alive()
+        running = runtime.is_alive()
         neighbour.free(grabbed)
-        engine.join(600)
+        runtime.join(600)
     finally:
         neighbour.close()
         arena.close()
