@@ -61,3 +61,13 @@ def test_an_unknown_stage_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -
         check.main(["--timeout", "env=-1"])
     with pytest.raises(SystemExit):
         check.main(["--timeout", "nope=3"])
+
+
+def test_every_stage_is_bounded_and_named_in_the_module_doc() -> None:
+    """A stage added to STAGES gets its own bound and a line in the check's stage list (the
+    lent GPU's minutes are planned from them)."""
+    assert set(check.TIMEOUTS_S) == set(check.STAGES), "one bound per stage"
+    doc = check.__doc__ or ""
+    missing = [name for name in check.STAGES if f"\n    {name} " not in doc]
+    assert not missing, f"stages not in the module doc's list: {missing}"
+    assert {"weights", "streaming"} <= set(check.STAGES)
