@@ -158,5 +158,9 @@ def plan_region_load(join: Any, arena: Any, model_dir: Path) -> RegionLoad:
 def move_into_cuda_region(join: Any, arena: Any, model: Any) -> tuple[Any, MovedWeights]:
     """A model loaded on the device moved into a new region of `arena`, each decoder layer on
     slabs of its own (layer streaming; the transient second copy of the module doc)."""
-    return move_into_region(model, lambda nbytes: cuda_region(arena, join.runtime_id, nbytes),
-                            arena.spec.slab_bytes, "cuda")
+    import torch
+
+    moved = move_into_region(model, lambda nbytes: cuda_region(arena, join.runtime_id, nbytes),
+                             arena.spec.slab_bytes, "cuda")
+    torch.cuda.empty_cache()  # the loader's copy, freed by the move, back to the device
+    return moved

@@ -175,8 +175,6 @@ class LayerStreamer:
         self.state.seq = request.seq
         self.state.error = None
         self._account()
-        if self.pinned is not None:  # reverted layers' copies landed before the next pass
-            torch.cuda.synchronize(self.device)
         logger.info("fineslab: streaming layers %s of %r through %d slot(s): %d B lent, %d B "
                     "in slots", self.state.layers, self.region.runtime_id, len(self._slots),
                     self.state.lent_bytes, self.state.slot_bytes)
@@ -190,6 +188,8 @@ class LayerStreamer:
         self.region.reclaim(positions)
         for layer in layers:
             self._copy_in(self.spans[layer])
+        if self.pinned is not None:  # CUDA: landed before any pass reads them
+            torch.cuda.synchronize(self.device)
 
     def _resize_slots(self, count: int, spare: list[int] | None = None) -> None:
         """`count` slots: new ones from `spare` slabs (already this owner's) first, then from

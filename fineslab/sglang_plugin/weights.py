@@ -195,7 +195,7 @@ def move(groups: list[StorageGroup], region: torch.Tensor) -> None:
         for group in groups:
             dst = region[group.offset: group.offset + group.nbytes]
             source = group.tensors[0].untyped_storage()
-            dst.copy_(torch.empty(0, dtype=torch.uint8).set_(source))
+            dst.copy_(torch.empty(0, dtype=torch.uint8, device=source.device).set_(source))
             for tensor in group.tensors:
                 typed = dst.view(tensor.dtype)
                 # as_strided's offset counts from the region's start, not from `typed`'s.
