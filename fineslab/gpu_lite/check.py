@@ -240,7 +240,7 @@ def _greedy_quietly(base_url: str) -> None:
         _greedy(base_url)
 
 
-_HARNESS = stage_weights.Harness(_server, _greedy, _model_dir, _blocks_per_slab)
+_HARNESS = stage_weights.Harness(_server, _greedy, _model_dir, _blocks_per_slab, SLAB_BYTES)
 STAGES: dict[str, Callable[[str, Path], dict[str, Any]]] = {
     "env": stage_env, "stock": stage_stock, "slab-pool": stage_slab_pool,
     "sharing": stage_sharing,

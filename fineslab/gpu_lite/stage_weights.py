@@ -42,7 +42,6 @@ import httpx
 
 from fineslab.slabs.streamctl import POLL_S
 
-SLAB_BYTES = 1 << 21  # the CUDA mapping granularity: the smallest slab a weight region maps
 #: Weights (a CUDA load's region is the checkpoint and 22 MiB of torch's segment slack), slab 0
 #: and KV for three short prompts.
 ARENA_SLABS = 48
@@ -67,16 +66,21 @@ class Harness:
     #: base URL -> greedy output ids of the check's prompts.
     greedy: Callable[[str], list[list[int]]]
     model_dir: Callable[[str], Path]
-    #: (model dir, page size) -> blocks of its bf16 KV in one SLAB_BYTES slab.
+    #: (model dir, page size) -> blocks of its bf16 KV in one slab of `slab_bytes`.
     blocks_per_slab: Callable[[Path, int], int]
+    #: The check's slab size (2 MiB: the CUDA mapping granularity, the least a weight region
+    #: maps slab by slab).
+    slab_bytes: int
 
 
-def _arena(device: str, blocks_per_slab: int) -> Any:
+def _arena(harness: Harness, device: str, model: Path) -> Any:
     from fineslab.slabs import ArenaSpec, SlabArena
 
+    slab_bytes = harness.slab_bytes
     return SlabArena.create(ArenaSpec(f"gw{uuid.uuid4().hex[:8]}",
                                       "cuda:0" if device == "cuda" else "cpu:0",
-                                      ARENA_SLABS * SLAB_BYTES, SLAB_BYTES, blocks_per_slab))
+                                      ARENA_SLABS * slab_bytes, slab_bytes,
+                                      harness.blocks_per_slab(model, PAGE)))
 
 
 def _slabs_of(arena: Any) -> dict[str, int]:
@@ -134,7 +138,7 @@ def stage_weights(harness: Harness, device: str, out: Path) -> dict[str, Any]:
         expected = harness.greedy(stock.spec.base_url)
     finally:
         stock.stop()
-    arena = _arena(device, harness.blocks_per_slab(model, PAGE))
+    arena = _arena(harness, device, model)
     cycles: list[dict[str, Any]] = []
     try:
         env = ArenaJoin(arena.spec.fleet_id, RUNTIME, weights_in_arena=True).environ()
@@ -161,7 +165,7 @@ def stage_weights(harness: Harness, device: str, out: Path) -> dict[str, Any]:
     finally:
         arena.close()
         _cleanup(arena.spec.fleet_id)
-    region_bytes = weight_slabs * SLAB_BYTES
+    region_bytes = weight_slabs * harness.slab_bytes
     wake_s = statistics.median(c["wake_s"] for c in cycles)
     link = copy_gib_s(device, region_bytes)
     wake_gib_s = region_bytes / wake_s / 2**30
@@ -212,7 +216,7 @@ def stage_streaming(harness: Harness, device: str, out: Path) -> dict[str, Any]:
     from fineslab.sglang_plugin import ArenaJoin
 
     model = harness.model_dir(MODEL)
-    arena = _arena(device, harness.blocks_per_slab(model, PAGE))
+    arena = _arena(harness, device, model)
     name = arena.spec.fleet_id
     try:
         env = ArenaJoin(name, RUNTIME, weights_in_arena=True, layer_streaming=True).environ()
@@ -250,7 +254,7 @@ def stage_streaming(harness: Harness, device: str, out: Path) -> dict[str, Any]:
     overlap = ((none_s + t_copy - stream_s) / min(none_s, t_copy)
                if device == "cuda" and t_copy > 0 else None)
     identical = all(o == expected for o in outputs)
-    gained = (free_streaming - free_resident) * SLAB_BYTES
+    gained = (free_streaming - free_resident) * harness.slab_bytes
     ok = (identical and tuple(lent.layers) == STREAMED and round_bytes > 0
           and gained == lent.lent_bytes - lent.slot_bytes > 0
           and free_back == free_resident and not back.layers)
