@@ -1,7 +1,7 @@
 """The staged device check's harness (`fineslab.gpu_lite.check`), on CPU: a stage past its time
 is stopped with what it started, and the stages after it still run and report; the `env` stage
 names SGLang and fineslab's plugin entry point. (The stages themselves ran on CPU as
-`--device cpu`, docs/gpu.md; CI leaves their seven runtime starts to the plugin's own tests.)"""
+`--device cpu`, docs/gpu.md; CI leaves their ten runtime starts to the plugin's own tests.)"""
 
 from __future__ import annotations
 

@@ -10,7 +10,9 @@ arena, asleep and awake through SGLang's own endpoints, and layer streaming, on 
                slabs) and wakes (`/resume_memory_occupation`, `/continue_generation`), greedy
                output identical after each. `wake_gib_s` (the region's bytes over the client's
                wake time, as bench.wake) against `link_gib_s`: a pinned host-to-device copy of
-               the same size on CUDA, memcpy on CPU (the best of COPY_TRIES, as bench.wake)
+               the same size on CUDA, memcpy on CPU (the best of COPY_TRIES, as bench.wake).
+               For llama-tiny's 8 MiB the client's wake is mostly SGLang's control path (two
+               calls, milliseconds each): the ratio shows the wake works, not the copy's speed
     streaming  llama-tiny with each layer on slabs of its own (`FINESLAB_LAYER_STREAMING`), asked
                to stream layers STREAMED through one slot: StreamCopies on the copy stream on
                CUDA, SyncCopies on CPU (the plugin picks by the weights' device). Greedy output
