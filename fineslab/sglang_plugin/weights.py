@@ -130,7 +130,8 @@ def collect(model: torch.nn.Module, device_type: str = "cpu") -> list[StorageGro
     """The model's storages in walk order, each with the tensors that view it (each once) and
     the decoder layer they belong to: SHARED unless every module holding any of its tensors is
     in that one layer (SGLang shares one rotary-embedding module among all layers). A tensor on
-    another device than `device_type` is a ConfigError (the region is on one device)."""
+    another device than `device_type` is a ConfigError (the region is on one device), except
+    host tensors of a device model, which are not collected (they are not device weights)."""
     groups: dict[int, StorageGroup] = {}
     group_of: dict[int, StorageGroup] = {}
     for tensor, layer in _tensors_of(model):
@@ -140,6 +141,8 @@ def collect(model: torch.nn.Module, device_type: str = "cpu") -> list[StorageGro
                 group.layer = SHARED
             continue
         if tensor.device.type != device_type:
+            if device_type != "cpu" and tensor.device.type == "cpu":
+                continue  # a device model's host-side tensors (index tables) stay in host memory
             raise ConfigError(f"weights in the arena on {device_type}: the model holds a "
                               f"{tensor.device} tensor, which its region cannot hold")
         storage = tensor.untyped_storage()
