@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -71,3 +74,29 @@ def test_every_stage_is_bounded_and_named_in_the_module_doc() -> None:
     missing = [name for name in check.STAGES if f"\n    {name} " not in doc]
     assert not missing, f"stages not in the module doc's list: {missing}"
     assert {"weights", "streaming"} <= set(check.STAGES)
+
+
+def test_a_stage_stopped_by_sigterm_runs_its_cleanup(tmp_path: Path) -> None:
+    """The weights and streaming stages, stopped past their bound (SIGTERM to their group),
+    still close their arena and remove their files: their `finally` blocks run (without
+    `terminable`, Python's default left /dev/shm/fineslab-gw* behind)."""
+    script = (
+        "import pathlib, time\n"
+        "from fineslab.gpu_lite.stage_weights import terminable\n"
+        "@terminable\n"
+        "def stage(harness, device, out):\n"
+        "    try:\n"
+        "        (out / 'started').touch()\n"
+        "        time.sleep(60)\n"
+        "    finally:\n"
+        "        (out / 'cleaned').touch()\n"
+        f"stage(None, 'cpu', pathlib.Path({str(tmp_path)!r}))\n")
+    env = {**os.environ, "PYTHONPATH": str(check.REPO)}
+    child = subprocess.Popen([sys.executable, "-c", script], env=env)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child.send_signal(signal.SIGTERM)
+    code = child.wait(30)
+    assert (tmp_path / "cleaned").exists(), "the stage's finally ran"
+    assert code == 128 + signal.SIGTERM

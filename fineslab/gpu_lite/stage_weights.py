@@ -32,6 +32,8 @@ arguments, its greedy requests, models and block formats), so both run exactly a
 
 from __future__ import annotations
 
+import functools
+import signal
 import statistics
 import time
 import uuid
@@ -131,6 +133,26 @@ def _cleanup(arena_name: str) -> None:
         path.unlink(missing_ok=True)
 
 
+def _exit_on_term(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def terminable(stage: Callable[[Harness, str, Path], dict[str, Any]]
+               ) -> Callable[[Harness, str, Path], dict[str, Any]]:
+    """A stage past its bound gets SIGTERM (check.run_stage stops its process group, SIGKILL 5 s
+    later): raise SystemExit then, so that its `finally` blocks close (and unlink) its arena and
+    remove its files; Python's default would leave /dev/shm/fineslab-gw* behind."""
+    @functools.wraps(stage)
+    def run(harness: Harness, device: str, out: Path) -> dict[str, Any]:
+        previous = signal.signal(signal.SIGTERM, _exit_on_term)
+        try:
+            return stage(harness, device, out)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    return run
+
+
+@terminable
 def stage_weights(harness: Harness, device: str, out: Path) -> dict[str, Any]:
     from fineslab.sglang_plugin import ArenaJoin
 
@@ -214,6 +236,7 @@ def _timed_greedy(harness: Harness, url: str, outputs: list[list[list[int]]]) ->
     return time.perf_counter() - start_s
 
 
+@terminable
 def stage_streaming(harness: Harness, device: str, out: Path) -> dict[str, Any]:
     from fineslab.sglang_plugin import ArenaJoin
 
