@@ -8,7 +8,8 @@
 # with the gpu-lite environment (docs/gpu.md): fused ops in plain torch, the Python
 # radix tree, the carried test models. Without either, only the checks that need torch alone
 # run; the rest are named skipped.
-# 0. the staged device check (`fineslab.gpu_lite.check`: env, stock SGLang, the slab pool),
+# 0. the staged device check (`fineslab.gpu_lite.check`: env, stock SGLang, the slab pool,
+#    sharing, weights in the arena asleep and awake, layer streaming on the copy stream),
 #    each stage bounded and logged under $OUT (the device tool's) or results/gpu-lite/;
 # 1. the `gpu`-marked tests (CUDA IPC arena, strided-view attention, FP8/AWQ/KV4 kernels, ...);
 # 2. each GPU benchmark, its JSON line kept in results/gpu/<name>.json;

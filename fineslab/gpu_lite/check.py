@@ -19,6 +19,13 @@ Stages (`STAGES`):
     sharing    llama-tiny and qwen2-tiny in one arena on the device, both serving; qwen2-tiny
                SIGKILLed with a request in flight: its slabs reclaimed, the table whole
                (check_integrity), llama-tiny answering as before
+    weights    llama-tiny's weights in the arena (on CUDA built there by SGLang's loader, host
+               copy pinned): identical to the stock pool, asleep and awake twice through
+               SGLang's release/resume endpoints, identical after; wake GiB/s against the link
+               (fineslab/gpu_lite/stage_weights.py)
+    streaming  llama-tiny streaming layers 1 and 3 through one slot (StreamCopies on CUDA,
+               SyncCopies on CPU): identical to the unstreamed run, the arena richer by the
+               bytes lent, the overlap of copies and compute (stage_weights.py)
 
 `--device cpu` runs the same stages on this machine's CPU mode: the rehearsal of the harness
 that CI runs (tests/test_gpu_lite_check.py), so that a lent GPU's minutes go to the GPU.
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -45,6 +53,7 @@ from typing import Any
 
 import httpx
 
+from fineslab.gpu_lite import stage_weights
 from fineslab.proctree import stop_group
 
 REPO = Path(__file__).resolve().parents[2]
@@ -231,11 +240,15 @@ def _greedy_quietly(base_url: str) -> None:
         _greedy(base_url)
 
 
+_HARNESS = stage_weights.Harness(_server, _greedy, _model_dir, _blocks_per_slab, SLAB_BYTES)
 STAGES: dict[str, Callable[[str, Path], dict[str, Any]]] = {
     "env": stage_env, "stock": stage_stock, "slab-pool": stage_slab_pool,
-    "sharing": stage_sharing}
+    "sharing": stage_sharing,
+    "weights": functools.partial(stage_weights.stage_weights, _HARNESS),
+    "streaming": functools.partial(stage_weights.stage_streaming, _HARNESS)}
 #: Each stage's bound, seconds (the whole check within 8 minutes on an H200).
-TIMEOUTS_S = {"env": 60.0, "stock": 120.0, "slab-pool": 150.0, "sharing": 120.0}
+TIMEOUTS_S = {"env": 60.0, "stock": 120.0, "slab-pool": 150.0, "sharing": 120.0,
+              "weights": 90.0, "streaming": 75.0}
 
 
 def run_stage(name: str, device: str, out: Path, timeout_s: float) -> dict[str, Any]:

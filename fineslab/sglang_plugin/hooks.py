@@ -7,7 +7,10 @@ order:
     (launching process) ServerArgs.check_server_args -> refuse what needs no model, before
                                  SGLang starts the scheduler
     TorchMemorySaverAdapter.create -> ArenaMemorySaver: sleep and wake (memory_saver.py)
-    ModelRunner.initialize    -> after loading: the weights into arena slabs (when asked)
+    ModelRunner.initialize    -> the weights into arena slabs (when asked): on CUDA the arena
+                                 attached and a region planned first, then SGLang's load runs
+                                 inside it (its memory saver's region("weights"):
+                                 `weights_load`, cuda_weights.py); on CPU moved after loading
     _profile_available_bytes  -> join the arena, refuse what cannot work, report its capacity
     _resolve_kv_pool_class    -> SlabKVPool over the arena views (kind "mha")
     _build_token_to_kv_pool_allocator -> SlabAllocator over this runtime's blocks
@@ -26,19 +29,27 @@ and the launching process (the tokenizer's) reads only its slab table's header.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from fineslab.env import KV_FORMAT_VAR, PREFIX_LENDING_VAR
 from fineslab.errors import ConfigError
 from fineslab.sglang_plugin.allocator import SlabAllocator, needs_zeroed_pages
 from fineslab.sglang_plugin.config import LENT_RADIX_BACKEND, ArenaJoin
+from fineslab.sglang_plugin.cuda_weights import (
+    RegionLoad,
+    attach_cuda_arena,
+    move_into_cuda_region,
+    plan_region_load,
+)
 from fineslab.sglang_plugin.engine_policy import EngineBatchPolicy
 from fineslab.sglang_plugin.link import ArenaLink, check_arena_before_start, join_arena
-from fineslab.sglang_plugin.memory_saver import ArenaMemorySaver, WeightSleeper
+from fineslab.sglang_plugin.memory_saver import ArenaMemorySaver, WeightSleeper, pin_for
 from fineslab.sglang_plugin.pool import SlabKVPool
 from fineslab.sglang_plugin.quant_pools import Fp8SlabKVPool, Kv4SlabKVPool
 from fineslab.sglang_plugin.refusals import refuse_unsupported, settings_of
@@ -112,13 +123,23 @@ class PluginSession:
     """One runtime's membership of an arena, and the hooks that put it to use."""
 
     def __init__(self, join: ArenaJoin,
-                 opener: Callable[[ArenaJoin, KVShape, int, str], ArenaLink] = join_arena,
+                 opener: Callable[..., ArenaLink] = join_arena,
                  starvation: StarvedRequestPolicy | None = None,
-                 engine: EngineBatchPolicy | None = None) -> None:
+                 engine: EngineBatchPolicy | None = None,
+                 attach_weights_arena: Callable[[ArenaJoin, str], Any] = attach_cuda_arena,
+                 plan_load: Callable[[ArenaJoin, Any, Path], RegionLoad] = plan_region_load
+                 ) -> None:
         self.join = join
         #: Algorithm 2 over SGLang's waiting queue (`engine_policy.py`), when asked for.
         self.engine = engine
         self._opener = opener
+        self._attach_weights_arena, self._plan_load = attach_weights_arena, plan_load
+        #: CUDA: the arena attached for the weights (the KV join reuses it), and the load
+        #: planned into its region until SGLang's load has run in it.
+        self.weights_arena: Any = None
+        self.region_load: RegionLoad | None = None
+        #: How often SGLang entered its memory saver's weights region (its loader call).
+        self.weight_loads = 0
         self.starvation = starvation or StarvedRequestPolicy()
         self.link: ArenaLink | None = None
         self.weights: WeightRegion | None = None
@@ -162,18 +183,52 @@ class PluginSession:
 
     def initialize_model(self, original: Callable[..., Any], runner: Any,
                          *args: Any, **kwargs: Any) -> Any:
-        """SGLang's model set-up, then (with `weights_in_arena`) the weights into the arena."""
+        """SGLang's model set-up with (when `weights_in_arena`) the weights in the arena: on
+        CUDA loaded inside a region planned here (unless layers stream: moved into a
+        layer-aligned one after), on CPU moved after loading; then the streamer and the
+        sleeper (its host copy pinned on CUDA)."""
+        if not self.join.weights_in_arena or self.weights is not None:
+            return original(runner, *args, **kwargs)
+        device = arena_device(str(runner.device), runner.gpu_id)
+        if device.startswith("cuda"):
+            self.weights_arena = self._attach_weights_arena(self.join, device)
+            if not self.join.layer_streaming:
+                self.region_load = self._plan_load(self.join, self.weights_arena,
+                                                   Path(runner.model_config.model_path))
         result = original(runner, *args, **kwargs)
-        if self.join.weights_in_arena and self.weights is None:
-            device = arena_device(str(runner.device), runner.gpu_id)
+        if self.region_load is not None:
+            moved = self.region_load.finish(runner.model)
+            self.weights = self.region_load.region
+        elif self.weights_arena is not None:
+            self.weights, moved = move_into_cuda_region(self.join, self.weights_arena,
+                                                        runner.model)
+        else:
             self.weights, moved = place_weights(self.join, runner.model, device)
-            host_copy = host_copy_path(self.join.arena_name, self.join.runtime_id)
-            if self.join.layer_streaming:
-                self.streamer = start_streaming(self.join, self.weights, moved.layers,
-                                                runner.model, host_copy)
-            self.sleeper = WeightSleeper(self.weights, host_copy,
-                                         host_copy_written=self.streamer is not None)
+        spans = moved.layers
+        host_copy = host_copy_path(self.join.arena_name, self.join.runtime_id)
+        if self.join.layer_streaming:
+            self.streamer = start_streaming(self.join, self.weights, spans, runner.model,
+                                            host_copy)
+        streamer_pinned = None if self.streamer is None else self.streamer.pinned
+        self.sleeper = WeightSleeper(self.weights, host_copy,
+                                     host_copy_written=self.streamer is not None,
+                                     pin=pin_for(self.weights), pinned=streamer_pinned)
         return result
+
+    @contextlib.contextmanager
+    def weights_load(self) -> Iterator[None]:
+        """Around SGLang's loader call (its memory saver's region("weights")): inside the
+        planned arena region on CUDA, as is on CPU (moved after)."""
+        self.weight_loads += 1
+        load = self.region_load if self.weights is None else None
+        logger.info("fineslab: SGLang's weight load of %r runs inside the memory saver's "
+                    "weights region (%s)", self.join.runtime_id,
+                    "into its arena region" if load is not None else "moved after, if asked")
+        if load is None:
+            yield
+            return
+        with load.around_load():
+            yield
 
     def _require_link(self) -> ArenaLink:
         if self.link is None:
@@ -201,7 +256,10 @@ class PluginSession:
         shape = self._stored_shape(model_shape)
         if self.link is None:
             device = arena_device(str(configurator.device), configurator.gpu_id)
-            self.link = self._opener(self.join, shape, configurator.page_size, device)
+            self.link = (self._opener(self.join, shape, configurator.page_size, device)
+                         if self.weights_arena is None else
+                         self._opener(self.join, shape, configurator.page_size, device,
+                                      arena=self.weights_arena))
         link = self.link
         capacity_tokens = link.capacity_tokens
         logger.info(

@@ -105,14 +105,18 @@ def check_arena_before_start(join: ArenaJoin, device: str) -> None:
     check_arena_room(dims.num_slabs * dims.slab_bytes, dims.slab_bytes, join.runtime_id)
 
 
-def join_arena(join: ArenaJoin, shape: KVShape, page_size: int, device: str) -> ArenaLink:
-    """Attach to the arena `join` names on `device` and register this runtime in its table."""
-    try:
-        arena = SlabArena.attach(join.arena_name, device)
-    except FileNotFoundError as exc:
-        raise ConfigError(
-            f"no arena {join.arena_name!r} on {device}: the launcher creates it before starting "
-            f"runtimes ({exc})") from exc
+def join_arena(join: ArenaJoin, shape: KVShape, page_size: int, device: str,
+               arena: SlabArena | None = None) -> ArenaLink:
+    """Attach to the arena `join` names on `device` (or use `arena`, attached already for the
+    weights: a CUDA arena is imported and mapped once per process) and register this runtime
+    in its table."""
+    if arena is None:
+        try:
+            arena = SlabArena.attach(join.arena_name, device)
+        except FileNotFoundError as exc:
+            raise ConfigError(
+                f"no arena {join.arena_name!r} on {device}: the launcher creates it before "
+                f"starting runtimes ({exc})") from exc
     try:
         fmt = fit_to_arena(shape, arena.spec.slab_bytes, arena.spec.arena_bytes, page_size)
         join.check_block(fmt)  # the launcher's plan (runtime contract), before any slab is ours

@@ -23,10 +23,14 @@ S changes only between forward passes: a pre-hook and a hook on the model bracke
 with `lock`, and the watcher thread applies a new request (streamctl) under it. The same hooks
 time each decode pass, less the copies in it (`decode_compute_s`): the compute an active
 model's copies would have to hide under (fleet/layer_lending.py). Which copies a pass makes is
-slabs/layer_copy.py's plan: here its `SyncCopies`, a synchronous copy (correctness; its cost is
-the `streamed_bytes` the state reports, timed by bench.streaming). On a GPU its `StreamCopies`
-runs the same plan on a copy stream with events (built and measured with torch on an H200,
-docs/streaming.md; the plugin does not drive it yet).
+slabs/layer_copy.py's plan, run by the engine `copies_for` picks for the weights' device:
+    CPU   `SyncCopies`: a synchronous copy before the layer (its cost is the `streamed_bytes`
+          the state reports, timed by bench.streaming)
+    CUDA  `StreamCopies`: the copies ahead on a copy stream, ordered against the compute
+          stream by events (begin_pass, before and after each layer); the host copy is pinned
+          (`PinnedHostCopy`) so each copy is a DMA that runs under compute. `copy_seconds`
+          then times the enqueueing only, and `decode_compute_s` the host's side of the pass
+          (the kernels run asynchronously): GPU timings would need CUDA events (not built).
 
     arena gain == (lent layers' slabs - slot slabs) * slab_bytes    (StreamState.net_lent_bytes)
     S empty    <=> no lent slab, no slot: the runtime holds exactly its weights' slabs
@@ -52,7 +56,7 @@ import torch
 
 from fineslab.errors import ArenaExhausted, ConfigError
 from fineslab.sglang_plugin.weights import LayerSpan, decoder_layers, layers_owner
-from fineslab.slabs.layer_copy import SyncCopies
+from fineslab.slabs.layer_copy import LayerCopies, copies_for
 from fineslab.slabs.streamctl import (
     POLL_S,
     StreamRequest,
@@ -103,10 +107,20 @@ class LayerStreamer:
         self._slots: list[list[int]] = []  # arena slab ids of each slot
         # Which layer each slot holds, and the copies (slabs/layer_copy.py): while S and the
         # slots stay mapped (`_map_lent`), else None.
-        self._copies: SyncCopies | None = None
+        self._copies: LayerCopies | None = None
         if not host_copy.exists():
             write_host_copy(region, host_copy)
-        self._host_mapping = map_host_copy(host_copy, region.nbytes)
+        self._dst = region.tensor()  # the range's addresses never move
+        self.device = self._dst.device
+        #: The pinned host copy on CUDA (the sleeper wakes from it too), else None.
+        self.pinned: Any = None
+        self._host_mapping: Any
+        if self.device.type == "cuda":
+            from fineslab.slabs.weights import PinnedHostCopy
+
+            self.pinned = self._host_mapping = PinnedHostCopy(host_copy, region.nbytes)
+        else:
+            self._host_mapping = map_host_copy(host_copy, region.nbytes)
         self._host = self._host_mapping.tensor
         self._pass_bytes = 0
         self._pass_start_s = 0.0
@@ -174,6 +188,8 @@ class LayerStreamer:
         self.region.reclaim(positions)
         for layer in layers:
             self._copy_in(self.spans[layer])
+        if self.pinned is not None:  # CUDA: landed before any pass reads them
+            torch.cuda.synchronize(self.device)
 
     def _resize_slots(self, count: int, spare: list[int] | None = None) -> None:
         """`count` slots: new ones from `spare` slabs (already this owner's) first, then from
@@ -200,7 +216,7 @@ class LayerStreamer:
         content is unknown after a remap, so every slot starts empty."""
         if not self.state.layers:
             return
-        copies = SyncCopies(self.state.layers, len(self._slots), self._stream_in)
+        copies = copies_for(self.device, self.state.layers, len(self._slots), self._stream_in)
         for layer in self.state.layers:
             span = self.spans[layer]
             self.region.alias(list(span.slabs), self._slots[copies.slot(layer)][:span.num_slabs])
@@ -228,6 +244,16 @@ class LayerStreamer:
         if self._copies is not None:
             self._copies.before_layer(layer)
 
+    def after_layer(self, layer: int) -> None:
+        """Layer `layer` has been launched: on CUDA, the next copy into its slot may follow."""
+        if self._copies is not None:
+            self._copies.after_layer(layer)
+
+    @property
+    def copies(self) -> int:
+        """Copies made through the current mapping of S (0 when S is empty)."""
+        return 0 if self._copies is None else self._copies.copies
+
     def _stream_in(self, layer: int) -> None:
         span = self.spans[layer]
         start_s = time.perf_counter()
@@ -238,7 +264,10 @@ class LayerStreamer:
         self._pass_bytes += span.end - span.start
 
     def _copy_in(self, span: LayerSpan) -> None:
-        self.region.tensor()[span.start: span.end].copy_(self._host[span.start: span.end])
+        # Non-blocking from pinned memory on CUDA (on the stream StreamCopies made current; a
+        # reversion's copy is on the compute stream, before any pass that reads it).
+        self._dst[span.start: span.end].copy_(self._host[span.start: span.end],
+                                              non_blocking=self.pinned is not None)
 
     def begin_pass(self, decode: bool = False) -> None:
         self.lock.acquire()
@@ -246,6 +275,8 @@ class LayerStreamer:
         self._pass_copy_s = 0.0
         self._pass_decode = decode
         self._pass_start_s = time.perf_counter()
+        if self._copies is not None:
+            self._copies.begin_pass()  # CUDA: the first slots' copies go ahead now
 
     def end_pass(self) -> None:
         try:
@@ -305,6 +336,8 @@ def install_hooks(streamer: LayerStreamer, model: torch.nn.Module) -> list[Any]:
     for index, decoder in layers.items():
         handles.append(decoder.register_forward_pre_hook(
             lambda module, args, index=index: streamer.before_layer(index)))
+        handles.append(decoder.register_forward_hook(
+            lambda module, args, out, index=index: streamer.after_layer(index)))
     return handles
 
 

@@ -21,8 +21,10 @@ Afterwards the loader's copies have no references left and are freed. Outputs ar
     region bytes == sum over storages of align_up(storage nbytes, ALIGN)
     every tensor of the model: data_ptr() inside the region
 
-Only CPU tensors (the CUDA path is not built: it must place weights at load time, without a
-second full copy). Cost: one memcpy of the weights (4-18 ms for the tiny models).
+On CPU, the runtime's path. On CUDA, a runtime that streams layers takes it too (its layers
+need slabs of their own), at the cost of a transient second copy on the device; every other
+CUDA runtime has SGLang's loader build the model inside its region (cuda_weights.py). Cost: one
+copy of the weights (4-18 ms for the tiny models on CPU).
 """
 
 from __future__ import annotations
@@ -124,10 +126,12 @@ def _tensors_of(model: torch.nn.Module) -> Iterator[tuple[torch.Tensor, int]]:
                 yield value, layer
 
 
-def collect(model: torch.nn.Module) -> list[StorageGroup]:
+def collect(model: torch.nn.Module, device_type: str = "cpu") -> list[StorageGroup]:
     """The model's storages in walk order, each with the tensors that view it (each once) and
     the decoder layer they belong to: SHARED unless every module holding any of its tensors is
-    in that one layer (SGLang shares one rotary-embedding module among all layers)."""
+    in that one layer (SGLang shares one rotary-embedding module among all layers). A tensor on
+    another device than `device_type` is a ConfigError (the region is on one device), except
+    host tensors of a device model, which are not collected (they are not device weights)."""
     groups: dict[int, StorageGroup] = {}
     group_of: dict[int, StorageGroup] = {}
     for tensor, layer in _tensors_of(model):
@@ -136,9 +140,11 @@ def collect(model: torch.nn.Module) -> list[StorageGroup]:
             if group.layer != layer:
                 group.layer = SHARED
             continue
-        if tensor.device.type != "cpu":
-            raise ConfigError(f"weights in the arena: a {tensor.device} tensor; only CPU "
-                              "weights can be moved after loading (the CUDA path is not built)")
+        if tensor.device.type != device_type:
+            if device_type != "cpu" and tensor.device.type == "cpu":
+                continue  # a device model's host-side tensors (index tables) stay in host memory
+            raise ConfigError(f"weights in the arena on {device_type}: the model holds a "
+                              f"{tensor.device} tensor, which its region cannot hold")
         storage = tensor.untyped_storage()
         if storage.nbytes() == 0:
             continue
@@ -192,7 +198,7 @@ def move(groups: list[StorageGroup], region: torch.Tensor) -> None:
         for group in groups:
             dst = region[group.offset: group.offset + group.nbytes]
             source = group.tensors[0].untyped_storage()
-            dst.copy_(torch.empty(0, dtype=torch.uint8).set_(source))
+            dst.copy_(torch.empty(0, dtype=torch.uint8, device=source.device).set_(source))
             for tensor in group.tensors:
                 typed = dst.view(tensor.dtype)
                 # as_strided's offset counts from the region's start, not from `typed`'s.
@@ -210,10 +216,11 @@ class MovedWeights:
 
 
 def move_into_region(model: torch.nn.Module, make_region: Callable[[int], Any],
-                     slab_bytes: int | None = None) -> tuple[Any, MovedWeights]:
+                     slab_bytes: int | None = None, device_type: str = "cpu"
+                     ) -> tuple[Any, MovedWeights]:
     """Collect, lay out (layers on slab boundaries with `slab_bytes`), ask `make_region(nbytes)`
     for a backed region (with `tensor()`), move. Returns the region and what was moved."""
-    groups = collect(model)
+    groups = collect(model, device_type)
     nbytes = layout(groups, slab_bytes)
     region = make_region(nbytes)
     move(groups, region.tensor())
@@ -227,8 +234,9 @@ def move_into_region(model: torch.nn.Module, make_region: Callable[[int], Any],
 
 def place_weights(join: Any, model: torch.nn.Module, device: str
                   ) -> tuple[Any, MovedWeights]:
-    """The runtime's weights into a `WeightRegion` of the arena `join` names on `device`, each
-    decoder layer on whole slabs of its own when `join.layer_streaming`.
+    """The runtime's weights into a `WeightRegion` of the arena `join` names on `device` (CPU;
+    CUDA: `cuda_weights.move_into_cuda_region`), each decoder layer on whole slabs of its own
+    when `join.layer_streaming`.
 
     Raises ConfigError (the runtime stops at start) when there is no such arena or it has too
     few free slabs: a runtime told to keep its weights in the arena never keeps them elsewhere.

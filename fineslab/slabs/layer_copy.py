@@ -20,7 +20,8 @@ T_T <= (gap to the slot's next user) * T_c (the paper's equations 4 and 5 pick `
     the layer of rank r never runs before ready[r]; no copy into slot k starts before the
     kernels of its previous user are done (done[k])
 
-On CPU (`SyncCopies`) the copy runs in `before_layer`, synchronously (the streamer's CPU path).
+On CPU (`SyncCopies`) the copy runs in `before_layer`, synchronously. `copies_for(device, ...)`
+picks the engine by the device the weights live on (the plugin's streamer calls it).
 Events and streams are torch's; nothing here allocates device memory.
 """
 
@@ -41,6 +42,7 @@ class LayerCopies(Protocol):
 
     copies: int
 
+    def slot(self, layer: int) -> int: ...
     def begin_pass(self) -> None: ...
     def before_layer(self, layer: int) -> None: ...
     def after_layer(self, layer: int) -> None: ...
@@ -109,6 +111,10 @@ class StreamCopies:
         self._done: list[Any | None] = [None] * slots
         self.copies = 0
 
+    def slot(self, layer: int) -> int:
+        """The slot streamed layer `layer` runs from: its rank in S mod the slots."""
+        return self._plan.slot(layer)
+
     def _issue(self, layer: int) -> None:
         import torch
 
@@ -153,6 +159,16 @@ class StreamCopies:
         following = rank + plan.slots
         if following < len(plan.order):
             self._issue(plan.order[following])
+
+
+def copies_for(device: Any, streamed: Sequence[int], slots: int, copy: CopyFn) -> LayerCopies:
+    """The copy engine for weights on `device` (a torch device or its name): `StreamCopies` on
+    a CUDA device (the copies ahead, on a side stream of that device), `SyncCopies` elsewhere."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return StreamCopies(streamed, slots, copy, torch.device(device))
+    return SyncCopies(streamed, slots, copy)
 
 
 def hook_layers(layers: Sequence[Any], copies: LayerCopies, model: Any = None) -> list[Any]:

@@ -152,6 +152,25 @@ class WeightRegion:
         slabs, self.slab_ids = self.slab_ids, None
         self._give_back(slabs[slabs != LENT])
 
+    def shrink(self, nbytes: int) -> int:
+        """Keep only the first `nbytes` of a backed region: the slabs past them go back to the
+        arena and their range becomes inaccessible (reserved still); returns the slabs given
+        back. For a region sized before its contents were known (a CUDA load into it,
+        sglang_plugin/cuda_weights.py): `nbytes` is then what the load used."""
+        ids = self._backed_ids()
+        if not 0 < nbytes <= self.nbytes:
+            raise ConfigError(f"a region of {self.nbytes} B cannot shrink to {nbytes} B")
+        if np.any(ids == LENT):
+            raise IntegrityError(f"weights of {self.runtime_id} have lent layers: no shrink")
+        keep = -(-nbytes // self.slab_bytes)
+        tail = ids[keep:].copy()
+        if len(tail):
+            self._cover(keep, len(tail))
+            self._give_back(tail)
+        self.slab_ids = ids[:keep].copy()
+        self.nbytes, self.num_slabs = nbytes, keep
+        return len(tail)
+
     # Lending parts of the range (layer streaming, issue #17). Positions are slab indexes in
     # the range; a lent position's slab is FREE in the arena and its range inaccessible.
 
@@ -392,6 +411,13 @@ class PinnedHostCopy:
             self._mapped.close()
             self._mapped = None
             raise OSError(f"cudaHostRegister of the host copy {path} failed ({err})")
+
+    @property
+    def tensor(self) -> Any:
+        """The pinned host copy as a read-only uint8 tensor (a non-blocking copy's source)."""
+        if self._src is None:
+            raise OSError(f"host copy {self.path} used after close()")
+        return self._src
 
     def copy_into(self, dst: Any) -> None:
         """DMA the host copy into the device tensor `dst` and wait for it."""

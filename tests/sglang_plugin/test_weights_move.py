@@ -71,5 +71,9 @@ def test_a_moved_model_computes_the_same_and_every_tensor_lives_in_the_region(
 
 def test_a_model_on_another_device_is_refused() -> None:
     model = torch.nn.Linear(2, 2, device="meta")
-    with pytest.raises(Exception, match="only CPU"):
+    with pytest.raises(Exception, match="holds a meta tensor"):
         collect(model)
+    with pytest.raises(Exception, match="on cuda: the model holds a meta tensor"):
+        collect(model, "cuda")
+    assert collect(torch.nn.Linear(2, 2), "cuda") == [], \
+        "a device model's host tensors are not its device weights: left where they are"

@@ -80,6 +80,30 @@ def test_unback_returns_the_slabs_and_back_maps_other_ones_at_the_same_address(
     kv.close()
 
 
+def test_shrink_gives_the_tail_slabs_back_and_keeps_the_head_at_its_address(
+        arena: SlabArena) -> None:
+    """A region sized before a load (the CUDA path) keeps only what the load used: the slabs
+    past it FREE, their range inaccessible; the head's bytes untouched; a wake takes as few."""
+    region = WeightRegion(arena.table, arena.paths.data, "m-r0", 4 * SLAB)
+    slabs = region.back().copy()
+    head = (torch.arange(SLAB + 100) % 11).to(torch.uint8)
+    region.tensor()[: head.numel()].copy_(head)
+    assert region.shrink(SLAB + 100) == 2, "two whole slabs past the used bytes"
+    assert region.nbytes == SLAB + 100 and region.num_slabs == 2
+    assert [arena.table.state[s] for s in slabs[2:].tolist()] == [SlabState.FREE] * 2
+    assert [arena.table.state[s] for s in slabs[:2].tolist()] == [SlabState.FULL] * 2
+    assert torch.equal(region.tensor(), head), "the head keeps its bytes at its address"
+    check_integrity(arena.table)
+    region.unback()
+    free = free_weight_slabs(arena.table)
+    region.back()
+    assert free_weight_slabs(arena.table) == free - 2, "a wake takes the shrunk count"
+    with pytest.raises(ConfigError, match="cannot shrink"):
+        region.shrink(SLAB + 101)
+    region.close()
+    check_integrity(arena.table)
+
+
 def test_back_is_all_or_nothing_when_the_arena_is_short(arena: SlabArena) -> None:
     kv = arena.client("other", FMT_A)
     kv.alloc((SLABS - 2) * FMT_A.blocks_per_slab(SLAB))
