@@ -25,7 +25,8 @@ import json, torch
 import sgl_kernel  # noqa: F401  (the stand-in: registers the fallbacks)
 from fineslab.gpu_lite import stage_kernels as s
 rows = {f.__name__: f("cpu") for f in (s.check_fp8_linear, s.check_awq_dequant,
-                                       s.check_kv4_decode, s.check_qoq_gemm)}
+                                       s.check_kv4_decode, s.check_kv4_backend,
+                                       s.check_qoq_gemm)}
 from fineslab.gpu_lite import fallbacks
 
 def scales_doubled(input, output_q, output_s):
@@ -57,7 +58,8 @@ def test_kernel_checks_pass_and_catch_a_wrong_fallback(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("ROWS "))
     rows = json.loads(line[5:])
-    for name in ("check_fp8_linear", "check_awq_dequant", "check_kv4_decode", "check_qoq_gemm"):
+    for name in ("check_fp8_linear", "check_awq_dequant", "check_kv4_decode", "check_kv4_backend",
+                 "check_qoq_gemm"):
         assert rows[name]["ok"] is True, f"{name}: {rows[name]}"
     assert rows["check_fp8_linear"]["quant_equal"] and rows["check_awq_dequant"]["dequant_exact"]
     assert rows["wrong_fp8"]["ok"] is False, "doubled activation scales must fail the FP8 check"

@@ -5,7 +5,8 @@
                 gpu-lite fallback's per-token activation quant through SGLang's own wrapper,
                 then the scaled GEMM), AWQ W4A16 (SGLang's `awq_dequantize`, here the fallback,
                 then the matmul), KV4 decode attention (the `fineslab_kv4` backend's Triton
-                kernel) and QoQ W4A8 (its Triton GEMM, bit for bit). Then SGLang serves
+                kernel, and one decode step of the backend against SGLang's torch_native over
+                the same KV4 pool) and QoQ W4A8 (its Triton GEMM, bit for bit). Then SGLang serves
                 llama-tiny as AWQ (both devices: prompt logprobs within 0.1 of transformers on
                 the dequantized weights) and, on CUDA only, as FP8 W8A8KV8 (perplexity within
                 1.25x of transformers' bf16 model; SGLang's FP8 linear is CUDA-only)
@@ -148,6 +149,63 @@ def check_kv4_decode(device: str) -> dict[str, Any]:
             "control_max_diff": control}
 
 
+def check_kv4_backend(device: str) -> dict[str, Any]:
+    """One decode step of the `fineslab_kv4` backend (`Kv4AttnBackend`, the Triton kernel over
+    the pool's packed views) against SGLang's `TorchNativeAttnBackend` over the same
+    `Kv4SlabKVPool` (GQA 4 on 2, 4 requests of 1 to 40 tokens on shuffled slots), float32;
+    a doubled sm_scale must move it past the bound."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    from fineslab.sglang_plugin.kv4_backend import Kv4AttnBackend
+    from fineslab.sglang_plugin.quant_pools import Kv4SlabKVPool
+    from fineslab.slabs import BlockFormat, KVDtype, KVShape
+    from fineslab.slabs.views import layer_views
+
+    dev, gen = _dev(device), torch.Generator().manual_seed(11)
+    layers, kv_heads, q_heads, head_dim, page, seq_lens = 2, 2, 4, 64, 16, [1, 7, 23, 40]
+    fmt = BlockFormat.unpadded(KVShape("m", layers, kv_heads, head_dim, KVDtype.INT4), page)
+    arena = torch.zeros(fmt.token_stride_bytes * 16 * page, dtype=torch.uint8, device=dev)
+    pool = Kv4SlabKVPool.over(layer_views(arena, fmt))(
+        size=12 * page, page_size=page, dtype=torch.float32, head_num=kv_heads,
+        head_dim=head_dim, layer_num=layers, device=str(dev), enable_memory_saver=False)
+    slots = torch.randperm(12 * page - 1, generator=gen)[: sum(seq_lens)] + 1  # 0: padding
+    req_to_token = torch.zeros(6, 64, dtype=torch.int32)
+    req_pool_indices = torch.tensor([4, 0, 2, 5])
+    ends = torch.tensor(seq_lens).cumsum(0).tolist()
+    for b, (n, end) in enumerate(zip(seq_lens, ends, strict=True)):
+        req_to_token[req_pool_indices[b], :n] = slots[end - n:end].int()
+    prefix = torch.cat([slots[end - n:end - 1] for n, end in zip(seq_lens, ends, strict=True)])
+    new_loc = torch.stack([slots[end - 1] for end in ends]).long().to(dev)
+
+    def layer(scaling: float) -> Any:
+        return SimpleNamespace(layer_id=1, tp_q_head_num=q_heads, tp_k_head_num=kv_heads,
+                               qk_head_dim=head_dim, v_head_dim=head_dim, scaling=scaling,
+                               is_cross_attention=False, sliding_window_size=-1, logit_cap=0.0)
+
+    def kv(n: int) -> torch.Tensor:
+        return (torch.randn(n, kv_heads, head_dim, generator=gen) * 3).to(dev)
+
+    pool.set_kv_buffer(layer(0.125), prefix.to(dev), kv(len(prefix)), kv(len(prefix)))
+    batch = SimpleNamespace(out_cache_loc=new_loc, req_pool_indices=req_pool_indices.to(dev),
+                            seq_lens=torch.tensor(seq_lens, device=dev), encoder_lens=None,
+                            encoder_out_cache_loc=None)
+    runner = SimpleNamespace(device=str(dev), token_to_kv_pool=pool,
+                             req_to_token_pool=SimpleNamespace(req_to_token=req_to_token.to(dev)))
+    native, kv4 = TorchNativeAttnBackend(runner), Kv4AttnBackend(runner)
+    q, k_new, v_new = (torch.randn(4, q_heads * head_dim, generator=gen).to(dev), kv(4), kv(4))
+    scale = head_dim ** -0.5
+    want = native.forward_decode(q, k_new, v_new, layer(scale), batch)
+    diff = float((kv4.forward_decode(q, k_new, v_new, layer(scale), batch) - want).abs().max())
+    control = float((kv4.forward_decode(q, k_new, v_new, layer(2 * scale), batch)
+                     - want).abs().max())
+    bound = 1e-3 if device == "cuda" else 1e-5  # as the GPU test bounds the kernel
+    kernel_on = kv4._kv4_kernel is not None
+    return {"ok": kernel_on and diff <= bound < control, "kernel_on": kernel_on,
+            "max_diff": diff, "bound": bound, "control_max_diff": control}
+
+
 def check_qoq_gemm(device: str) -> dict[str, Any]:
     """The QoQ W4A8 Triton GEMM: its INT32 accumulator equal to `int8_matmul` and its output to
     `w4a8_linear` (bit for bit, as under the interpreter); swapped nibbles must break it."""
@@ -268,7 +326,8 @@ def stage_precisions(device: str, out: Path) -> dict[str, Any]:
     _prepare_triton(device)
     figures: dict[str, Any] = {"device": device}
     checks = {"fp8_linear": check_fp8_linear, "awq_dequant": check_awq_dequant,
-              "kv4_decode": check_kv4_decode, "qoq_gemm": check_qoq_gemm}
+              "kv4_decode": check_kv4_decode, "kv4_backend": check_kv4_backend,
+              "qoq_gemm": check_qoq_gemm}
     for name, check in checks.items():
         start_s = time.monotonic()
         try:
