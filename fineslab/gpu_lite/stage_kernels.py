@@ -63,7 +63,8 @@ def _dev(device: str) -> torch.device:
 
 def check_fp8_linear(device: str) -> dict[str, Any]:
     """SGLang's per-token FP8 quant wrapper (the fallback behind it) and the W8A8 GEMM SGLang
-    runs after it (`torch._scaled_mm`, row-wise; on CPU the same product in float32) against
+    runs after it (its `fp8_scaled_mm`: `torch._scaled_mm` row-wise with
+    `SGLANG_FORCE_FUSED_OP_BACKEND=torch`, bf16 out; on CPU the same product in float32) against
     the float matmul of the dequantized operands; then with the activations' scales rolled by
     one row, which must break it."""
     import sgl_kernel  # noqa: F401  (the stand-in registers the fallbacks; real: no-op here)
@@ -81,13 +82,14 @@ def check_fp8_linear(device: str) -> dict[str, Any]:
     ref_q, ref_s = quantize_fp8_per_token(x.cpu())
 
     def gemm(scales: torch.Tensor) -> torch.Tensor:
-        if device == "cuda":
-            return torch._scaled_mm(x_q, w_q.t(), scale_a=scales, scale_b=w_s.t(),
-                                    out_dtype=torch.float32)
+        if device == "cuda":  # what apply_fp8_linear calls: Fp8ScaledMMOp, torch._scaled_mm
+            from sglang.kernels.ops.gemm import fp8_scaled_mm
+
+            return fp8_scaled_mm(x_q, w_q.t(), scales, w_s.t(), torch.bfloat16).float()
         return (x_q.float() * scales) @ (w_q.float() * w_s).t()
 
     want = (ref_q.float() * ref_s) @ (w_q.float().cpu() * w_s.cpu()).t()
-    tolerance = 1e-3 * float(want.abs().max())
+    tolerance = 1e-2 * float(want.abs().max())  # bf16 output (2^-8) and fast accumulation
     diff = float((gemm(x_s).cpu() - want).abs().max())
     control = float((gemm(x_s.roll(1, 0)).cpu() - want).abs().max())
     quant_equal = torch.equal(x_q.cpu().float(), ref_q.float()) and torch.equal(x_s.cpu(), ref_s)
@@ -207,8 +209,9 @@ def check_kv4_backend(device: str) -> dict[str, Any]:
 
 
 def check_qoq_gemm(device: str) -> dict[str, Any]:
-    """The QoQ W4A8 Triton GEMM: its INT32 accumulator equal to `int8_matmul` and its output to
-    `w4a8_linear` (bit for bit, as under the interpreter); swapped nibbles must break it."""
+    """The QoQ W4A8 Triton GEMM: its INT32 accumulator equal to `int8_matmul` and its float32
+    output within 1e-5 of `w4a8_linear` (bit for bit under the interpreter); swapped nibbles
+    must break it."""
     from fineslab.quant.qoq import (
         QoQConfig,
         QoQWeight,
@@ -227,7 +230,7 @@ def check_qoq_gemm(device: str) -> dict[str, Any]:
     for tokens, n, k in cases:
         w = quantize_qoq(torch.randn(n, k, generator=gen), QoQConfig(group_size=64))
         w = QoQWeight(w.packed.to(dev), w.s2.to(dev), w.z.to(dev), w.s1.to(dev), w.group_size)
-        x = torch.randn(tokens, k, generator=gen).to(dev, torch.bfloat16)
+        x = torch.randn(tokens, k, generator=gen).to(dev)
         x_q, _ = quantize_activations_int8(x)
         want_acc = int8_matmul(x_q.cpu(), dequantize_qoq_to_int8(w).cpu(), use_int_mm=False)
         swapped = QoQWeight((w.packed << 4) | (w.packed >> 4), w.s2, w.z, w.s1, w.group_size)
@@ -239,7 +242,8 @@ def check_qoq_gemm(device: str) -> dict[str, Any]:
                      "out_max_diff": float((got.float() - want.float()).abs().max()),
                      "control_caught": not torch.equal(w4a8_gemm_int32(x_q, swapped).cpu(),
                                                        want_acc)})
-    ok = all(r["acc_equal"] and r["out_max_diff"] == 0.0 and r["control_caught"] for r in rows)
+    # float32 out: equal on CPU; on a GPU within the gpu test's 1e-5 (FMA contraction)
+    ok = all(r["acc_equal"] and r["out_max_diff"] <= 1e-5 and r["control_caught"] for r in rows)
     return {"ok": ok, "cases": rows}
 
 
