@@ -328,7 +328,11 @@ def check_served(device: str, out: Path) -> dict[str, Any]:
 
 def stage_precisions(device: str, out: Path) -> dict[str, Any]:
     _prepare_triton(device)
-    figures: dict[str, Any] = {"device": device}
+    import sgl_kernel
+
+    # a carry built before the fallbacks holds a stand-in without them: say so first
+    figures: dict[str, Any] = {"device": device, "sgl_kernel": sgl_kernel.__version__,
+                               "stand_in_has_fallbacks": "_register_fallbacks" in vars(sgl_kernel)}
     checks = {"fp8_linear": check_fp8_linear, "awq_dequant": check_awq_dequant,
               "kv4_decode": check_kv4_decode, "kv4_backend": check_kv4_backend,
               "qoq_gemm": check_qoq_gemm}
