@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -359,6 +360,9 @@ def stage_precisions(device: str, out: Path) -> dict[str, Any]:
 
 def stage_bench(device: str, out: Path) -> dict[str, Any]:
     """bench.alloc's JSON line, and bench.pool's tok/s of each side on the gpu-lite runtime."""
+    # The harness stops a stage past its time with SIGTERM to its group: exit through the
+    # `finally`s, so that bench.pool's arena is unlinked (a plain SIGTERM left it in /dev/shm)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from statistics import median
 
     from fineslab.bench.pool import BenchConfig, compare
