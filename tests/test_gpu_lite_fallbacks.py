@@ -175,3 +175,23 @@ def test_without_the_stand_in_sglang_has_no_kernel_for_them(tmp_path: Path) -> N
     script = SGLANG_CALLS.replace("import sgl_kernel", "pass  #")
     done = _run_with_stubs(tmp_path, script, with_stand_in=False)
     assert done.returncode != 0 and "per_token_quant_fp8" in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.filterwarnings("ignore:Warning only once for all operators")  # the override itself
+def test_an_op_defined_first_elsewhere_gets_our_kernels() -> None:
+    """SGLang registered first (the stand-in imported late): `register` overrides its kernels
+    through the dispatcher and says so."""
+    namespace = f"fineslab_test_{uuid.uuid4().hex[:8]}"
+    theirs = torch.library.Library(namespace, "FRAGMENT")
+    for fallback in fallbacks.FALLBACKS:
+        theirs.define(fallback.schema)
+    theirs.impl("awq_dequantize", lambda qweight, scales, qzeros: scales.new_zeros(1), "CPU")
+    theirs.impl("per_token_quant_fp8", lambda input, output_q, output_s: None, "CPU")
+    assert set(fallbacks.register(namespace).values()) == {"overrode"}
+    ops = getattr(torch.ops, namespace)
+    ql, qweight, qzeros = _awq_layer()
+    assert torch.equal(ops.awq_dequantize(qweight, ql.scales, qzeros), ql.dequantize())
+    x = _activations(torch.bfloat16)
+    q, scale = torch.empty(x.shape, dtype=torch.float8_e4m3fn), torch.zeros(x.shape[0], 1)
+    ops.per_token_quant_fp8(x, q, scale)
+    assert per_token_violations(x, q, scale) == []
