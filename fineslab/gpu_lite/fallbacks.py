@@ -17,8 +17,11 @@ a name already defined in the `sglang` namespace, and then call `torch.ops.sglan
 ("a name registered elsewhere first runs that registration's function",
 `sglang/srt/utils/custom_op.py`). So `register()`, run when the stand-in is imported, defines
 both ops first with these torch kernels (CUDA and CPU); no nvcc, no compile time in a short
-loan. If SGLang defined one first (the stand-in imported late), our kernels override its CUDA
-kernel through the dispatcher, and `register` says so in its result.
+loan. First, because SGLang imports the stand-in before either registration:
+`srt/layers/quantization/utils.py` imports `sgl_kernel.scalar_type` at import, awq_kernels
+imports that module before registering, and the per-token op registers at its first call.
+If SGLang defined one first (the stand-in imported late), our kernels override its CUDA kernel
+through the dispatcher, and `register` says so in its result.
 
 The rest of those paths needs nothing compiled: the FP8 GEMM is SGLang's `Fp8ScaledMMOp`, whose
 `forward_native` (`torch._scaled_mm`, row-wise scales) `SGLANG_FORCE_FUSED_OP_BACKEND=torch`
