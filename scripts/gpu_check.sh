@@ -9,14 +9,19 @@
 # radix tree, the carried test models. Without either, only the checks that need torch alone
 # run; the rest are named skipped.
 # 0. the staged device check (`fineslab.gpu_lite.check`: env, stock SGLang, the slab pool,
-#    sharing, weights in the arena asleep and awake, layer streaming on the copy stream),
+#    sharing, weights in the arena asleep and awake, layer streaming on the copy stream, the
+#    precisions' kernels and runtimes against their CPU references, bench.alloc and bench.pool),
 #    each stage bounded and logged under $OUT (the device tool's) or results/gpu-lite/;
 # 1. the `gpu`-marked tests (CUDA IPC arena, strided-view attention, FP8/AWQ/KV4 kernels, ...);
 # 2. each GPU benchmark, its JSON line kept in results/gpu/<name>.json;
 # 3. one table of every figure the benchmarks measured (`python -m fineslab.bench.report`).
 # Write the figures into the docs named in each benchmark's docstring.
 #
-#   bash scripts/gpu_check.sh --staged   (step 0 alone: what a short GPU loan runs first)
+#   bash scripts/gpu_check.sh --staged [--stages A,B,...]
+#                                        (step 0 alone: what a short GPU loan runs first; its
+#                                        stages' bounds add up past one device command's 10
+#                                        minutes, so a loan runs env,stock,slab-pool,sharing,weights
+#                                        and then streaming,precisions,bench)
 #
 #   bash scripts/gpu_check.sh --check    (any machine, no GPU; CI runs it)
 # runs nothing: parses every command below against its program's own argument parser
@@ -27,11 +32,17 @@ cd "$(dirname "$0")/.."
 PY=${FINESLAB_PYTHON:-.venv/bin/python}
 if [ -z "${FINESLAB_PYTHON:-}" ] && [ ! -x .venv/bin/python ]; then PY=python3; fi
 if [ "$PY" != .venv/bin/python ]; then export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"; fi
+usage="usage: bash scripts/gpu_check.sh [--check | --staged [--stages A,B,...]]"
+stages=()
 case "${1:-}" in
   "") mode=run ;;
   --check) mode=check ;;
-  --staged) mode=staged ;;
-  *) echo "usage: bash scripts/gpu_check.sh [--check | --staged]" >&2; exit 2 ;;
+  --staged) mode=staged
+    if [ "${2:-}" = --stages ]; then
+      [ -n "${3:-}" ] || { echo "$usage" >&2; exit 2; }
+      stages=(--stages "$3")
+    elif [ -n "${2:-}" ]; then echo "$usage" >&2; exit 2; fi ;;
+  *) echo "$usage" >&2; exit 2 ;;
 esac
 
 # name|what follows `python -m`. Each benchmark also gets --json (its last line: the figures).
@@ -78,7 +89,7 @@ fi
 if [ "$lite" = yes ] || "$PY" -c "import sglang" 2>/dev/null; then
   echo "== staged device check: python -m fineslab.gpu_lite.check --device cuda"
   FINESLAB_CPU_MODE=0 "$PY" -m fineslab.gpu_lite.check --device cuda --out "${OUT:-results/gpu-lite}" \
-    || status=1
+    ${stages[@]+"${stages[@]}"} || status=1
 elif [ "$mode" = staged ]; then
   echo "gpu_check: no SGLang and no carry (.gpu/, scripts/gpu_bundle.sh): nothing to stage" >&2
   exit 2

@@ -26,6 +26,11 @@ Stages (`STAGES`):
     streaming  llama-tiny streaming layers 1 and 3 through one slot (StreamCopies on CUDA,
                SyncCopies on CPU): identical to the unstreamed run, the arena richer by the
                bytes lent, the overlap of copies and compute (stage_weights.py)
+    precisions FP8 W8A8, AWQ W4A16, the KV4 decode kernel and the QoQ W4A8 Triton GEMM against
+               their CPU references, each with a control it must catch; SGLang serving AWQ and
+               (CUDA) FP8 W8A8KV8 within their gates (`stage_kernels.py`)
+    bench      bench.alloc (quick) and bench.pool's slab-pool-against-stock decode comparison
+               on the gpu-lite runtime (`stage_kernels.py`)
 
 `--device cpu` runs the same stages on this machine's CPU mode: the rehearsal of the harness
 that CI runs (tests/test_gpu_lite_check.py), so that a lent GPU's minutes go to the GPU.
@@ -54,15 +59,13 @@ from typing import Any
 import httpx
 
 from fineslab.gpu_lite import stage_weights
+from fineslab.gpu_lite.runtime_args import CUDA_ARGS
+from fineslab.gpu_lite.stage_kernels import stage_bench, stage_precisions
 from fineslab.proctree import stop_group
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ([11, 250, 37, 999, 4, 512, 77, 1200, 31, 8], [5, 6, 7, 8, 9, 10], [300, 2, 45, 77])
 NEW_TOKENS = 8
-#: The gpu-lite path on CUDA: kernels that need no compiled sgl_kernel.
-CUDA_ARGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch",
-             "--disable-cuda-graph",
-             "--mem-fraction-static", "0.15", "--max-total-tokens", "8192")
 SLAB_BYTES = 1 << 21
 ARENA_SLABS = 32
 
@@ -245,10 +248,11 @@ STAGES: dict[str, Callable[[str, Path], dict[str, Any]]] = {
     "env": stage_env, "stock": stage_stock, "slab-pool": stage_slab_pool,
     "sharing": stage_sharing,
     "weights": functools.partial(stage_weights.stage_weights, _HARNESS),
-    "streaming": functools.partial(stage_weights.stage_streaming, _HARNESS)}
-#: Each stage's bound, seconds (the whole check within 8 minutes on an H200).
+    "streaming": functools.partial(stage_weights.stage_streaming, _HARNESS),
+    "precisions": stage_precisions, "bench": stage_bench}
+#: Each stage's bound, seconds (generous: the CPU twin's times; on an H200 far less is expected).
 TIMEOUTS_S = {"env": 60.0, "stock": 120.0, "slab-pool": 150.0, "sharing": 120.0,
-              "weights": 90.0, "streaming": 75.0}
+              "weights": 90.0, "streaming": 75.0, "precisions": 240.0, "bench": 180.0}
 
 
 def run_stage(name: str, device: str, out: Path, timeout_s: float) -> dict[str, Any]:

@@ -82,6 +82,27 @@ def unpack_int4(words: torch.Tensor) -> torch.Tensor:
     return out.reshape(rows, cols * VALUES_PER_WORD)
 
 
+def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor,
+                      qzeros: torch.Tensor) -> torch.Tensor:
+    """The [K, N] weight in `scales.dtype`, on their device, from AWQ's packed tensors
+    (qweight [K, N/8], qzeros [K/G, N/8] int32; scales [K/G, N]): `w = (q - zero) * scale`.
+
+    What SGLang's `awq_dequantize` computes; one [K, N] int32 and one [K, N] result temporary.
+    Groups are broadcast, not repeated to [K, N] (that cost two more temporaries).
+    """
+    shifts = torch.tensor([4 * PACK_ORDER.index(c) for c in range(VALUES_PER_WORD)],
+                          dtype=torch.int32, device=qweight.device)
+
+    def unpacked(words: torch.Tensor) -> torch.Tensor:  # [R, C] -> [R, 8 C], natural order
+        return ((words.unsqueeze(-1) >> shifts) & 0xF).reshape(words.shape[0], -1)
+
+    in_features, groups = qweight.shape[0], scales.shape[0]
+    values = unpacked(qweight).view(groups, in_features // groups, -1)
+    zeros = unpacked(qzeros).view(groups, 1, -1)
+    return ((values - zeros).to(scales.dtype) * scales.view(groups, 1, -1)).view(
+        in_features, -1)
+
+
 @dataclass(frozen=True)
 class QuantizedLinear:
     """One layer's AWQ tensors, unpacked: values [K, N], zeros and scales [K / G, N]."""

@@ -50,6 +50,14 @@ def quantize_fp8_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale.reshape(())
 
 
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in e4m3, float32 scales [T, 1]): each row's amax mapped to 448, SGLang's dynamic
+    per-token activation quant for W8A8 (`x ~= q * scale`, row by row). On x's device."""
+    rows = x.to(torch.float32)
+    scale = (rows.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=1e-12)
+    return (rows / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
 def write_fp8_checkpoint(src_dir: str | Path, out_dir: str | Path) -> Path:
     """Write an FP8 (W8A8, dynamic activations) copy of `src_dir`; other tensors in bf16."""
 

@@ -12,37 +12,24 @@ AWQ format (GEMM version), for a linear layer with K inputs, N outputs, group si
     8j + ORDER[i], ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
     weight[k, n] = (q[k, n] - zero[k // G, n]) * scale[k // G, n]      -> [K, N], x @ weight
 
-Cost: one [K, N] temporary in the scales' dtype per call (the GPU kernel does the same).
+Cost: one [K, N] temporary in the scales' dtype per call (the GPU kernel does the same). The
+math is `fineslab.quant.awq.dequantize_packed` (fineslab is importable wherever the CPU mode
+runs SGLang: its plugin is).
 """
 
 from __future__ import annotations
 
 import torch
 
-#: nibble i of a packed word holds column _PACK_ORDER[i] of its group of 8
-_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-#: column c of a group of 8 sits in nibble _NIBBLE_OF_COLUMN[c]
-_NIBBLE_OF_COLUMN = tuple(_PACK_ORDER.index(c) for c in range(8))
-
-
-def unpack_awq_int4(packed: torch.Tensor) -> torch.Tensor:
-    """[R, C] int32 AWQ words -> [R, 8 C] int32 values in 0..15, columns in natural order."""
-    shifts = torch.tensor([4 * n for n in _NIBBLE_OF_COLUMN], dtype=torch.int32,
-                          device=packed.device)
-    values = (packed.unsqueeze(-1) >> shifts) & 0xF
-    return values.reshape(packed.shape[0], packed.shape[1] * 8)
+from fineslab.quant.awq import dequantize_packed
 
 
 def awq_dequantize(qweight: torch.Tensor, scales: torch.Tensor,
                    qzeros: torch.Tensor) -> torch.Tensor:
-    """The [K, N] weight in `scales.dtype` from AWQ's packed qweight, scales and qzeros."""
-    in_features, groups = qweight.shape[0], scales.shape[0]
-    # [groups, G, N] against [groups, 1, N]: zeros and scales broadcast over each group's rows
-    # (repeating them to [K, N] first cost two more [K, N] temporaries: 30% of the time)
-    values = unpack_awq_int4(qweight).view(groups, in_features // groups, -1)
-    zeros = unpack_awq_int4(qzeros).view(groups, 1, -1)
-    return ((values - zeros).to(scales.dtype) * scales.view(groups, 1, -1)).view(
-        in_features, -1)
+    """The [K, N] weight in `scales.dtype` from AWQ's packed qweight, scales and qzeros
+    (`fineslab.quant.awq.dequantize_packed`, which the gpu-lite stand-in's CUDA fallback runs
+    too)."""
+    return dequantize_packed(qweight, scales, qzeros)
 
 
 _LIBRARY: torch.library.Library | None = None
