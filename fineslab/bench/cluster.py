@@ -23,6 +23,20 @@ process. Measured, in one run:
                          serving again on node a
     all_served           every model answered through the front router before the loss and
                          after the re-placement
+What an operator sees during the loss, in the same run:
+    metrics_by_node      the front's /metrics label each node's series (node="a", node="b")
+    lost_stream          a long streamed completion at node b when it is lost: whether it had
+                         started, how it ended ("finished", or "error: ..." as the client saw
+                         it) and `ended_s` after the loss
+    replacing_status, replacing_retry_after, replacing_error_clean
+                         a completion for a lost model sent right after the loss: its status
+                         (502 or 503), its Retry-After, and whether its body is the router's
+                         error shape with no traceback
+    survivor_served_while_replacing
+                         node a's model answering while node b's are re-placed
+    fleet_id, ray_temp_dir
+                         what a clean stop must leave nothing of (tests/serving/
+                         test_documented_benches.py looks)
 Results in docs/cluster.md.
 """
 
@@ -35,6 +49,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -78,6 +93,63 @@ def _serves(client: Any, url: str, model: str) -> bool:
     return bool(reply.status_code == 200 and reply.json()["choices"][0]["text"])
 
 
+def _stream(front: str, model: str, ended: dict[str, Any]) -> None:
+    """A long streamed completion through the front router; `ended` gets when its first
+    event came ("first"), how it ended ("outcome": "finished" after [DONE], else "error: ...")
+    and when ("at")."""
+    import httpx
+
+    # ignore_eos: a random-weight model may end its stream in a few tokens, before the loss
+    body = {"model": model, "prompt": "Count: one two", "max_tokens": 2000, "stream": True,
+            "ignore_eos": True}
+    outcome = "error: the stream ended without [DONE]"
+    try:
+        with httpx.stream("POST", f"{front}/v1/completions", json=body, timeout=120) as reply:
+            if reply.status_code != 200:
+                outcome = f"error: HTTP {reply.status_code}"
+            for line in reply.iter_lines() if reply.status_code == 200 else ():
+                if not line.startswith("data:"):
+                    continue
+                ended.setdefault("first", time.monotonic())
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    outcome = "finished"
+                    break
+                if '"error"' in data:
+                    outcome = f"error: {data[:300]}"
+                    break
+    except httpx.HTTPError as exc:
+        outcome = f"error: {type(exc).__name__}: {exc}"
+    ended["outcome"], ended["at"] = outcome, time.monotonic()
+
+
+def _lose_node_b(client: Any, cluster: Any, front: str, on_a: list[str], on_b: list[str],
+                 ) -> tuple[float, dict[str, Any]]:
+    """Node b SIGKILLed with a stream in flight there; what the clients saw (module doc)."""
+    ended: dict[str, Any] = {}
+    streamer = threading.Thread(target=_stream, args=(front, on_b[0], ended), daemon=True)
+    streamer.start()
+    deadline = time.monotonic() + 60
+    while "first" not in ended and streamer.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    cluster.kill("b")
+    lost = time.monotonic()
+    streamer.join(60)
+    moving = client.post(f"{front}/v1/completions",
+                         json={"model": on_b[-1], "prompt": "hi", "max_tokens": 2})
+    try:
+        clean = "error" in moving.json() and "Traceback" not in moving.text
+    except ValueError:
+        clean = False
+    return lost, {
+        "lost_stream": {"started": "first" in ended, "outcome": ended.get("outcome"),
+                        "ended_s": round(ended["at"] - lost, 2) if "at" in ended else None},
+        "replacing_status": moving.status_code,
+        "replacing_retry_after": moving.headers.get("retry-after"),
+        "replacing_error_clean": clean,
+        "survivor_served_while_replacing": _serves(client, front, on_a[0])}
+
+
 def run(config_path: Path, requests: int) -> dict[str, Any]:
     import httpx
 
@@ -98,7 +170,8 @@ def run(config_path: Path, requests: int) -> dict[str, Any]:
     logs = tempfile.TemporaryDirectory(prefix="fineslab-bench-cluster-")
     fleet = ClusterFleet(config, port=0, log_dir=logs.name,
                          progress=lambda m: print(m, file=sys.stderr), address=cluster.address)
-    result: dict[str, Any] = {"nodes": 2, "requests": requests}
+    result: dict[str, Any] = {"nodes": 2, "requests": requests, "fleet_id": config.fleet_id,
+                              "ray_temp_dir": cluster.temp_dir}
     try:
         started = time.monotonic()
         fleet.start()
@@ -127,15 +200,17 @@ def run(config_path: Path, requests: int) -> dict[str, Any]:
                                                - statistics.median(straight), 2)
             result["front_hop_p99_ms"] = round(percentile(via, 0.99)
                                                - percentile(straight, 0.99), 2)
-            cluster.kill("b")
-            lost = time.monotonic()
+            metrics = client.get(f"{front}/metrics").text
+            result["metrics_by_node"] = 'node="a"' in metrics and 'node="b"' in metrics
+            lost, seen = _lose_node_b(client, cluster, front, on_a, on_b)
+            result |= seen
             deadline = lost + SERVING_TIMEOUT_S
             while time.monotonic() < deadline and fleet.replaced_s is None:
                 time.sleep(0.2)
             result["replace_s"] = None if fleet.replaced_s is None else round(
                 fleet.replaced_s, 2)
             served_after = all(_serves(client, front, m) for m in on_a + on_b)
-        result["models_on_b"] = on_b
+        result["models_on_a"], result["models_on_b"] = on_a, on_b
         result["all_served"] = bool(served_before and served_after)
     finally:
         fleet.stop()
@@ -154,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("FINESLAB_LOG_LEVEL", "WARNING"))
     result = run(args.config, max(2, args.requests))
-    rows = [[k, json.dumps(v) if isinstance(v, list) else v] for k, v in sorted(result.items())]
+    rows = [[k, json.dumps(v) if isinstance(v, (list, dict)) else v]
+            for k, v in sorted(result.items())]
     emit("two-node CPU cluster (fineslab.bench.cluster)", ["figure", "value"], rows, result,
          args.json)
     return 0 if result.get("all_served") else 1
