@@ -22,6 +22,7 @@ from fleet_support import REPO, LaunchedFleet, group_alive, launch, shm_files
 
 from fineslab.bench.chaos_fleet import fleet_processes
 from fineslab.fleet import FleetHandle
+from fineslab.lifeline import remove_dead_fleet_files
 from fineslab.proctree import stat_fields
 from fineslab.runtime import free_port
 
@@ -247,11 +248,13 @@ def test_a_launcher_killed_while_its_zygote_imports_leaves_no_arena(
                 f"left after 90 s: {fleet_processes(fleet_id)}, {shm_files(fleet_id)}, "
                 f"run record {record.exists()}, zygote folders {zygote_folders}")
             time.sleep(0.5)
-    finally:
+    finally:  # what a failed assertion above left: SIGKILLed, then swept as a relaunch would
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
         for pid in fleet_processes(fleet_id):
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        remove_dead_fleet_files(fleet_id, record_wait_s=0)
 
 
 def test_a_start_interrupted_while_waiting_leaves_no_fleet(folder: Path,
