@@ -43,6 +43,7 @@ def test_two_demo_models_on_two_nodes_serve_and_a_lost_nodes_model_is_placed_aga
     path = tmp_path / "two-models.yaml"
     path.write_text(yaml.safe_dump(config))
     env = dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache))
+    # the benchmark starts the fleet with ClusterFleet, what `fineslab launch --ray` runs
     done = subprocess.run([sys.executable, "-m", "fineslab.bench.cluster", "--json", "--requests",
                            "10", "--config", str(path)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=900)
