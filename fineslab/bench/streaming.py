@@ -50,12 +50,11 @@ from fineslab.scheduler.selectn import offload_layers
 from fineslab.sglang_plugin.config import ArenaJoin
 from fineslab.slabs import ArenaSpec, SlabArena, snapshot
 from fineslab.slabs.streamctl import (
-    StreamState,
+    apply_request,
     host_copy_path,
     read_state,
     request_path,
     state_path,
-    write_request,
 )
 from fineslab.tables import add_json_flag, emit
 
@@ -74,19 +73,6 @@ def _generate_s(url: str, tokens: int) -> tuple[float, list[int]]:
             "temperature": 0, "max_new_tokens": tokens, "ignore_eos": True}})
     reply.raise_for_status()
     return time.perf_counter() - start_s, list(reply.json()["output_ids"])
-
-
-def _apply(fleet_id: str, layers: list[int]) -> StreamState:
-    request = write_request(fleet_id, "m", layers, 1)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        state = read_state(fleet_id, "m")
-        if state is not None and state.seq == request.seq:
-            if state.error:
-                raise RuntimeError(f"stream request {layers} refused: {state.error}")
-            return state
-        time.sleep(0.02)
-    raise RuntimeError(f"stream request {layers} not applied in 60 s")
 
 
 def _measure(url: str, fleet_id: str, tokens: int) -> dict[str, Any]:
@@ -134,7 +120,7 @@ def run(size: str, tokens: int, logs: Path, corrupt: bool = False) -> dict[str, 
         try:
             server.wait_healthy(600)
             url = server.spec.base_url
-            _apply(spec.fleet_id, [])
+            apply_request(spec.fleet_id, "m", [])
             free_before = snapshot(arena.table).free_slabs
             base = _measure(url, spec.fleet_id, tokens)
             result["intervals"]["none"] = {k: v for k, v in base.items() if k != "tokens"} | {
@@ -144,7 +130,7 @@ def run(size: str, tokens: int, logs: Path, corrupt: bool = False) -> dict[str, 
             copy_s0 = read_state(spec.fleet_id, "m").copy_seconds  # type: ignore[union-attr]
             streamed0 = read_state(spec.fleet_id, "m").streamed_bytes  # type: ignore[union-attr]
             for interval in (i for i in INTERVALS if i <= num_layers):
-                state = _apply(spec.fleet_id, offload_layers(num_layers, interval))
+                state = apply_request(spec.fleet_id, "m", offload_layers(num_layers, interval))
                 gain = (snapshot(arena.table).free_slabs - free_before) * SLAB_BYTES
                 got = _measure(url, spec.fleet_id, tokens)
                 result["intervals"][str(interval)] = {
@@ -154,7 +140,7 @@ def run(size: str, tokens: int, logs: Path, corrupt: bool = False) -> dict[str, 
                     "decode_tok_s_spread": got["decode_tok_s_spread"],
                     "streamed_bytes_per_step": got["streamed_bytes_per_step"],
                     "identical": got["tokens"] == base["tokens"]}
-            _apply(spec.fleet_id, [])
+            apply_request(spec.fleet_id, "m", [])
             final = read_state(spec.fleet_id, "m")
             assert final is not None
             span_bytes = weights_bytes // num_layers

@@ -73,9 +73,12 @@ PROMPT = list(range(10, 42))
 NEW_TOKENS = 8
 
 
-def _post(client: httpx.Client, path: str, body: dict[str, object]) -> float:
+def timed_post(client: httpx.Client, path: str, body: dict[str, object],
+               timeout_s: float = 600.0) -> float:
+    """Seconds of one control call to a runtime (its sleep or wake endpoints); RuntimeError
+    unless it answers 200."""
     start_s = time.perf_counter()
-    reply = client.post(path, json=body, timeout=600)
+    reply = client.post(path, json=body, timeout=timeout_s)
     if reply.status_code != 200:
         raise RuntimeError(f"{path}: {reply.status_code} {reply.text[:300]}")
     return time.perf_counter() - start_s
@@ -136,12 +139,12 @@ def run(size: str, cycles: int, corrupt: bool, logs: Path, cold: bool = True
             # runs of this benchmark counted as SGLang's control path.
             with httpx.Client(base_url=url) as client:
                 for cycle in range(cycles):
-                    sleeps.append(_post(client, "/pause_generation", {"mode": "retract"})
-                                  + _post(client, "/release_memory_occupation", TAGS))
+                    sleeps.append(timed_post(client, "/pause_generation", {"mode": "retract"})
+                                  + timed_post(client, "/release_memory_occupation", TAGS))
                     if corrupt and cycle == cycles - 1:
                         _corrupt(host_copy_path(spec.fleet_id, "m"))
-                    resumes.append(_post(client, "/resume_memory_occupation", TAGS))
-                    continues.append(_post(client, "/continue_generation", {}))
+                    resumes.append(timed_post(client, "/resume_memory_occupation", TAGS))
+                    continues.append(timed_post(client, "/continue_generation", {}))
                     wakes.append(resumes[-1] + continues[-1])
                     same.append(_greedy(url) == before)
             restores = _restore_seconds(server.log_tail(100_000))

@@ -52,7 +52,6 @@ ARENA_SLABS = 48
 CYCLES = 2
 ROUNDS = 3
 STREAMED = (1, 3)
-TAGS = {"tags": ["weights", "kv_cache"]}
 RUNTIME = "r"
 MODEL = "llama-tiny"
 PAGE = 16
@@ -97,14 +96,6 @@ def _free_slabs(arena: Any) -> int:
     from fineslab.slabs.weights import free_weight_slabs
 
     return free_weight_slabs(arena.table)
-
-
-def _post(client: httpx.Client, path: str, body: dict[str, Any]) -> float:
-    start_s = time.perf_counter()
-    reply = client.post(path, json=body, timeout=300)
-    if reply.status_code != 200:
-        raise RuntimeError(f"{path}: {reply.status_code} {reply.text[:300]}")
-    return time.perf_counter() - start_s
 
 
 def copy_gib_s(device: str, nbytes: int) -> float:
@@ -154,7 +145,10 @@ def terminable(stage: Callable[[Harness, str, Path], dict[str, Any]]
 
 @terminable
 def stage_weights(harness: Harness, device: str, out: Path) -> dict[str, Any]:
+    from fineslab.bench.wake import TAGS, timed_post
     from fineslab.sglang_plugin import ArenaJoin
+
+    post = functools.partial(timed_post, timeout_s=300.0)
 
     model = harness.model_dir(MODEL)
     stock = harness.server(model, PAGE, device, out / "weights-stock.log", {})
@@ -173,11 +167,11 @@ def stage_weights(harness: Harness, device: str, out: Path) -> dict[str, Any]:
             weight_slabs = _slabs_of(arena).get(RUNTIME + ":w", 0)
             with httpx.Client(base_url=url) as client:
                 for _ in range(CYCLES):
-                    sleep_s = (_post(client, "/pause_generation", {"mode": "retract"})
-                               + _post(client, "/release_memory_occupation", TAGS))
+                    sleep_s = (post(client, "/pause_generation", {"mode": "retract"})
+                               + post(client, "/release_memory_occupation", TAGS))
                     asleep = _slabs_of(arena)
-                    wake_s = (_post(client, "/resume_memory_occupation", TAGS)
-                              + _post(client, "/continue_generation", {}))
+                    wake_s = (post(client, "/resume_memory_occupation", TAGS)
+                              + post(client, "/continue_generation", {}))
                     awake = _slabs_of(arena)
                     cycles.append({
                         "sleep_s": round(sleep_s, 4), "wake_s": round(wake_s, 4),
@@ -205,19 +199,10 @@ def stage_weights(harness: Harness, device: str, out: Path) -> dict[str, Any]:
 
 
 def _ask(arena_name: str, layers: tuple[int, ...]) -> Any:
-    """Write the runtime's stream request and wait until it applied it; its state."""
-    from fineslab.slabs.streamctl import read_state, write_request
+    """Ask the runtime to stream `layers` through one slot and wait until it applied it."""
+    from fineslab.slabs.streamctl import apply_request
 
-    request = write_request(arena_name, RUNTIME, layers, 1)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        state = read_state(arena_name, RUNTIME)
-        if state is not None and state.seq == request.seq:
-            if state.error:
-                raise RuntimeError(f"stream request {list(layers)} refused: {state.error}")
-            return state
-        time.sleep(0.05)
-    raise RuntimeError(f"the runtime did not apply stream request {list(layers)} in 60 s")
+    return apply_request(arena_name, RUNTIME, layers, 1)
 
 
 def _state(arena_name: str) -> Any:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -128,6 +129,24 @@ def write_request(arena_name: str, runtime_id: str, layers: list[int] | tuple[in
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_whole(path, asdict(request))
     return request
+
+
+def apply_request(arena_name: str, runtime_id: str, layers: list[int] | tuple[int, ...],
+                  slots: int = 1, timeout_s: float = 60.0, poll_s: float = 0.02,
+                  folder: Path | None = None) -> StreamState:
+    """`write_request`, then wait until the runtime applied it (its state's seq is the
+    request's); RuntimeError when it refused it (`error`) or did not apply it in `timeout_s`."""
+    request = write_request(arena_name, runtime_id, layers, slots, folder)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = read_state(arena_name, runtime_id, folder)
+        if state is not None and state.seq == request.seq:
+            if state.error:
+                raise RuntimeError(f"stream request {list(layers)} refused: {state.error}")
+            return state
+        time.sleep(poll_s)
+    raise RuntimeError(f"the runtime did not apply stream request {list(layers)} in "
+                       f"{timeout_s:g} s")
 
 
 def read_request(path: Path) -> StreamRequest | None:
