@@ -163,22 +163,24 @@ def whole_page_chunk(page_size: int) -> dict[str, object]:
     return {"chunked_prefill_size": 200 * page_size} if page_size & (page_size - 1) else {}
 
 
+def _server_args(page_size: int, dtype: str) -> list[str]:
+    """What a plugin or stock server of these tests is told (CPU flags come from ServerSpec)."""
+    chunk = whole_page_chunk(page_size).get("chunked_prefill_size")
+    return ["--dtype", dtype, "--page-size", str(page_size), "--log-level", "error",
+            *(["--chunked-prefill-size", str(chunk)] if chunk else [])]
+
+
 def plugin_outputs(model_path: Path, input_ids: list[list[int]], *, page_size: int,
                    join: ArenaJoin, dtype: str = "bfloat16", max_new_tokens: int = 16,
                    ) -> list[list[int]]:
     """Greedy outputs of a server with the plugin's pool over the arena `join` names (forked
     warm from the zygote, told the join in its environment, as a launched fleet's runtime is),
     stopped before this returns."""
-    chunk = whole_page_chunk(page_size).get("chunked_prefill_size")
-    extra = ["--dtype", dtype, "--page-size", str(page_size), "--log-level", "error",
-             *(["--chunked-prefill-size", str(chunk)] if chunk else [])]
-    spec = ServerSpec(str(model_path), free_port(), extra_args=tuple(extra), env=join.environ())
+    spec = ServerSpec(str(model_path), free_port(),
+                      extra_args=tuple(_server_args(page_size, dtype)), env=join.environ())
     with start_server(spec) as server:
-        resp = httpx.post(server.spec.base_url + "/generate", timeout=1200, json={
-            "input_ids": input_ids, "sampling_params": {
-                "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}})
-        resp.raise_for_status()
-        return [list(o["output_ids"]) for o in resp.json()]
+        return server_batches(model_path, [(input_ids, max_new_tokens)], page_size=page_size,
+                              dtype=dtype, server=server)[0]
 
 
 def stock_server(model_path: Path, page_size: int, dtype: str = "bfloat16") -> ServerProcess:
@@ -187,20 +189,17 @@ def stock_server(model_path: Path, page_size: int, dtype: str = "bfloat16") -> S
     checked 2026-11-29 for llama-tiny at pages 16 and 3 and qwen2-tiny at page 1), where an
     engine costs 15-50 s to start and, after it, a new zygote (the variables it sets in this
     process). It sleeps when idle (`--sleep-on-idle`: no CPU between the tests it serves)."""
-    chunk = whole_page_chunk(page_size).get("chunked_prefill_size")
-    extra = ["--dtype", dtype, "--page-size", str(page_size), "--max-total-tokens", "4096",
-             "--log-level", "error", "--sleep-on-idle",
-             *(["--chunked-prefill-size", str(chunk)] if chunk else [])]
-    return start_server(ServerSpec(str(model_path), free_port(), extra_args=tuple(extra)))
+    extra = (*_server_args(page_size, dtype), "--max-total-tokens", "4096", "--sleep-on-idle")
+    return start_server(ServerSpec(str(model_path), free_port(), extra_args=extra))
 
 
 def server_batches(model_path: Path, jobs: list[tuple[list[list[int]], int]], *, page_size: int,
                    dtype: str = "bfloat16", server: ServerProcess | None = None,
                    ) -> list[list[list[int]]]:
-    """Greedy outputs of SGLang's own pool for each (prompts, new tokens) batch, on `server`
-    (a `stock_server` of the same settings) or on one started for these jobs alone. The prefix
-    cache is flushed before each batch: a kept server answers as a fresh one. The stock
-    reference outputs are computed here (`StockOutputs`)."""
+    """Greedy outputs of each (prompts, new tokens) batch on `server` (a `stock_server` of the
+    same settings, or a plugin server: `plugin_outputs`) or on a stock server started for these
+    jobs alone. The prefix cache is flushed before each batch: a kept server answers as a fresh
+    one. The stock reference outputs are computed here (`StockOutputs`)."""
     own = server is None
     if server is None:
         server = stock_server(model_path, page_size, dtype)
@@ -222,31 +221,37 @@ def server_batches(model_path: Path, jobs: list[tuple[list[list[int]], int]], *,
 class StockServers:
     """The last `keep` stock servers, one per (model, page size, dtype), kept between the
     session's reference computations (a cold cache asks several batches of each settings, at
-    different tests: a start each, before). Stopped by `close()`."""
+    different tests: a start each, before). `start` makes one (`stock_server`). Stopped by
+    `close()`."""
 
-    def __init__(self, keep: int = 2) -> None:
-        self.keep = keep
+    def __init__(self, keep: int = 2,
+                 start: Callable[[Path, int, str], ServerProcess] = stock_server) -> None:
+        self.keep, self.start = keep, start
         self.servers: dict[tuple[str, int, str], ServerProcess] = {}
-        self.started = 0
 
-    def __call__(self, model_path: Path, jobs: list[tuple[list[list[int]], int]], *,
-                 page_size: int, dtype: str = "bfloat16") -> list[list[list[int]]]:
+    def server_for(self, model_path: Path, page_size: int, dtype: str) -> ServerProcess:
+        """The kept server of these settings (one whose tree lost a process is replaced), else
+        a new one, the least recently used stopped to make room; the most recently used last."""
         key = (str(model_path), page_size, dtype)
         server = self.servers.pop(key, None)
         if server is not None and not server.tree_intact():
             server.stop()
             server = None
         if server is None:
-            while len(self.servers) >= self.keep:  # the least recently used goes
+            while len(self.servers) >= self.keep:
                 self.servers.pop(next(iter(self.servers))).stop()
-            server = stock_server(model_path, page_size, dtype)
-            self.started += 1
-        self.servers[key] = server  # the most recently used last
+            server = self.start(model_path, page_size, dtype)
+        self.servers[key] = server
+        return server
+
+    def __call__(self, model_path: Path, jobs: list[tuple[list[list[int]], int]], *,
+                 page_size: int, dtype: str = "bfloat16") -> list[list[list[int]]]:
+        server = self.server_for(model_path, page_size, dtype)
         try:
             return server_batches(model_path, jobs, page_size=page_size, dtype=dtype,
                                   server=server)
-        except BaseException:
-            self.servers.pop(key).stop()
+        except BaseException:  # a server that failed a batch is not kept
+            self.servers.pop((str(model_path), page_size, dtype)).stop()
             raise
 
     def close(self) -> None:
