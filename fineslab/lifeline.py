@@ -39,6 +39,7 @@ from typing import Protocol
 
 from fineslab.proctree import (
     FLEET_MARKER,
+    leftover_inodes,
     remove_dead_record,
     remove_files,
     stop_group,
@@ -53,10 +54,15 @@ RECORD_WAIT_S = 15.0
 POLL_S = 0.5
 
 
-#: Every this many polls the wrapper re-reads which SGLang shm files its tree maps; every poll
-#: during the first START_UP_POLLS (a server that dies starting up maps its files briefly).
-RECORD_EVERY_POLLS = 10
-START_UP_POLLS = 120
+#: The wrapper re-reads which SGLang shm files its tree maps (every process's /proc entry for
+#: the group, then the maps of each of the group's processes: tens of milliseconds) only when
+#: it may have changed: at the polls that follow a new leftover-named file in /dev/shm (one
+#: directory read per poll; a file is mapped just after it is created, so the poll that finds
+#: it and RESCAN_POLLS after), and every RECORD_EVERY_POLLS anyway. Re-reading every few polls
+#: whatever happened cost each idle runtime 2-3% of a core, and every start 60 s of re-reads
+#: a poll (the whole machine's /proc each time).
+RESCAN_POLLS = 2
+RECORD_EVERY_POLLS = 120
 
 
 def _group_others() -> list[int]:
@@ -91,9 +97,16 @@ def watch(fd: int, child: Child, what: str, grace_s: float) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     files: set[Path] = set()
+    seen: frozenset[int] = frozenset()
+    rescans = 0
     for polls in itertools.count():
         readable, _, _ = select.select([fd], [], [], POLL_S)
-        if polls % RECORD_EVERY_POLLS == 0 or readable or polls < START_UP_POLLS:
+        now_seen = leftover_inodes()
+        if now_seen - seen:
+            rescans = 1 + RESCAN_POLLS
+        seen = now_seen
+        if rescans or readable or polls % RECORD_EVERY_POLLS == 0:
+            rescans = max(0, rescans - 1)
             files |= tree_shm_files(_group_others())
         if readable and not os.read(fd, 1):  # EOF: the starter is gone
             print(f"fineslab.lifeline: the process that started {what} is "

@@ -108,6 +108,19 @@ def tree_pids_of_group(pgid: int) -> list[int]:
     return [pid for pid, fields in _live_processes() if int(fields[2]) == pgid]
 
 
+def alive_in_group(pids: Iterable[int], pgid: int) -> set[int]:
+    """Those of `pids` that are live (non-zombie) and still in process group `pgid` (a pid
+    reused by another process is not): `tree_pids_of_group` restricted to `pids`, reading
+    only their /proc entries, not every process's (a supervisor asks this of every runtime
+    twice a second)."""
+    alive = set()
+    for pid in pids:
+        fields = stat_fields(pid)
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            alive.add(pid)
+    return alive
+
+
 #: How long the resource tracker gets to clean up once the rest of its tree is gone.
 TRACKER_GRACE_S = 3.0
 
@@ -190,6 +203,14 @@ def tree_shm_files(pids: Iterable[int]) -> set[Path]:
             if is_leftover_name(entry.name) and entry.inode() in inodes:
                 found.add(Path(entry.path))
     return found
+
+
+def leftover_inodes() -> frozenset[int]:
+    """The inodes of the files in /dev/shm with a leftover's name (one directory read, no
+    /proc): what changes when a tree creates a file `tree_shm_files` would find."""
+    with contextlib.suppress(OSError), os.scandir(SHM_DIR) as entries:
+        return frozenset(entry.inode() for entry in entries if is_leftover_name(entry.name))
+    return frozenset()
 
 
 def remove_files(paths: Iterable[Path]) -> list[Path]:

@@ -51,6 +51,7 @@ from fineslab.env import FineslabEnv
 from fineslab.errors import EnvironmentSetupError
 from fineslab.proctree import (
     FLEET_MARKER,
+    alive_in_group,
     descendant_pids,
     process_name,
     remove_files,
@@ -324,12 +325,12 @@ class ServerProcess:
     def tree_intact(self) -> bool:
         """Whether every process the tree had when it became healthy is still alive (SGLang's
         server notices a dead scheduler only after a 5 s sleep; this sees it at once)."""
-        return self.members <= set(self.tree_pids())
+        return not self.members - alive_in_group(self.members, self.proc.pid)
 
     def lost_members(self) -> list[str]:
         """The processes of the healthy tree that are gone, as `name (pid N)`: which of SGLang's
         processes died, for the log."""
-        gone = self.members - set(self.tree_pids())
+        gone = self.members - alive_in_group(self.members, self.proc.pid)
         return [f"{self._member_names.get(pid) or 'process'} (pid {pid})" for pid in sorted(gone)]
 
     def cpu_ticks(self) -> dict[int, int]:

@@ -189,3 +189,67 @@ def _pids_running(script: str) -> list[int]:
             except OSError:
                 continue
     return pids
+
+
+def test_an_idle_wrapper_reads_its_trees_maps_only_when_dev_shm_gets_a_new_leftover(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wrapper's cost while it waits: a /proc scan of the tree (tens of milliseconds) in the
+    first polls (every file in /dev/shm is new to it), then only in the polls after a new
+    leftover-named file appears there (and every RECORD_EVERY_POLLS). Re-reading every few
+    polls whatever happened cost each idle runtime 2-3% of a core."""
+    from fineslab import lifeline
+
+    polls, new_file_at = 60, 20
+    looks = iter(range(polls + 1))
+    scans: list[int] = []
+    seen_at: list[int] = []
+
+    def inodes() -> frozenset[int]:
+        look = next(looks)
+        seen_at.append(look)
+        return frozenset({1} | ({2} if look >= new_file_at else set()))
+
+    class Child:
+        calls = 0
+
+        def poll(self) -> int | None:
+            Child.calls += 1
+            return 0 if Child.calls > polls else None
+
+    monkeypatch.setattr(lifeline, "POLL_S", 0.001)
+    monkeypatch.setattr(lifeline, "leftover_inodes", inodes)
+    monkeypatch.setattr(lifeline, "tree_shm_files",
+                        lambda pids: scans.append(len(seen_at) - 1) or set())
+    monkeypatch.setattr(lifeline, "_group_others", lambda: [])
+    read_end, write_end = os.pipe()
+    try:
+        assert lifeline.watch(read_end, Child(), "a stand-in", 1.0) == 0
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    rescans = 1 + lifeline.RESCAN_POLLS
+    assert scans == [*range(rescans), *range(new_file_at, new_file_at + rescans)], scans
+
+
+def test_alive_in_group_is_tree_pids_of_group_restricted_to_the_pids_asked() -> None:
+    """What a supervisor asks of every runtime twice a second, read from the pids' own /proc
+    entries: the live ones still in the group; a dead one, or one of another group, is not."""
+    from fineslab.proctree import alive_in_group
+
+    leader = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(child.pid, flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert leader.stdout is not None
+        child = int(leader.stdout.readline())
+        members = {leader.pid, child}
+        assert alive_in_group(members | {os.getpid()}, leader.pid) == members
+        assert members <= set(tree_pids_of_group(leader.pid))
+        os.kill(child, signal.SIGKILL)
+        assert _wait(lambda: alive_in_group(members, leader.pid) == {leader.pid}, 10)
+    finally:
+        stop_group(leader.pid, 1.0, reap=leader.poll)
+    assert _wait(lambda: not alive_in_group(members, leader.pid), 10)
