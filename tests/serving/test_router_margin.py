@@ -7,14 +7,20 @@ paper's gate refuses it, and a 600-token one (6 s, 3x) is refused by both."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import time
 from types import SimpleNamespace
 
+import httpx
 import pytest
 from fineslab.scheduler.local import MarginConfig, get_batch_policy
 
+from fineslab.router import Router, RouterServer
 from fineslab.router.metrics import RouterMetrics
 from fineslab.router.queues import Lease, ModelQueue, RequestDropped
 from fineslab.router.routes import ModelRoute, ReplicaRoute, RouterSettings
+from fineslab.router.testing import start_echo_backend
+from fineslab.runtime import free_port
 from tests.serving.test_router_queueing import LinearPredictor
 
 
@@ -89,3 +95,35 @@ def test_a_lease_released_without_a_first_token_counts_as_not_over_predicted() -
     assert gate.queue.margin is not None
     assert gate.queue.margin.samples == MarginConfig().min_samples
     assert gate.queue.margin.correction(gate.now_s) == pytest.approx(1.0)
+
+
+def test_the_proxy_feeds_the_margin_each_streamed_first_token() -> None:
+    """Through a real router and the echo backend (first token after 0.3 s): the gate predicts
+    5 s a prompt token, far too slow, so what the streamed first tokens teach is a correction
+    below 1; were they not fed (each lease would end as a release without a first token,
+    ratio >= 1), it would stay 1."""
+    port = free_port()
+    backend = start_echo_backend(port, delay_s=0.3)
+    route = ModelRoute("m", (ReplicaRoute("m-0", f"http://127.0.0.1:{port}"),), 10_000.0,
+                       LinearPredictor(5.0), None, 256)
+    router = Router([route], RouterSettings(batch_policy="adaptive-margin"))
+    server = RouterServer(router)
+    server.start()
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2, "stream": True}
+
+    def stream() -> int:
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body,
+                          timeout=60) as reply:
+            return sum(1 for line in reply.iter_lines() if line.startswith("data:"))
+
+    try:
+        count = MarginConfig().min_samples
+        with concurrent.futures.ThreadPoolExecutor(max_workers=count) as pool:
+            assert list(pool.map(lambda _: stream(), range(count))) == [3] * count
+        margin = router.queues["m"].margin
+        assert margin is not None and margin.samples == count
+        assert margin.correction(time.monotonic()) < 1.0
+    finally:
+        server.stop()
+        backend.terminate()
+        backend.wait(10)
