@@ -134,6 +134,21 @@ def test_a_request_that_waited_past_its_prediction_is_a_sample_at_once() -> None
     assert engine.policy.stats.margin_samples == 1, "still waiting: the decision replaces it"
 
 
+def test_each_admitted_request_is_predicted_behind_the_batch_before_it() -> None:
+    """Admitted together, "a" (50 tokens) first: a is predicted at 0.5 s, b (100 tokens) at
+    1.5 s, the prefill of both. 0.6 s later, neither with a token: a has waited past its
+    prediction (a sample), b has not."""
+    engine = Engine("adaptive-margin")
+    assert engine.step(_req("b", 100, engine.deadline_ms(9.0)),
+                       _req("a", 50, engine.deadline_ms(8.0))) == ["a", "b"]
+    engine.now_s += 0.6
+    engine.step()
+    assert engine.policy.stats.margin_samples == 1
+    engine.now_s += 1.0
+    engine.step()
+    assert engine.policy.stats.margin_samples == 2
+
+
 class _MovedOutputIds(SimpleNamespace):
     """A request whose `output_ids` is there for the decision, then gone (`gone`), as in an
     SGLang that moved it."""

@@ -61,6 +61,23 @@ def test_each_streamed_first_token_is_one_sample_counted_from_the_lease() -> Non
     assert gate.queue.margin is not None and gate.queue.margin.samples == 3
 
 
+def test_each_lease_carries_its_ttft_behind_the_batch_leased_before_it() -> None:
+    """Leased in one round, the earlier first: 50 tokens at 0.5 s, then 100 tokens at 1.5 s
+    (the prefill of both); the paper's gate carries no prediction."""
+    async def run(policy: str) -> list[float | None]:
+        gate = Gate(policy)
+        first = asyncio.ensure_future(gate.queue.acquire(50))
+        await asyncio.sleep(0)
+        gate.now_s += 0.01
+        second = asyncio.ensure_future(gate.queue.acquire(100))
+        await asyncio.sleep(0)
+        gate.queue.dispatch_once()
+        return [(await lease).predicted_ttft_s for lease in (first, second)]
+
+    assert asyncio.run(run("adaptive-margin")) == pytest.approx([0.5, 1.5])
+    assert asyncio.run(run("adaptive")) == [None, None]
+
+
 def test_after_its_first_tokens_the_gate_leases_what_the_papers_refuses() -> None:
     async def run(policy: str) -> list[int]:
         gate = Gate(policy)
