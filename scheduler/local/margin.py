@@ -110,8 +110,8 @@ class DropMargin:
 
 
 def _faded(ratio: float, age_s: float, half_life_s: float) -> float:
-    """`ratio` with its log halved for every `half_life_s` of `age_s` (a ratio of 0, a first
-    token at once, is taken at the floor's side: it fades from a tiny positive ratio)."""
+    """`ratio` with its log halved for every `half_life_s` of `age_s` (a ratio of 0 fades
+    from 1e-9: 0 to any power would stay 0)."""
     if age_s <= 0:
         return ratio
     return max(ratio, 1e-9) ** (0.5 ** (age_s / half_life_s))
