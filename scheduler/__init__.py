@@ -4,8 +4,9 @@
     devices, roofline                    analytical profiles (python -m fineslab.profile)
     predictors                           chunked-prefill TTFT predictor, throughput helpers
     local/                               batch policies: adaptive (Algorithm 2),
-                                         adaptive-early-shed, fcfs, moore-hodgson;
-                                         get_batch_policy(name)
+                                         adaptive-early-shed, their -margin peers (a drop
+                                         margin learned from first tokens), fcfs,
+                                         moore-hodgson; get_batch_policy(name)
     placement/                           placers: mme, mme-exact (Algorithm 1), kvpr, static;
                                          get_placement_policy(name, config); colocation
     elastic                              sleep/wake placement (lru-idle, prism)

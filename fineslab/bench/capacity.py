@@ -5,6 +5,7 @@ the same shared arena and against static partitions of it.
 
     python -m fineslab.bench.capacity [--json] [--quick] [--seed N ...] [--workload W ...]
                                       [--systems fineslab,shared-fcfs,static]
+                                      (or fineslab-router, fineslab-margin)
 
 The fleet: three generated models of different sizes and precisions (llama-tiny BF16,
 qwen2-tiny BF16, llama-small FP16) in one slab arena small enough that KV memory binds at the
@@ -16,6 +17,10 @@ for the whole run (the routers and asleep runtimes cost little when idle):
     fineslab-router  the same with `local_scheduler: router` (Algorithm 2 gates at the router,
                  SGLang forms the batches): what decides the `local_scheduler` default; not in
                  --quick
+    fineslab-margin  fineslab with `batch_policy: adaptive-early-shed-margin`: the same policy
+                 in the router and the engine, dropping by predictions corrected by a margin
+                 each learns from the first tokens of the requests it admitted
+                 (`fineslab.scheduler.local.margin`); only when --systems names it
     shared-fcfs  the same shared arena, `batch_policy: fcfs`: SGLang's own scheduling forms
                  every batch (Prism's memory sharing without its scheduler)
     static       the same arena cut into fixed partitions: each model's KV limit
@@ -55,7 +60,8 @@ same fleet, workload and calibrated profiles (one "GPU" with the arena as its KV
 Figures (last line with --json): per cell (workload, seed) and system every probe (rate scale,
 attainment, goodput, drops, late, TTFT p99), capacities at 0.99 and 0.90, and at the top the
 headline cell's `fineslab_capacity`, `shared_fcfs_capacity`, `static_capacity`,
-`sim_capacity_error`, `fineslab_over_best_baseline`.
+`sim_capacity_error`, `fineslab_over_best_baseline` (and, when run, `fineslab_router_capacity`,
+`fineslab_margin_capacity`, `engine_over_router_by_cell`, `margin_over_fineslab_by_cell`).
 """
 
 from __future__ import annotations
@@ -99,7 +105,9 @@ from fineslab.workload.traces import AZURE_CONV, SHAREGPT_STATS, load_lengths
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
-SYSTEMS = ("fineslab", "fineslab-router", "shared-fcfs", "static")
+SYSTEMS = ("fineslab", "fineslab-router", "fineslab-margin", "shared-fcfs", "static")
+#: What runs when --systems is not given (fineslab-margin only when asked for).
+DEFAULT_SYSTEMS = ("fineslab", "fineslab-router", "shared-fcfs", "static")
 #: The baselines fineslab is measured against (fineslab-router is fineslab's own variant).
 BASELINES = ("shared-fcfs", "static")
 WORKLOADS = ("shift", "replay")
@@ -110,18 +118,28 @@ BASE_LOAD = 0.25
 SLO_PERCENTILE = 95.0
 WARM_UP_ROUNDS = 2
 CALIBRATION_REPEATS = 3
+#: Each live system's fleet: its batch policy and local scheduler (module doc).
+FLEET_POLICIES = {
+    "fineslab": ("adaptive-early-shed", "engine"),
+    "fineslab-router": ("adaptive-early-shed", "router"),
+    "fineslab-margin": ("adaptive-early-shed-margin", "engine"),
+    "shared-fcfs": ("fcfs", "router"),
+    "static": ("fcfs", "router"),
+}
 #: The simulator's systems for the live ones (placer, batch policy, KV mode).
 SIM_SYSTEMS = {
     "fineslab": SystemSpec("fineslab", "mme", "adaptive", "shared"),
     # The simulator has no engine: its scheduler is the router's gate and batches in one.
     "fineslab-router": SystemSpec("fineslab-router", "mme", "adaptive", "shared"),
+    # Nothing feeds the margin in the simulator (its predictor is exact): Algorithm 2's figure.
+    "fineslab-margin": SystemSpec("fineslab-margin", "mme", "adaptive-margin", "shared"),
     "shared-fcfs": SystemSpec("shared-fcfs", "mme", "fcfs", "shared"),
     "static": SystemSpec("static", "static", "fcfs", "static"),
 }
 #: The simulated arena's smallest slab (the live planner's are about 1 MiB at these sizes).
 SIM_SLAB_BYTES = 1 << 20
-FLEET_IDS = {"fineslab": "capfs", "fineslab-router": "capfr", "shared-fcfs": "capsh",
-             "static": "capst"}
+FLEET_IDS = {"fineslab": "capfs", "fineslab-router": "capfr", "fineslab-margin": "capfm",
+             "shared-fcfs": "capsh", "static": "capst"}
 
 
 @dataclass(frozen=True)
@@ -141,7 +159,7 @@ MIX = (MixModel("tiny-bf16", "llama-tiny", "bf16", 1.0),
 class CapacityBenchConfig:
     workloads: tuple[str, ...] = WORKLOADS
     seeds: tuple[int, ...] = (0, 1)
-    systems: tuple[str, ...] = SYSTEMS
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS
     duration_s: float = 40.0
     slo_scale: float = 20.0
     arena_mib: int = 12
@@ -177,9 +195,9 @@ def fleet_config(cfg: CapacityBenchConfig, system: str, fleet_id: str,
         if calibration:
             model["profile"] = str(calibration.profile_paths[m.name])
         models.append(model)
+    batch_policy, local_scheduler = FLEET_POLICIES[system]
     return {"fleet_id": fleet_id, "kv_pool": "arena", "placement": "mme",
-            "batch_policy": "adaptive-early-shed" if system.startswith("fineslab") else "fcfs",
-            "local_scheduler": "engine" if system == "fineslab" else "router",
+            "batch_policy": batch_policy, "local_scheduler": local_scheduler,
             "devices": [{"name": "cpu", "kind": "cpu", "memory_gib": 8,
                          "kv_arena_mib": cfg.arena_mib}],
             "router": {"host": "127.0.0.1", "max_running_requests": cfg.max_running},
@@ -555,16 +573,17 @@ def summarize(cfg: CapacityBenchConfig, calibration: Calibration, limits: dict[s
     ours, best = cap("fineslab"), max(baselines, default=None)
     ratios: dict[str, float | None] = {}
     engine: dict[str, float | None] = {}  # local_scheduler engine over router, by cell
+    margin: dict[str, float | None] = {}  # fineslab-margin over fineslab, by cell
     for cell in cells:
-        systems = cell["systems"]
+        systems, name = cell["systems"], f"{cell['workload']}-{cell['seed']}"
         base = max((systems[s]["capacity"] for s in BASELINES if s in systems), default=0.0)
         if "fineslab" in systems:
-            ratios[f"{cell['workload']}-{cell['seed']}"] = (
-                round(systems["fineslab"]["capacity"] / base, 3) if base else None)
-        if "fineslab" in systems and "fineslab-router" in systems:
-            gate = systems["fineslab-router"]["capacity"]
-            engine[f"{cell['workload']}-{cell['seed']}"] = (
-                round(systems["fineslab"]["capacity"] / gate, 3) if gate else None)
+            ratios[name] = round(systems["fineslab"]["capacity"] / base, 3) if base else None
+        for over, under, out in (("fineslab", "fineslab-router", engine),
+                                 ("fineslab-margin", "fineslab", margin)):
+            if over in systems and under in systems:
+                below = systems[under]["capacity"]
+                out[name] = round(systems[over]["capacity"] / below, 3) if below else None
     return {"config": {**{k: v for k, v in cfg.__dict__.items() if k != "mix"},
                        "mix": [m.__dict__ for m in cfg.mix]},
             "headline": f"{cells[0]['workload']}-{cells[0]['seed']}",
@@ -578,6 +597,8 @@ def summarize(cfg: CapacityBenchConfig, calibration: Calibration, limits: dict[s
             "fineslab_over_best_baseline_by_cell": ratios,
             "fineslab_router_capacity": cap("fineslab-router"),
             "engine_over_router_by_cell": engine,
+            "fineslab_margin_capacity": cap("fineslab-margin"),
+            "margin_over_fineslab_by_cell": margin,
             "sim_capacity_error": max(errors) if errors else None,
             "wall_s": round(wall_s, 1)}
 
@@ -651,8 +672,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", type=_names(WORKLOADS, "workloads"), default=None,
                         help=f"comma-separated, any of {','.join(WORKLOADS)}")
     parser.add_argument("--systems", type=_names(SYSTEMS, "systems"), default=None,
-                        help=f"comma-separated, any of {','.join(SYSTEMS)} (default all; "
-                             "--quick: all but fineslab-router)")
+                        help=f"comma-separated, any of {','.join(SYSTEMS)} (default "
+                             f"{','.join(DEFAULT_SYSTEMS)}; --quick: "
+                             f"{','.join(QUICK.systems)})")
     parser.add_argument("--duration", type=_positive, default=None,
                         help="seconds of arrivals per probe")
     parser.add_argument("--tolerance", type=_positive, default=None,

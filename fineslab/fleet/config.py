@@ -12,7 +12,8 @@ byte properties beside them; relative paths are resolved against the file's fold
                                     #               kv_arena_mib: 256}, {name: "cuda:0", ...}]
     kv_pool: arena                  # "sglang": runtimes keep SGLang's own pool (no plugin)
     placement: mme                  # global placer (fineslab.scheduler.placement)
-    batch_policy: adaptive-early-shed  # or adaptive (Algorithm 2 as written), fcfs, ...
+    batch_policy: adaptive-early-shed  # or adaptive (Algorithm 2 as written), adaptive-margin,
+                                    #   adaptive-early-shed-margin, fcfs, ...
     local_scheduler: router         # "engine": the policy also picks each runtime's prefill
                                     #   batches inside SGLang, by the router's deadlines
     engine_refresh: true            # engine: rescale the profile by the prefill steps each

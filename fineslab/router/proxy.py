@@ -286,6 +286,7 @@ async def _relay(queue: ModelQueue, lease: Lease, upstream: aiohttp.ClientRespon
                     first_s = last_s
                     queue.metrics.observe_ttft(model, first_s - lease.arrival_s,
                                                queue.route.ttft_slo_s)
+                    queue.first_token(lease, first_s)
                 num_events += events
             answered = answered or b"data: [DONE]" in chunk
             yield chunk

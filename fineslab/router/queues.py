@@ -15,6 +15,13 @@ round (on an arrival, a completion, a replica change, or every `tick_s`) the dis
        `on_drop: best_effort` moves it to a FIFO served from the slots left after admission;
        deferred: stays.
 
+A `-margin` policy (`fineslab.scheduler.local.margin`) learns here too: each lease carries the
+TTFT the queue's predictor gave it at the round that admitted it (the admitted batch up to it),
+and its first streamed token (`first_token`, from the proxy) is the sample, real TTFT from the
+lease. A lease released without one (not streamed, dropped by the engine, failed) counts as a
+first token at its prediction or later (ratio >= 1): what it says of the predictor is unknown,
+and the margin then only stays nearer the paper's drops.
+
 With no free slot the policy still runs with N_max = 1 so that requests that can no longer meet
 their deadline are dropped on time, but nothing is admitted. That holds with no runtime up too: a
 request then waits for a restart until its deadline, and is rejected as `NoLiveRuntime` (503)
@@ -40,7 +47,14 @@ from fineslab.errors import TransientError
 from fineslab.router.metrics import RouterMetrics
 from fineslab.router.replicas import Replica
 from fineslab.router.routes import ModelRoute, RouterSettings
-from fineslab.scheduler.local import BatchLimits, BatchPolicy, QueueSnapshot, WaitingRequest
+from fineslab.scheduler.local import (
+    BatchLimits,
+    BatchPolicy,
+    QueueSnapshot,
+    TtftPredictor,
+    WaitingRequest,
+    margin_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +82,7 @@ class Ticket:
     future: asyncio.Future[Replica]
     best_effort: bool = False
     leased_s: float = 0.0
+    predicted_ttft_s: float | None = None
 
 
 @dataclass
@@ -81,6 +96,8 @@ class Lease:
     request_id: str = ""
     leased_s: float = 0.0
     released: bool = field(default=False)
+    #: The TTFT predicted when it was leased, until a `-margin` policy's margin has its sample.
+    predicted_ttft_s: float | None = None
 
 
 class ModelQueue:
@@ -98,6 +115,7 @@ class ModelQueue:
         self._held: dict[str, float] = {}
         self._served = 0
         self.mean_service_s: float | None = None
+        self.margin = margin_of(policy)
 
     def __len__(self) -> int:
         return len(self._waiting) + len(self._best_effort)
@@ -147,15 +165,26 @@ class ModelQueue:
     @staticmethod
     def _lease_of(ticket: Ticket, replica: Replica) -> Lease:
         return Lease(replica, ticket.request.arrival_s, ticket.best_effort,
-                     ticket.request.request_id, ticket.leased_s)
+                     ticket.request.request_id, ticket.leased_s,
+                     predicted_ttft_s=ticket.predicted_ttft_s)
+
+    def first_token(self, lease: Lease, first_s: float) -> None:
+        """The leased request's first token was streamed at `first_s` (this queue's clock):
+        the margin's sample, its real TTFT counted from the lease (module doc)."""
+        if self.margin is not None and lease.predicted_ttft_s is not None:
+            self.margin.observe(lease.predicted_ttft_s, first_s - lease.leased_s, first_s)
+        lease.predicted_ttft_s = None
 
     def release(self, lease: Lease, served: bool = True) -> None:
         if not lease.released:
             lease.released = True
             lease.replica.inflight -= 1
             self._held.pop(lease.request_id, None)
+            now_s = self.clock()
             if served:
-                self._note_service(self.clock() - lease.leased_s)
+                self._note_service(now_s - lease.leased_s)
+            if lease.predicted_ttft_s is not None:  # no first token seen: ratio >= 1
+                self.first_token(lease, max(now_s, lease.leased_s + lease.predicted_ttft_s))
             self.wake()
 
     def _note_service(self, held_s: float) -> None:
@@ -214,8 +243,9 @@ class ModelQueue:
         decision = self.policy.decide(snapshot, self.route.predictor)
         by_id = {t.request.request_id: t for t in live}
         if free_slots > 0:
+            predicted = self._predicted(decision.admitted, self.route.predictor)
             for request in decision.admitted:
-                self._lease(by_id[request.request_id], up)
+                self._lease(by_id[request.request_id], up, predicted.get(request.request_id))
         for dropped in decision.dropped:
             ticket = by_id[dropped.request.request_id]
             if not up:
@@ -235,13 +265,27 @@ class ModelQueue:
                     f"(scheduler: {dropped.reason})"))
                 self.metrics.dropped(self.route.name, "rejected")
 
-    def _lease(self, ticket: Ticket, up: list[Replica]) -> bool:
+    def _predicted(self, admitted: tuple[WaitingRequest, ...],
+                   predictor: TtftPredictor) -> dict[str, float]:
+        """For a margin to learn from (module doc): each admitted request's predicted TTFT,
+        the prefill of the admitted batch up to it; empty when the policy learns nothing."""
+        if self.margin is None:
+            return {}
+        predicted, tokens = {}, 0
+        for request in admitted:
+            tokens += request.prompt_tokens
+            predicted[request.request_id] = predictor.ttft_s([tokens])
+        return predicted
+
+    def _lease(self, ticket: Ticket, up: list[Replica],
+               predicted_ttft_s: float | None = None) -> bool:
         candidates = [r for r in up if r.up and r.inflight < self.route.max_running_requests]
         if not candidates or ticket.future.done():
             return False
         replica = min(candidates, key=lambda r: r.inflight)
         replica.inflight += 1
         ticket.leased_s = self.clock()
+        ticket.predicted_ttft_s = predicted_ttft_s
         self._held[ticket.request.request_id] = ticket.leased_s
         ticket.future.set_result(replica)
         self.metrics.admitted(self.route.name, ticket.best_effort)

@@ -23,6 +23,15 @@ Every predicted TTFT uses the schedule's profile scaled by the prefill steps thi
 run (`step_refresh.RefreshedPredictor`, timed around this same hook), so a profile measured
 elsewhere, or a machine whose speed has changed, corrects itself while serving.
 
+A `-margin` policy (`fineslab.scheduler.local.margin`) also learns from first tokens here: each
+admitted request's predicted TTFT (the work ahead, the admitted batch before it and its own
+prompt) is kept from the decision SGLang took it after, and at the hook call after its first
+token (`output_ids` not empty: the step that emitted it is over) the time since that decision
+is its real TTFT (the hook runs every loop iteration, idle ones too; a later call only makes
+the sample look later, the safe side). One that waited past its prediction without a first
+token is a sample at once (its ratio is >= 1, all the margin keeps of it), so none is held for
+long; one back in the queue without a token waits for the next decision, which replaces it.
+
 A request that already produced tokens (retracted back to the queue) is never dropped or
 deferred: its first token is out. A failure inside the policy is logged and the step runs on
 SGLang's own admission with the queue untouched; it never stops the scheduler. The clock is
@@ -47,7 +56,9 @@ from fineslab.scheduler.local import (
     QueueSnapshot,
     WaitingRequest,
     get_batch_policy,
+    margin_of,
 )
+from fineslab.scheduler.local.margin import CorrectedPredictor
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
 from fineslab.scheduler.refreshed import PUBLISH_S, write_scales
 from fineslab.sglang_plugin.config import EngineSchedule
@@ -104,6 +115,18 @@ class EngineStats:
     dropped: int = 0
     deferred: int = 0
     failures: int = 0
+    #: First tokens (or waits past the prediction) fed to a `-margin` policy's margin.
+    margin_samples: int = 0
+
+
+@dataclass(frozen=True)
+class AwaitedToken:
+    """A request admitted at `decided_s` (wall clock), predicted to have its first token
+    `predicted_s` later: the margin's sample once it has (module doc)."""
+
+    req: Any
+    decided_s: float
+    predicted_s: float
 
 
 class EngineBatchPolicy:
@@ -124,11 +147,16 @@ class EngineBatchPolicy:
         self._tp_refused = False
         self._published_s, self._published_samples = -math.inf, 0
         self._aged_s = -math.inf
+        #: The margin a `-margin` policy learns with (None: none, or its feeding failed), and
+        #: the admitted requests whose first token it waits for (by id()).
+        self.margin = margin_of(self.policy)
+        self._awaited: dict[int, AwaitedToken] = {}
 
     def around(self, original: Callable[..., Any], scheduler: Any, *args: Any,
                **kwargs: Any) -> Any:
         running_batch = kwargs.get("running_batch", args[1] if len(args) > 1 else None)
         self._time_step(scheduler, formed=False)
+        self._note_first_tokens(scheduler)
         held = self._before(scheduler, running_batch)
         try:
             result = original(scheduler, *args, **kwargs)
@@ -178,6 +206,42 @@ class EngineBatchPolicy:
                              "the router's gate keeps the scales it last read", path)
             return
         self._published_s, self._published_samples = now_s, samples
+
+    def _note_first_tokens(self, scheduler: Any) -> None:
+        """Feed the margin the admitted requests that have their first token now, or waited
+        past their prediction without one (module doc); a request still waiting is left to
+        the next decision. A failure turns the learning off (the margin fades back to the
+        policy it wraps); it never stops the scheduler."""
+        if self.margin is None or not self._awaited:
+            return
+        try:
+            now_s = self.clock()
+            waiting = {id(req) for req in scheduler.waiting_queue}
+            for key, awaited in list(self._awaited.items()):
+                waited_s = now_s - awaited.decided_s
+                if len(awaited.req.output_ids) == 0 and (key in waiting
+                                                         or waited_s < awaited.predicted_s):
+                    continue
+                del self._awaited[key]
+                if self.margin.observe(awaited.predicted_s, waited_s, now_s):
+                    self.stats.margin_samples += 1
+        except Exception:
+            self.margin, self._awaited = None, {}
+            logger.exception("fineslab engine scheduler: feeding the drop margin failed; it "
+                             "fades back to the policy's own drops")
+
+    def _await_first_tokens(self, fresh: list[Any], admitted: list[Any],
+                            requests: list[WaitingRequest], predictor: AheadPredictor,
+                            now_s: float) -> None:
+        """Keep each admitted request's predicted TTFT, from this decision, for the margin: the
+        prefill ahead of it and of the admitted batch up to it; a fresh request's earlier
+        prediction is void (SGLang did not take it then)."""
+        for req in fresh:
+            self._awaited.pop(id(req), None)
+        tokens = 0
+        for req, request in zip(admitted, requests, strict=True):
+            tokens += request.prompt_tokens
+            self._awaited[id(req)] = AwaitedToken(req, now_s, predictor.ttft_s([tokens]))
 
     def _before(self, scheduler: Any, running_batch: Any) -> list[Any]:
         """Apply one decision to the waiting queue; the deferred requests to put back."""
@@ -233,9 +297,15 @@ class EngineBatchPolicy:
         dropped = [(by_id[d.request.request_id], d.request) for d in decision.dropped]
         admitted = [by_id[r.request_id] for r in decision.admitted]
         deferred = [by_id[r.request_id] for r in decision.deferred]
+        if self.margin is not None:
+            self._await_first_tokens(fresh, admitted, list(decision.admitted), predictor, now_s)
+        # The TTFT a drop's reason names is the one the policy decided with.
+        learned = margin_of(self.policy)
+        said = predictor if learned is None else CorrectedPredictor(
+            predictor, learned.correction(now_s))
         for req, request in dropped:
             self._drop(scheduler, req, drop_reason(
-                request.deadline_s(slo_s) - now_s, predictor.ttft_s([request.prompt_tokens]),
+                request.deadline_s(slo_s) - now_s, said.ttft_s([request.prompt_tokens]),
                 ahead))
         # Whatever is still queued and not admitted is held for this step (the deferred, and a
         # drop `_drop` left alone): no request leaves the queue but by SGLang's own abort.

@@ -2,6 +2,10 @@
 
     policy = get_batch_policy("adaptive")      # or "adaptive-early-shed", "fcfs", "moore-hodgson"
     decision = policy.decide(QueueSnapshot(...), ChunkedPrefillPredictor.from_profile(p))
+
+The `-margin` peers (`adaptive-margin`, `adaptive-early-shed-margin`) decide as the policy they
+name on a prediction corrected by a margin learned from first tokens (margin.py); a caller that
+sees first tokens feeds `margin_of(policy)`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,13 @@ from fineslab.scheduler.local.base import (
 )
 from fineslab.scheduler.local.baselines import FcfsBatchPolicy, MooreHodgsonBatchPolicy
 from fineslab.scheduler.local.early_shed import EarlyShedBatchPolicy
+from fineslab.scheduler.local.margin import (
+    MARGIN_SUFFIX,
+    DropMargin,
+    MarginBatchPolicy,
+    MarginConfig,
+    margin_of,
+)
 
 from fineslab.errors import ConfigError
 
@@ -29,6 +40,8 @@ BATCH_POLICIES: dict[str, Callable[[], BatchPolicy]] = {
     EarlyShedBatchPolicy.name: EarlyShedBatchPolicy,
     FcfsBatchPolicy.name: FcfsBatchPolicy,
     MooreHodgsonBatchPolicy.name: MooreHodgsonBatchPolicy,
+    AdaptiveBatchPolicy.name + MARGIN_SUFFIX: lambda: MarginBatchPolicy(AdaptiveBatchPolicy()),
+    EarlyShedBatchPolicy.name + MARGIN_SUFFIX: lambda: MarginBatchPolicy(EarlyShedBatchPolicy()),
 }
 
 
@@ -42,7 +55,7 @@ def get_batch_policy(name: str) -> BatchPolicy:
 
 __all__ = [
     "BATCH_POLICIES", "ENGINE_DROP_PREFIX", "AdaptiveBatchPolicy", "BatchDecision",
-    "BatchLimits", "BatchPolicy", "DroppedRequest", "EarlyShedBatchPolicy", "FcfsBatchPolicy",
-    "MooreHodgsonBatchPolicy",
-    "QueueSnapshot", "TtftPredictor", "WaitingRequest", "get_batch_policy",
+    "BatchLimits", "BatchPolicy", "DropMargin", "DroppedRequest", "EarlyShedBatchPolicy",
+    "FcfsBatchPolicy", "MarginBatchPolicy", "MarginConfig", "MooreHodgsonBatchPolicy",
+    "QueueSnapshot", "TtftPredictor", "WaitingRequest", "get_batch_policy", "margin_of",
 ]
