@@ -11,10 +11,13 @@ An SGLang 0.5.23 server leaves files in /dev/shm that nobody removes when it is 
     sglang_loads_<name>_<hash>.shm   the scheduler's load snapshot (managers/load_snapshot.py)
     sem.mp-<random>                  multiprocessing semaphores of its spawned children; the
                                      resource tracker that would unlink them dies with the tree
+    <temporary folder>/tmpXXXXXXXX   its ZMQ endpoints' IPC sockets (six a server), bound at
+                                     `tempfile.NamedTemporaryFile` names (`IPC_SOCKET_PATTERN`)
 
 They are named from random or hashed parts, so they cannot be told apart by name from another
 server's. They can by use: while a process of the tree lives, it maps them (semaphores and the
-snapshot are mmap'd) or holds them open. `tree_shm_files(pids)` reads that from /proc;
+snapshot are mmap'd) or holds them open, or has bound them (the sockets, by inode in
+/proc/net/unix). `tree_shm_files(pids)` reads that from /proc;
 `ServerProcess` records it once the server is healthy (and again on each stop), and the
 lifeline wrapper (`fineslab.lifeline`) records it while it waits, so either can remove the files
 after the tree is gone, even when it was killed with SIGKILL. An in-process `sglang.Engine`
@@ -33,6 +36,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -48,8 +52,24 @@ FLEET_MARKER = "FINESLAB_FLEET_ID"
 LEFTOVER_PATTERNS = ("sglang_loads_*", "sem.mp-*", "sgl_shm_*", "multi_tokenizer_args_*")
 
 
+#: SGLang 0.5.23 names each ZMQ endpoint of a server `ipc://` + a `tempfile.NamedTemporaryFile(
+#: delete=False)` name: six sockets `tmpXXXXXXXX` in the temporary folder per server start,
+#: which nothing unlinks when the tree is killed (a run of the test suite left hundreds).
+#: Removed only when the tree's own processes had them bound (by inode, /proc/net/unix) and
+#: they are still sockets.
+IPC_SOCKET_PATTERN = "tmp????????"
+
+
 def is_leftover_name(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in LEFTOVER_PATTERNS)
+
+
+def is_leftover_path(path: Path) -> bool:
+    """A leftover's name in /dev/shm, or an IPC socket's in the temporary folder."""
+    if path.parent == SHM_DIR:
+        return is_leftover_name(path.name)
+    return (path.parent == Path(tempfile.gettempdir())
+            and fnmatch.fnmatchcase(path.name, IPC_SOCKET_PATTERN))
 
 
 def stat_fields(pid: int) -> list[str]:
@@ -174,8 +194,14 @@ def _shm_inodes(pid: int) -> set[int]:
     temporary name, maps it, then links it to its real name (`sem.mp-...`) and unlinks the
     temporary one, so the mapping's path is a deleted name while the inode is the file's.
     """
+    return _held_inodes(pid)[0]
+
+
+def _held_inodes(pid: int) -> tuple[set[int], set[int]]:
+    """(inodes of the /dev/shm files `pid` maps or holds open, inodes of its sockets)."""
     prefix = str(SHM_DIR) + "/"
     inodes: set[int] = set()
+    sockets: set[int] = set()
     with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
         for line in f:
             parts = line.split(None, 5)
@@ -185,19 +211,41 @@ def _shm_inodes(pid: int) -> set[int]:
         fd_dir = f"/proc/{pid}/fd"
         for fd in os.listdir(fd_dir):
             with contextlib.suppress(OSError):
-                if os.readlink(f"{fd_dir}/{fd}").startswith(prefix):
+                target = os.readlink(f"{fd_dir}/{fd}")
+                if target.startswith(prefix):
                     inodes.add(os.stat(f"{fd_dir}/{fd}").st_ino)
-    return inodes
+                elif target.startswith("socket:["):
+                    sockets.add(int(target[8:-1]))
+    return inodes, sockets
+
+
+def _bound_ipc_sockets(inodes: set[int]) -> set[Path]:
+    """The IPC socket paths (`IPC_SOCKET_PATTERN` in the temporary folder) bound by the
+    sockets of `inodes`, from /proc/net/unix (Num RefCount Protocol Flags Type St Inode Path)."""
+    found: set[Path] = set()
+    with contextlib.suppress(OSError), open("/proc/net/unix") as f:
+        next(f, None)
+        for line in f:
+            parts = line.split()
+            if len(parts) == 8 and parts[6].isdigit() and int(parts[6]) in inodes:
+                path = Path(parts[7])
+                if is_leftover_path(path) and path.parent != SHM_DIR:
+                    found.add(path)
+    return found
 
 
 def tree_shm_files(pids: Iterable[int]) -> set[Path]:
-    """The SGLang leftover files (see the module docstring) that `pids` map or hold open."""
+    """The SGLang leftover files (see the module docstring) that `pids` map or hold open, and
+    the IPC sockets they have bound (`IPC_SOCKET_PATTERN`)."""
     inodes: set[int] = set()
+    sockets: set[int] = set()
     for pid in pids:
-        inodes |= _shm_inodes(pid)
+        held, bound = _held_inodes(pid)
+        inodes |= held
+        sockets |= bound
+    found: set[Path] = _bound_ipc_sockets(sockets) if sockets else set()
     if not inodes:
-        return set()
-    found: set[Path] = set()
+        return found
     with contextlib.suppress(OSError), os.scandir(SHM_DIR) as entries:
         for entry in entries:
             if is_leftover_name(entry.name) and entry.inode() in inodes:
@@ -217,9 +265,12 @@ def remove_files(paths: Iterable[Path]) -> list[Path]:
     """Unlink the given leftover files; returns those removed. Refuses any other name."""
     removed = []
     for path in paths:
-        if not is_leftover_name(path.name):
+        if not is_leftover_path(path) and not is_leftover_name(path.name):
             raise ValueError(f"{path} is not an SGLang leftover file; refusing to remove it")
         try:
+            if path.parent != SHM_DIR and is_leftover_path(path) \
+                    and not stat.S_ISSOCK(path.lstat().st_mode):
+                continue  # an IPC name only while it is still a socket
             path.unlink()
         except FileNotFoundError:
             continue

@@ -253,3 +253,59 @@ def test_alive_in_group_is_tree_pids_of_group_restricted_to_the_pids_asked() -> 
     finally:
         stop_group(leader.pid, 1.0, reap=leader.poll)
     assert _wait(lambda: not alive_in_group(members, leader.pid), 10)
+
+
+def _ipc_name() -> Path:
+    """A fresh name as SGLang makes its IPC endpoints' (`tmpXXXXXXXX` in the temporary folder),
+    the file created empty."""
+    import tempfile
+
+    fd, name = tempfile.mkstemp()
+    os.close(fd)
+    return Path(name)
+
+
+def test_the_trees_bound_ipc_sockets_are_found_and_removed_once_it_is_gone() -> None:
+    """SGLang binds its ZMQ endpoints at `tempfile.NamedTemporaryFile(delete=False)` names (six
+    sockets a server start in the temporary folder) and nothing unlinks them when the tree is
+    killed: `tree_shm_files` finds those the tree has bound (by socket inode), `remove_files`
+    unlinks them while they are sockets; a socket another process bound is not the tree's."""
+    import socket
+
+    bound = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import socket, sys, tempfile, time
+        name = tempfile.NamedTemporaryFile(delete=False).name
+        import os; os.unlink(name)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.bind(name); s.listen()
+        print(name, flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    others = _ipc_name()
+    others.unlink()
+    mine = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    mine.bind(str(others))
+    try:
+        assert bound.stdout is not None
+        path = Path(bound.stdout.readline().strip())
+        found = tree_shm_files([bound.pid])
+        assert path in found and others not in found, (path, found)
+        os.kill(bound.pid, signal.SIGKILL)
+        bound.wait(10)
+        assert path.exists(), "SGLang's case: the killed tree leaves its socket"
+        assert remove_files(found) == [path] and not path.exists()
+        assert tree_shm_files([os.getpid()]) >= {others}
+    finally:
+        if bound.poll() is None:
+            bound.kill()
+        mine.close()
+        others.unlink(missing_ok=True)
+
+
+def test_an_ipc_name_that_is_no_longer_a_socket_is_left_alone(tmp_path: Path) -> None:
+    plain = _ipc_name()
+    try:
+        assert remove_files([plain]) == [] and plain.exists(), "a plain file of that name"
+    finally:
+        plain.unlink(missing_ok=True)
+    with pytest.raises(ValueError, match="refusing"):
+        remove_files([tmp_path / "tmpabcdefgh"])  # the name, but not in the temporary folder

@@ -225,6 +225,30 @@ def _stream_until_error(base_url: str, model: str,
     return "completed"
 
 
+def test_the_idle_benchmark_counts_every_process_of_the_fleet_by_kind(
+        fleet: LaunchedFleet) -> None:
+    """`python -m fineslab.bench.idle` against this fleet: each runtime's lifeline, server,
+    scheduler and detokenizer, the zygote and the launcher, found and sampled (the figures
+    themselves are in docs/serving.md, measured on an idle machine)."""
+    done = subprocess.run([sys.executable, "-m", "fineslab.bench.idle", "--fleet-id",
+                           fleet.fleet_id, "--seconds", "1", "--repeats", "2", "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    runtimes = len(MODELS)
+    assert figures["processes"] == {"launcher": 1, "lifeline": runtimes, "zygote": 1,
+                                    "server": runtimes, "scheduler": runtimes,
+                                    "detokenizer": runtimes, "other": 0}, figures
+    for kind, share in figures["percent_of_one_core"].items():
+        assert 0 <= share["min"] <= share["median"] <= share["max"] and share["n"] == 2, kind
+    assert "window 2 of 2" in done.stderr
+    missing = subprocess.run([sys.executable, "-m", "fineslab.bench.idle", "--fleet-id",
+                              "no-such-fleet", "--seconds", "1"],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "is it launched?" in missing.stderr, missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
 def test_killing_a_runtime_mid_load_errors_its_requests_restarts_it_and_others_answer(
         fleet: LaunchedFleet) -> None:
     victim = "llama-bf16-r0"

@@ -8,6 +8,7 @@ check_integrity, after every step; and it predicts exactly when an alloc must fa
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from tempfile import mkdtemp
 from typing import Protocol
@@ -60,7 +61,8 @@ class SlabMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         spec = ArenaSpec("hyp", "cpu0", NUM_SLABS * SLAB_BYTES, SLAB_BYTES, 8)
-        self.arena = SlabArena.create(spec, shm_dir=Path(mkdtemp()))
+        self.shm_dir = Path(mkdtemp(prefix="fineslab-hyp-"))
+        self.arena = SlabArena.create(spec, shm_dir=self.shm_dir)
         self.clients = [self.arena.client("ra", FMT_A), self.arena.client("rb", FMT_B)]
         self.live: list[set[int]] = [set(), set()]
 
@@ -118,6 +120,7 @@ class SlabMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.arena.close()
+        shutil.rmtree(self.shm_dir, ignore_errors=True)  # one folder per example: ~160 a run
 
 
 SlabMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
@@ -132,7 +135,8 @@ class PooledSlabMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         spec = ArenaSpec("hyp-pool", "cpu0", NUM_SLABS * SLAB_BYTES, SLAB_BYTES, 8)
-        self.arena = SlabArena.create(spec, shm_dir=Path(mkdtemp()))
+        self.shm_dir = Path(mkdtemp(prefix="fineslab-hyp-"))
+        self.arena = SlabArena.create(spec, shm_dir=self.shm_dir)
         # no block caches: the model predicts every refusal (test_slab_pool_cache.py has a
         # seeded random run with them)
         self.clients = [PooledSlabs(self.arena.table, "pa", FMT_A, cache_blocks=0),
@@ -199,6 +203,7 @@ class PooledSlabMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.arena.close()
+        shutil.rmtree(self.shm_dir, ignore_errors=True)  # one folder per example: ~160 a run
 
 
 PooledSlabMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
