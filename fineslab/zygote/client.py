@@ -27,6 +27,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from fineslab import startlog
 from fineslab.errors import EnvironmentSetupError
 from fineslab.proctree import FLEET_MARKER, ProcessIdentity
 from fineslab.zygote.protocol import (
@@ -170,6 +171,9 @@ class Zygote:
             argv += ["--preload", *self.preload]
         argv += ["--title-room", "." * TITLE_ROOM_CHARS]
         started = time.monotonic()
+        counted = self.preload is None  # the default: SGLang's modules (a start to count)
+        if counted:
+            startlog.record("begin", "zygote", "imports SGLang")
         with open(self.log_path, "wb") as log:
             starter = subprocess.Popen(argv, env={**self.env, **TITLE_ENV},
                                        stdout=subprocess.PIPE, stderr=log,
@@ -194,6 +198,8 @@ class Zygote:
                                     f"its log's end:\n{tail}")
         self.identity = ProcessIdentity.of(int(pid))
         self.ready_s = time.monotonic() - started
+        if counted:
+            startlog.record("ready", "zygote", "imports SGLang", self.ready_s)
         logger.info("zygote pid %s ready in %.1f s (SGLang imported once for every runtime)",
                     pid, self.ready_s)
 
