@@ -1,4 +1,4 @@
-"""Counted starts: every SGLang runtime, in-process engine and Ray cluster fineslab starts,
+"""Counted starts: every SGLang runtime, zygote, in-process engine and Ray cluster fineslab starts,
 one JSON line each in the file `FINESLAB_START_LOG` names (unset: nothing is written).
 
     {"event": "begin", "what": "sglang-server", "how": "warm", "pid": 123, "detail": "..."}
