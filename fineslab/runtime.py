@@ -60,7 +60,13 @@ from fineslab.proctree import (
     tree_pids_of_group,
     tree_shm_files,
 )
-from fineslab.zygote import ForkedProcess, Zygote, ZygoteUnavailable, shared_zygote
+from fineslab.zygote import (
+    ForkedProcess,
+    Zygote,
+    ZygoteAbandoned,
+    ZygoteUnavailable,
+    shared_zygote,
+)
 from fineslab.zygote.protocol import ForkRequest
 
 logger = logging.getLogger(__name__)
@@ -173,6 +179,8 @@ def prestart_zygote(cpu: bool = True, fleet_id: str | None = None,
         marker = {FLEET_MARKER: fleet_id} if fleet_id else {}
         return shared_zygote(cpu, {**_base_environ(cpu), **(env or {}), **marker},
                              lifeline_read_fd())
+    except ZygoteAbandoned:
+        return None  # its launcher is stopping
     except ZygoteUnavailable as exc:
         logger.warning("no zygote: runtimes start plainly (%s)", exc)
         return None

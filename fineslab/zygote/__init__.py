@@ -31,6 +31,7 @@ from __future__ import annotations
 from fineslab.zygote.client import (
     ForkedProcess,
     Zygote,
+    ZygoteAbandoned,
     ZygoteUnavailable,
     dead_zygotes,
     revive_dead_zygotes,
@@ -38,5 +39,5 @@ from fineslab.zygote.client import (
     stop_shared_zygotes,
 )
 
-__all__ = ["ForkedProcess", "Zygote", "ZygoteUnavailable", "dead_zygotes",
+__all__ = ["ForkedProcess", "Zygote", "ZygoteAbandoned", "ZygoteUnavailable", "dead_zygotes",
            "revive_dead_zygotes", "shared_zygote", "stop_shared_zygotes"]

@@ -67,6 +67,10 @@ class ZygoteUnavailable(EnvironmentSetupError):
     plainly. Transient: the next start asks again."""
 
 
+class ZygoteAbandoned(ZygoteUnavailable):
+    """A zygote stopped while it imported: its launcher is stopping."""
+
+
 class ForkedProcess:
     """A runtime the zygote forked (the lifeline wrapper, its session's leader).
 
@@ -162,6 +166,9 @@ class Zygote:
         #: The zygote process (not a child: it leaves its starter's tree), once ready.
         self.identity: ProcessIdentity | None = None
         self.ready_s: float | None = None
+        #: The starter's pid (its session holds the zygote) while it imports; `abandon` kills it.
+        self._starter: int | None = None
+        self.abandoned = False
 
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Start the zygote and wait until it has imported SGLang; ZygoteUnavailable if not."""
@@ -180,6 +187,9 @@ class Zygote:
                                        stdin=subprocess.DEVNULL, start_new_session=True,
                                        pass_fds=(self.lifeline_fd,))
         assert starter.stdout is not None
+        self._starter = starter.pid
+        if self.abandoned:  # stopped before its process existed
+            self._stop_group(starter.pid)
         try:
             line = _read_line(starter.stdout, timeout_s)
         except BaseException:  # interrupted (the launcher stopping): no zygote left behind
@@ -190,6 +200,10 @@ class Zygote:
             starter.stdout.close()
             starter.wait()  # it exits at once; the zygote is its fork
         word, _, pid = line.partition(" ")
+        if self.abandoned:
+            self._stop_group(starter.pid)
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise ZygoteAbandoned("stopped before it was ready (its launcher is stopping)")
         if word != "ready" or not pid.isdigit():
             self._stop_group(starter.pid)
             tail = self.log_tail()
@@ -250,6 +264,13 @@ class Zygote:
         except OSError:
             return "(no log)"
 
+    def abandon(self) -> None:
+        """Stop a zygote that is still importing, at once: its `start` raises ZygoteAbandoned
+        (a launch that fails while its zygote imports ends without waiting for the import)."""
+        self.abandoned = True
+        if self._starter is not None and self.identity is None:
+            self._stop_group(self._starter)
+
     def stop(self) -> None:
         """Stop the zygote (its runtimes keep running) and remove its folder."""
         if self.alive():
@@ -297,6 +318,9 @@ _lock = threading.Lock()
 #: (cpu, fleet marker or "") -> the zygote; a fleet's runtimes fork from a zygote whose own
 #: environment carries the fleet's marker, which /proc shows for every fork.
 _zygotes: dict[tuple[bool, str], Zygote] = {}
+#: Zygotes importing right now (their start holds `_lock`): what `stop_shared_zygotes` abandons.
+_starting: set[Zygote] = set()
+_starting_lock = threading.Lock()
 _deaths: dict[tuple[bool, str], int] = {}
 
 
@@ -336,11 +360,17 @@ def shared_zygote(cpu: bool, env: Mapping[str, str], lifeline_fd: int) -> Zygote
         if _deaths.get(key, 0) >= MAX_DEATHS:
             raise ZygoteUnavailable(f"the zygote died {MAX_DEATHS} times; starting plainly")
         zygote = Zygote(wanted, lifeline_fd)
+        with _starting_lock:
+            _starting.add(zygote)
         try:
             zygote.start()
         except ZygoteUnavailable:
-            _deaths[key] = MAX_DEATHS  # one that cannot start will not start next time either
+            if not zygote.abandoned:  # one that cannot start will not start next time either
+                _deaths[key] = MAX_DEATHS
             raise
+        finally:
+            with _starting_lock:
+                _starting.discard(zygote)
         _zygotes[key] = zygote
         return zygote
 
@@ -365,7 +395,12 @@ def revive_dead_zygotes() -> None:
 
 
 def stop_shared_zygotes() -> None:
-    """Stop this process's zygotes (their runtimes keep running); the next start makes new."""
+    """Stop this process's zygotes (their runtimes keep running); the next start makes new. One
+    still importing is abandoned first, so that this does not wait for its import."""
+    with _starting_lock:
+        starting = list(_starting)
+    for zygote in starting:
+        zygote.abandon()
     with _lock:
         for zygote in _zygotes.values():
             zygote.stop()

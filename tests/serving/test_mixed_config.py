@@ -92,6 +92,7 @@ def test_runtime_env_may_not_override_the_launchers_variables() -> None:
     assert "env may not set ['FINESLAB_KV_FORMAT']" in _error_of(data)
 
 
+@pytest.mark.slow  # the launcher's zygote starts importing SGLang while it checks (counted)
 def test_a_bad_awq_checkpoint_stops_the_launch_naming_the_file(tmp_path: Path,
                                                                model_cache: Path) -> None:
     awq = write_awq_checkpoint(model_cache / "llama-tiny", tmp_path / "awq",

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from fineslab.proctree import FLEET_MARKER, descendant_pids, stop_group, tree_pids_of_group
-from fineslab.zygote import ForkedProcess, Zygote, ZygoteUnavailable
+from fineslab.zygote import ForkedProcess, Zygote, ZygoteAbandoned, ZygoteUnavailable
 from fineslab.zygote.protocol import ForkRequest
 
 HERE = Path(__file__).resolve().parent
@@ -187,3 +187,38 @@ def test_the_zygote_leaves_its_starters_process_tree(zygote: Zygote) -> None:
     and every later start was plain."""
     assert zygote.alive() and zygote.pid is not None
     assert zygote.pid not in descendant_pids(os.getpid())
+
+
+def test_a_zygote_abandoned_while_it_imports_stops_at_once_and_leaves_nothing(
+        lifeline: tuple[int, int], tmp_path: Path) -> None:
+    """A launch that fails while its zygote still imports (a bad checkpoint) must not wait for
+    the import: `abandon` kills the starting zygote and its `start` raises ZygoteAbandoned."""
+    import threading
+
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "slow_import.py").write_text("import time\ntime.sleep(120)\n")
+    env = {**BASE_ENV, "PYTHONPATH": os.pathsep.join([str(slow), BASE_ENV["PYTHONPATH"]])}
+    z = Zygote(env, lifeline[0], preload=("slow_import",))
+    raised: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            z.start(timeout_s=120)
+        except BaseException as exc:  # the test reads what it raised
+            raised.append(exc)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while getattr(z, "_starter", None) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    starter = z._starter
+    assert starter is not None, "the zygote's starter never ran"
+    z.abandon()
+    thread.join(20)
+    assert not thread.is_alive(), "start() still waits for the import"
+    assert len(raised) == 1 and isinstance(raised[0], ZygoteAbandoned), raised
+    assert not z.folder.exists()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(starter, 0)
