@@ -42,7 +42,7 @@ from fineslab.proctree import (
     run_record_path,
     stat_fields,
 )
-from fineslab.tables import emit
+from fineslab.tables import add_json_flag, emit, repeats_arg
 
 KINDS = ("launcher", "lifeline", "zygote", "server", "scheduler", "detokenizer", "other")
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -141,16 +141,6 @@ def _positive(text: str) -> float:
     return value
 
 
-def _repeats(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"must be 1 to 100: {text!r}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fineslab.bench.idle",
@@ -160,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fleet-id", required=True, help="the running fleet's fleet_id")
     parser.add_argument("--seconds", type=_positive, default=30.0,
                         help="length of each window (default 30)")
-    parser.add_argument("--repeats", type=_repeats, default=3, help="windows (default 3)")
-    parser.add_argument("--json", action="store_true", help="the figures as JSON, last line")
+    parser.add_argument("--repeats", type=repeats_arg, default=3, help="windows (default 3)")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     try:
         out = run(args.fleet_id, args.seconds, args.repeats,
