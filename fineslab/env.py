@@ -50,6 +50,11 @@ ENGINE_POLICY_VAR = "FINESLAB_ENGINE_POLICY"
 #: "0": every runtime starts as a fresh interpreter instead of a fork of the launcher's zygote
 #: (fineslab.zygote, warm starts; on by default).
 ZYGOTE_VAR = "FINESLAB_ZYGOTE"
+#: The socket of a zygote another process started and keeps (`fineslab.zygote.client.
+#: serve_zygote`): runtimes whose environment it can take fork from it instead of from a
+#: zygote of their launcher's own (the test suite starts one per test process, which every
+#: fleet it launches shares). Unset: each launcher its own.
+SHARED_ZYGOTE_VAR = "FINESLAB_SHARED_ZYGOTE"
 #: A file to append a JSON line to for each SGLang runtime, engine and Ray cluster started
 #: (fineslab.startlog; the test suite sets it to count its starts). Unset: nothing written.
 START_LOG_VAR = "FINESLAB_START_LOG"
@@ -94,6 +99,7 @@ class FineslabEnv:
     layer_streaming: bool = False
     prefix_lending: int | None = None
     warm_starts: bool = True
+    shared_zygote: str | None = None
     start_log: str | None = None
     contract_path: str | None = None
 
@@ -115,6 +121,7 @@ class FineslabEnv:
                                                  env.get(LAYER_STREAMING_VAR))),
             prefix_lending=_parse_slabs(PREFIX_LENDING_VAR, env.get(PREFIX_LENDING_VAR)),
             warm_starts=_parse_tristate(ZYGOTE_VAR, env.get(ZYGOTE_VAR)) is not False,
+            shared_zygote=env.get(SHARED_ZYGOTE_VAR) or None,
             start_log=env.get(START_LOG_VAR) or None,
             contract_path=env.get(CONTRACT_VAR) or None,
         )

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from fineslab import cpu_mode, startlog
-from fineslab.env import FineslabEnv
+from fineslab.env import SHARED_ZYGOTE_VAR, FineslabEnv
 from fineslab.errors import EnvironmentSetupError
 from fineslab.proctree import (
     FLEET_MARKER,
@@ -65,6 +65,7 @@ from fineslab.zygote import (
     Zygote,
     ZygoteAbandoned,
     ZygoteUnavailable,
+    serve_zygote,
     shared_zygote,
 )
 from fineslab.zygote.protocol import ForkRequest
@@ -184,6 +185,24 @@ def prestart_zygote(cpu: bool = True, fleet_id: str | None = None,
     except ZygoteUnavailable as exc:
         logger.warning("no zygote: runtimes start plainly (%s)", exc)
         return None
+
+
+def serve_zygote_to_children(cpu: bool = True) -> Zygote | None:
+    """Start a zygote that this process's runtimes and its children's (launchers, node fleets,
+    benchmarks it starts) fork from, instead of each launcher importing SGLang for a zygote of
+    its own: `FINESLAB_SHARED_ZYGOTE` is set to its socket in this process's environment. A
+    runtime whose environment it cannot take (another variable a module reads at import) still
+    gets its launcher's own. It dies with this process; `stop()` it when done (and unset the
+    variable). None (logged) where warm starts are off or it cannot start."""
+    if not FineslabEnv.from_environ().warm_starts:
+        return None
+    try:
+        zygote = serve_zygote(_base_environ(cpu), lifeline_read_fd())
+    except ZygoteUnavailable as exc:
+        logger.warning("no zygote to share: each launcher starts its own (%s)", exc)
+        return None
+    os.environ[SHARED_ZYGOTE_VAR] = str(zygote.socket_path)
+    return zygote
 
 
 class ServerProcess:
@@ -453,6 +472,6 @@ def shutdown_engine(engine: object) -> list[Path]:
 
 __all__: Sequence[str] = [
     "PortInUse", "ServerProcess", "ServerSpec", "cpu_engine_kwargs", "free_port",
-    "prestart_zygote",
+    "prestart_zygote", "serve_zygote_to_children",
     "shutdown_engine", "start_engine", "start_server", "wait_until_up",
 ]

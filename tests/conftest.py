@@ -17,7 +17,10 @@ import pytest
 from start_counting import StartCounter, check_phase
 
 from fineslab import cpu_mode
+from fineslab.env import SHARED_ZYGOTE_VAR
 from fineslab.models.generate import ensure_model
+from fineslab.runtime import serve_zygote_to_children
+from fineslab.zygote import Zygote
 
 # In CPU mode the stand-ins must be on the path before anything imports sglang, and the
 # environment must reach the processes SGLang's Engine spawns.
@@ -64,12 +67,43 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.path not in slow_files)
 
 
+# The suite's zygote (fineslab.runtime.serve_zygote_to_children): one per test process, from
+# which the runtimes of every fleet, node fleet and benchmark it launches fork (each launcher
+# imported SGLang for a zygote of its own before: 43 zygotes a run, ~10 CPU-s each). Tests of
+# the launcher's own zygote (its supervision, a launcher killed while it imports, its cost)
+# ask for `own_zygote`.
+_zygote: list[Zygote] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if getattr(session.config, "workerinput", None) is None \
+            and session.config.getoption("numprocesses", None):
+        return  # the xdist controller runs no test
+    if any(item.get_closest_marker("slow") is not None for item in session.items):
+        zygote = serve_zygote_to_children()
+        if zygote is not None:
+            _zygote.append(zygote)
+        _starts.new_begins("(the suite's zygote)")
+
+
+@pytest.fixture(scope="module")
+def own_zygote() -> Iterator[None]:
+    """This module's launchers and runtimes start zygotes of their own, as a user's do."""
+    socket = os.environ.pop(SHARED_ZYGOTE_VAR, None)
+    yield
+    if socket is not None:
+        os.environ[SHARED_ZYGOTE_VAR] = socket
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_WorkerStarts(), "fineslab-worker-starts")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    for zygote in _zygote:
+        zygote.stop()
+    os.environ.pop(SHARED_ZYGOTE_VAR, None)
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker
         workeroutput["fineslab_starts"] = _starts.to_json()

@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from fineslab.bench.repeats import interleave, ratios, spread
-from fineslab.env import ZYGOTE_VAR, FineslabEnv
+from fineslab.env import SHARED_ZYGOTE_VAR, ZYGOTE_VAR, FineslabEnv
 from fineslab.fleet.config import DeviceConfig, ModelConfig, SupervisionPolicy
 from fineslab.fleet.plan import RuntimePlan
 from fineslab.fleet.supervisor import SupervisedRuntime, Supervisor
@@ -201,6 +201,8 @@ def restarts(model: Path, logs: Path, repeats: int, warm: bool) -> list[float]:
 def run(model_name: str, repeats: int, logs: Path,
         progress: Callable[[str], None] = logger.info) -> dict[str, object]:
     model = ensure_model(model_name, FineslabEnv.from_environ().model_cache_dir)
+    # A zygote of its own, whose start and memory it measures: not one another process serves.
+    os.environ.pop(SHARED_ZYGOTE_VAR, None)
     started = time.monotonic()
     zygote = prestart_zygote(cpu=True)
     if zygote is None:

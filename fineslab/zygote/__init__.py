@@ -23,6 +23,9 @@ Guarantees:
   import gets a zygote started with its environment (`shared_zygote`);
 - the zygote is not in its launcher's process tree (an in-process SGLang engine's shutdown
   kills every descendant of its process); the lifeline ties it to the launcher;
+- a fork's environment as /proc shows it is its own (written over the zygote's), fleet marker
+  included, so one zygote may fork for several fleets: a process may serve its zygote to its
+  children's launchers (`serve_zygote`, `FINESLAB_SHARED_ZYGOTE`; the test suite does);
 - `FINESLAB_ZYGOTE=0` turns warm starts off.
 """
 
@@ -35,9 +38,10 @@ from fineslab.zygote.client import (
     ZygoteUnavailable,
     dead_zygotes,
     revive_dead_zygotes,
+    serve_zygote,
     shared_zygote,
     stop_shared_zygotes,
 )
 
 __all__ = ["ForkedProcess", "Zygote", "ZygoteAbandoned", "ZygoteUnavailable", "dead_zygotes",
-           "revive_dead_zygotes", "shared_zygote", "stop_shared_zygotes"]
+           "revive_dead_zygotes", "serve_zygote", "shared_zygote", "stop_shared_zygotes"]

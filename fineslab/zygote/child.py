@@ -11,7 +11,11 @@ this runtime is applied after the fork, before any of its code runs:
   is the launcher's pipe, and every descriptor the zygote holds for itself or for its other
   runtimes is closed;
 - the environment (`os.environ` is replaced whole, so `subprocess` and SGLang's own children
-  see it too), the working folder, `sys.argv`, the default signal handlers;
+  see it too), and what /proc shows of it: the fork's own, written over the zygote's in the
+  process's environment block (`show_environment`), so a fleet's processes carry its marker
+  whichever zygote forked them; the compute threads (`OMP_NUM_THREADS`, which torch read at
+  the zygote's import, applied with `torch.set_num_threads`); the working folder, `sys.argv`,
+  the default signal handlers;
 - the command line `ps` shows (`setproctitle`, as SGLang titles its own children): the same as
   a plain start's, so operators and tools find `sglang.launch_server` and `fineslab.lifeline`.
 
@@ -22,14 +26,17 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import logging
 import os
 import runpy
 import signal
 import sys
 import traceback
+from collections.abc import Mapping
 from typing import NoReturn
 
+from fineslab.proctree import FLEET_MARKER
 from fineslab.zygote.protocol import ForkRequest
 
 
@@ -50,6 +57,7 @@ def become_runtime(request: ForkRequest, log_fd: int, lifeline_fd: int,
         set_title(request.wrapper_title)  # first: setproctitle reads SPT_NOENV once, here
         os.environ.clear()
         os.environ.update(request.env)
+        show_environment(request.env)
         os.chdir(request.cwd)
         from fineslab.lifeline import watch
 
@@ -60,6 +68,51 @@ def become_runtime(request: ForkRequest, log_fd: int, lifeline_fd: int,
     except BaseException:  # whatever happens, never return into the zygote
         traceback.print_exc()
     _leave(code)
+
+
+#: The variable the zygote's torch read at import that a fork applies for itself.
+THREADS_VAR = "OMP_NUM_THREADS"
+
+
+def show_environment(env: Mapping[str, str]) -> bool:
+    """Write `env` over this process's environment block (what /proc/<pid>/environ and `ps e`
+    show, and what the fleet sweeps read a fleet's marker from), NUL-padded, the fleet's marker
+    first and whole entries only where it does not all fit. Call it once `os.environ` holds
+    `env`: libc's own copy then points at new strings, never at the block (checked; False and
+    nothing written if one still does, or the block cannot be found)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start, end = int(fields[47]), int(fields[48])  # env_start, env_end (stat(5))
+    except (OSError, IndexError, ValueError):
+        return False
+    libc = ctypes.CDLL(None)
+    environ = ctypes.POINTER(ctypes.c_void_p).in_dll(libc, "environ")
+    i = 0
+    while environ[i]:
+        if start <= environ[i] < end:
+            return False
+        i += 1
+    entries = sorted(env.items(), key=lambda kv: kv[0] != FLEET_MARKER)
+    room, data = end - start, b""
+    for name, value in entries:
+        entry = f"{name}={value}".encode(errors="surrogateescape") + b"\0"
+        if len(data) + len(entry) <= room:
+            data += entry
+    ctypes.memmove(start, data.ljust(room, b"\0"), room)
+    return True
+
+
+def apply_thread_count(env: Mapping[str, str]) -> None:
+    """torch's compute threads as `env`'s `OMP_NUM_THREADS` says (unset: every core this
+    process may run on), where the zygote imported torch with another value."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    raw = env.get(THREADS_VAR, "")
+    wanted = int(raw) if raw.isdigit() and int(raw) > 0 else len(os.sched_getaffinity(0))
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
 
 
 def fresh_interpreter_signals() -> None:
@@ -96,6 +149,7 @@ def _run_server(request: ForkRequest) -> NoReturn:
     code: int = 1
     try:
         set_title(request.title)
+        apply_thread_count(request.env)
         if request.fork_children:
             from fineslab.cpu_mode.forked import fork_children
 

@@ -13,6 +13,7 @@ anyway); each fork then costs about 0.1 s of the zygote's time.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import select
@@ -28,7 +29,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from fineslab import startlog
+from fineslab.env import FineslabEnv
 from fineslab.errors import EnvironmentSetupError
+from fineslab.jsonfile import write_json_whole
 from fineslab.proctree import FLEET_MARKER, ProcessIdentity
 from fineslab.zygote.protocol import (
     STATUS,
@@ -51,6 +54,14 @@ MAX_DEATHS = 3
 #: after the fork, and pytest's (which it changes per test). Any other difference (an SGLang or
 #: torch switch a module may read at import) makes that runtime start plainly.
 FORK_SAFE_PREFIXES = ("FINESLAB_", "PYTEST_")
+#: Variables torch reads at import that a fork applies for itself (`child.apply_thread_count`),
+#: and the terminal's size, read when asked (`shutil.get_terminal_size`; pytest sets them).
+FORK_APPLIED = ("OMP_NUM_THREADS", "COLUMNS", "LINES")
+
+
+def fork_safe(name: str) -> bool:
+    """Whether a runtime may set variable `name` differently from its zygote."""
+    return name.startswith(FORK_SAFE_PREFIXES) or name in FORK_APPLIED
 
 
 #: Room in the zygote's command line for its forks' titles (setproctitle writes them there):
@@ -60,6 +71,9 @@ TITLE_ROOM_CHARS = 4096
 #: /proc/<pid>/environ of every fork still shows the zygote's environment, fleet marker
 #: included (the launcher's sweep and the chaos benchmark find a fleet's processes by it).
 TITLE_ENV = {"SPT_NOENV": "1"}
+#: Room in the zygote's environment block for its forks' own environments, which each writes
+#: there (`child.show_environment`): a fork's is the zygote's and its `FINESLAB_*` variables.
+ENV_ROOM = {"FINESLAB_ENVIRONMENT_ROOM": "." * 4096}
 
 
 class ZygoteUnavailable(EnvironmentSetupError):
@@ -155,12 +169,16 @@ class Zygote:
     """One zygote process (`python -m fineslab.zygote`) and its socket."""
 
     def __init__(self, env: Mapping[str, str], lifeline_fd: int,
-                 preload: tuple[str, ...] | None = None) -> None:
-        """`preload`: the modules to import ahead (default: the zygote's `PRELOAD`)."""
+                 preload: tuple[str, ...] | None = None, served: Path | None = None) -> None:
+        """`preload`: the modules to import ahead (default: the zygote's `PRELOAD`); `served`:
+        the folder of a zygote another process started and serves (`serve_zygote`), which
+        this one only forks from (its `lifeline_fd` then goes with each fork, and `stop`
+        leaves it running)."""
         self.env = dict(env)
         self.lifeline_fd = lifeline_fd
         self.preload = preload
-        self.folder = Path(tempfile.mkdtemp(prefix="fineslab-zygote-"))
+        self.served = served is not None
+        self.folder = served or Path(tempfile.mkdtemp(prefix="fineslab-zygote-"))
         self.socket_path = self.folder / "zygote.sock"
         self.log_path = self.folder / "zygote.log"
         #: The zygote process (not a child: it leaves its starter's tree), once ready.
@@ -182,7 +200,7 @@ class Zygote:
         if counted:
             startlog.record("begin", "zygote", "imports SGLang")
         with open(self.log_path, "wb") as log:
-            starter = subprocess.Popen(argv, env={**self.env, **TITLE_ENV},
+            starter = subprocess.Popen(argv, env={**self.env, **TITLE_ENV, **ENV_ROOM},
                                        stdout=subprocess.PIPE, stderr=log,
                                        stdin=subprocess.DEVNULL, start_new_session=True,
                                        pass_fds=(self.lifeline_fd,))
@@ -228,7 +246,7 @@ class Zygote:
         """Variables `env` sets differently from the zygote's that are not safe to apply after
         the fork (see `FORK_SAFE_PREFIXES`)."""
         names = set(env) ^ set(self.env) | {k for k in env if self.env.get(k) != env[k]}
-        return sorted(n for n in names if not n.startswith(FORK_SAFE_PREFIXES))
+        return sorted(n for n in names if not fork_safe(n))
 
     def fork(self, request: ForkRequest, log_fd: int) -> ForkedProcess:
         """Fork one runtime; ZygoteUnavailable (nothing started) if the zygote cannot."""
@@ -272,7 +290,10 @@ class Zygote:
             self._stop_group(self._starter)
 
     def stop(self) -> None:
-        """Stop the zygote (its runtimes keep running) and remove its folder."""
+        """Stop the zygote (its runtimes keep running) and remove its folder; one another
+        process serves is left to it."""
+        if self.served:
+            return
         if self.alive():
             assert self.identity is not None
             with contextlib.suppress(ProcessLookupError):
@@ -326,11 +347,63 @@ _deaths: dict[tuple[bool, str], int] = {}
 
 def zygote_environ(env: Mapping[str, str]) -> dict[str, str]:
     """The environment a zygote for a runtime of environment `env` starts with: all of it but
-    what is applied after the fork (`FORK_SAFE_PREFIXES`), the fleet's marker kept."""
-    kept = {k: v for k, v in env.items() if not k.startswith(FORK_SAFE_PREFIXES)}
+    what is applied after the fork (`fork_safe`), the fleet's marker kept."""
+    kept = {k: v for k, v in env.items() if not fork_safe(k)}
     if FLEET_MARKER in env:
         kept[FLEET_MARKER] = env[FLEET_MARKER]
     return kept
+
+
+#: Beside a served zygote's socket: its pid, start time and environment, for other processes.
+SERVED_FILE = "served.json"
+#: (socket, lifeline) -> the served zygote as this process forks from it.
+_served: dict[tuple[str, int], Zygote] = {}
+#: The reasons a served zygote was not used, each logged once per process.
+_not_served: set[str] = set()
+
+
+def serve_zygote(env: Mapping[str, str], lifeline_fd: int,
+                 preload: tuple[str, ...] | None = None) -> Zygote:
+    """Start a zygote for runtimes of environment `env` that other processes fork from too:
+    the caller sets `FINESLAB_SHARED_ZYGOTE` to its `socket_path` for its children (their
+    launchers then import SGLang no more; each fork still gets its own lifeline, log, and
+    environment, its fleet's marker included) and stops it when they are done. It exits when
+    `lifeline_fd` closes; `preload` as `Zygote`'s. ZygoteUnavailable if it does not start."""
+    zygote = Zygote(zygote_environ(env), lifeline_fd, preload)
+    zygote.start()
+    assert zygote.identity is not None
+    write_json_whole(zygote.folder / SERVED_FILE,
+                     {"pid": zygote.identity.pid, "start_ticks": zygote.identity.start_ticks,
+                      "env": zygote.env})
+    return zygote
+
+
+def _served_zygote(socket_path: str, env: Mapping[str, str], lifeline_fd: int) -> Zygote | None:
+    """The zygote another process serves at `socket_path`, if it runs and a runtime of
+    environment `env` can fork from it; None (the reason logged once) if not."""
+    folder = Path(socket_path).parent
+    try:
+        zygote = _served.get((socket_path, lifeline_fd))
+        if zygote is None or not zygote.alive():
+            info = json.loads((folder / SERVED_FILE).read_text())
+            zygote = Zygote(info["env"], lifeline_fd, served=folder)
+            zygote.identity = ProcessIdentity(int(info["pid"]), int(info["start_ticks"]))
+            _served[(socket_path, lifeline_fd)] = zygote
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        reason = f"no zygote is served at {socket_path} ({exc})"
+    else:
+        unsafe = zygote.unsafe_variables(zygote_environ(env))
+        if not zygote.alive():
+            reason = f"the zygote served at {socket_path} is gone"
+        elif unsafe:
+            reason = (f"the runtime's environment differs from the served zygote's in "
+                      f"{', '.join(unsafe[:5])}")
+        else:
+            return zygote
+    if reason not in _not_served:
+        _not_served.add(reason)
+        logger.info("%s: this launcher's own zygote forks it", reason)
+    return None
 
 
 def shared_zygote(cpu: bool, env: Mapping[str, str], lifeline_fd: int) -> Zygote:
@@ -340,6 +413,11 @@ def shared_zygote(cpu: bool, env: Mapping[str, str], lifeline_fd: int) -> Zygote
     a variable a module may read at import (an in-process SGLang engine sets a dozen in its
     process) gets a zygote started with its environment, which replaces the old one (whose
     runtimes serve on)."""
+    served = FineslabEnv.from_environ().shared_zygote
+    if served:
+        zygote = _served_zygote(served, env, lifeline_fd)
+        if zygote is not None:
+            return zygote
     key = (cpu, env.get(FLEET_MARKER, ""))
     wanted = zygote_environ(env)
     with _lock:

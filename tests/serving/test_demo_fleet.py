@@ -37,7 +37,8 @@ from fineslab.bench.sharegpt_mini import DATASET_FILE
 from fineslab.env import CPU_MODE_VAR, SGLANG_CPU_ENGINE_VAR
 from fineslab.proctree import running_routers, tree_pids_of_group
 
-pytestmark = pytest.mark.slow
+# The launcher's own zygote, as a user's fleet has (not the suite's: conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("own_zygote")]
 
 MODELS = ("llama-bf16", "llama-small-fp16", "qwen2-bf16", "smollm2")
 #: The tokenizer of each model, for sglang.bench_serving.

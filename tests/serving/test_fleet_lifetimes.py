@@ -21,6 +21,7 @@ import pytest
 from fleet_support import REPO, LaunchedFleet, group_alive, launch, shm_files
 
 from fineslab.bench.chaos_fleet import fleet_processes
+from fineslab.env import SHARED_ZYGOTE_VAR
 from fineslab.fleet import FleetHandle
 from fineslab.lifeline import remove_dead_fleet_files
 from fineslab.proctree import stat_fields
@@ -200,6 +201,11 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+def _without_the_suites_zygote() -> dict[str, str]:
+    """This process's environment but the suite's zygote (conftest.py): a launcher's own."""
+    return {k: v for k, v in os.environ.items() if k != SHARED_ZYGOTE_VAR}
+
+
 def test_a_launcher_killed_while_its_zygote_imports_leaves_no_arena(
         folder: Path, model_cache: Path) -> None:
     """kill -9 of the launcher alone after it made its arena, while its zygote still imports
@@ -217,7 +223,8 @@ def test_a_launcher_killed_while_its_zygote_imports_leaves_no_arena(
                                      str(path), "--log-dir", str(folder / "zygote-only-logs")],
                                     stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
                                     start_new_session=True,
-                                    env=dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache)))
+                                    env={**_without_the_suites_zygote(),
+                                         "FINESLAB_MODEL_CACHE": str(model_cache)})
     record = Path(f"/dev/shm/fineslab-{fleet_id}.run")
     try:
         deadline = time.monotonic() + 300

@@ -13,7 +13,8 @@ from fleet_support import launched
 
 from fineslab.fleet import fleet_processes
 
-pytestmark = pytest.mark.slow
+# The launcher's own zygote, as a user's fleet has (not the suite's: conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("own_zygote")]
 
 
 def _zygotes(fleet_id: str) -> list[int]:

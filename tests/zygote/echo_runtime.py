@@ -1,7 +1,8 @@
 """A stand-in runtime for the zygote's protocol tests: `python -m echo_runtime OUT [sleep|exit N]`.
 
-Writes what it was told (argv, FINESLAB_T, SGLANG_T, folder) and where it runs (pid, group,
-session, parent) to OUT as JSON, prints a line to its log, then sleeps or exits with N.
+Writes what it was told (argv, FINESLAB_T, folder, torch's threads where the zygote imported
+torch) and where it runs (pid, group, session, parent) to OUT as JSON, prints a line to its
+log, then sleeps or exits with N.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ def main() -> int:
     out, action = sys.argv[1], sys.argv[2:]
     report = {"argv": sys.argv, "t": os.environ.get("FINESLAB_T"), "cwd": os.getcwd(),
               "pid": os.getpid(), "pgid": os.getpgid(0), "sid": os.getsid(0),
-              "ppid": os.getppid(), "main": __name__}
+              "ppid": os.getppid(), "main": __name__,
+              "threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules
+              else None}
     with open(out + ".tmp", "w") as f:
         json.dump(report, f)
     os.rename(out + ".tmp", out)

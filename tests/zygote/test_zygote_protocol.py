@@ -20,8 +20,23 @@ from pathlib import Path
 
 import pytest
 
-from fineslab.proctree import FLEET_MARKER, descendant_pids, stop_group, tree_pids_of_group
-from fineslab.zygote import ForkedProcess, Zygote, ZygoteAbandoned, ZygoteUnavailable
+from fineslab.env import SHARED_ZYGOTE_VAR
+from fineslab.proctree import (
+    FLEET_MARKER,
+    carries_marker,
+    descendant_pids,
+    stop_group,
+    tree_pids_of_group,
+)
+from fineslab.zygote import (
+    ForkedProcess,
+    Zygote,
+    ZygoteAbandoned,
+    ZygoteUnavailable,
+    serve_zygote,
+    shared_zygote,
+)
+from fineslab.zygote.client import _served_zygote
 from fineslab.zygote.protocol import ForkRequest
 
 HERE = Path(__file__).resolve().parent
@@ -111,6 +126,84 @@ def test_forks_are_titled_as_a_plain_start_and_stopped_as_one_group(
         stop_group(proc.pid, 2.0, reap=proc.poll)
     assert proc.wait(10) is not None
     assert not tree_pids_of_group(proc.pid)
+
+
+def _environ(pid: int) -> list[bytes]:
+    return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
+def test_proc_shows_each_forks_own_environment_whatever_the_zygotes_marker(
+        zygote: Zygote, tmp_path: Path) -> None:
+    """One zygote may fork for several fleets: the marker the sweeps read from /proc is the
+    fork's own (written over the zygote's environment block), not the zygote's `ztest`."""
+    procs = {}
+    for fleet in ("fleet-a", "fleet-b"):
+        procs[fleet] = _fork(zygote, _request(tmp_path / f"{fleet}.json", ["sleep"], fleet,
+                                              tmp_path, **{FLEET_MARKER: fleet}),
+                             tmp_path / f"{fleet}.log")
+    try:
+        for fleet, proc in procs.items():
+            server_pid = int(_report(tmp_path / f"{fleet}.json")["pid"])  # type: ignore[call-overload]
+            for pid in (proc.pid, server_pid):
+                environ = _environ(pid)
+                assert f"{FLEET_MARKER}={fleet}".encode() == environ[0], environ[:3]
+                assert f"FINESLAB_T={fleet}".encode() in environ
+                assert f"{FLEET_MARKER}=ztest".encode() not in environ
+                assert carries_marker(pid, fleet) and not carries_marker(pid, "ztest")
+    finally:
+        for proc in procs.values():
+            stop_group(proc.pid, 2.0, reap=proc.poll)
+
+
+def test_a_fork_runs_torch_on_its_own_thread_count_not_the_zygotes(
+        lifeline: tuple[int, int], tmp_path: Path) -> None:
+    """torch reads OMP_NUM_THREADS at import (the zygote's); a fork applies its own, so fleets
+    of different thread counts share a zygote (`FORK_APPLIED`)."""
+    z = Zygote({**BASE_ENV, "OMP_NUM_THREADS": "1"}, lifeline[0], preload=("torch",))
+    z.start(timeout_s=120)
+    try:
+        for threads in ("2", "1"):
+            out = tmp_path / f"t{threads}.json"
+            proc = _fork(z, _request(out, ["exit", "0"], threads, tmp_path,
+                                     OMP_NUM_THREADS=threads), tmp_path / f"t{threads}.log")
+            assert proc.wait(60) == 0
+            assert _report(out)["threads"] == int(threads)
+    finally:
+        z.stop()
+
+
+def test_a_zygote_served_by_one_process_forks_for_another_on_the_others_lifeline(
+        lifeline: tuple[int, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve_zygote`: the launchers of a process's children fork from its zygote (the test
+    suite's, FINESLAB_SHARED_ZYGOTE): each fork carries its own launcher's lifeline, the
+    served zygote outlives that launcher, and an environment it cannot take is refused."""
+    served = serve_zygote(BASE_ENV, lifeline[0], preload=())
+    other_read, other_write = os.pipe()  # the other launcher's lifeline
+    try:
+        monkeypatch.setenv(SHARED_ZYGOTE_VAR, str(served.socket_path))
+        env = {**BASE_ENV, FLEET_MARKER: "other", "FINESLAB_T": "o"}
+        zygote = shared_zygote(True, env, other_read)
+        assert zygote.served and zygote.pid == served.pid
+        assert shared_zygote(True, env, other_read) is zygote, "one object per launcher"
+        proc = _fork(zygote, _request(tmp_path / "o.json", ["sleep"], "o", tmp_path,
+                                      **{FLEET_MARKER: "other"}), tmp_path / "o.log")
+        _report(tmp_path / "o.json")
+        assert carries_marker(proc.pid, "other")
+        zygote.stop()
+        assert served.alive(), "a launcher never stops a zygote it was served"
+        os.close(other_write)  # the other launcher dies
+        other_write = -1
+        assert proc.wait(30) != 0, "its fork dies with it"
+        assert served.alive(), "the served zygote outlives it"
+        assert _served_zygote(str(served.socket_path), {**env, "SGLANG_T": "1"},
+                              other_read) is None
+        assert _served_zygote(str(tmp_path / "none.sock"), env, other_read) is None
+    finally:
+        served.stop()
+        for fd in (other_read, other_write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    assert not served.folder.exists()
 
 
 def test_the_launchers_death_stops_its_forks_and_its_zygote(

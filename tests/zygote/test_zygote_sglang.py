@@ -19,7 +19,8 @@ from fineslab.sglang_plugin import ArenaJoin
 from fineslab.slabs import ArenaSpec, KVDtype, KVShape, SlabArena, snapshot
 from fineslab.slabs.sizing import fit_format
 
-pytestmark = pytest.mark.slow
+# The launcher's own zygote, as a user's fleet has (not the suite's: conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("own_zygote")]
 
 SLAB = 1 << 20
 PROMPT = [11, 250, 37, 999, 4, 512, 77, 1200, 31, 8]
