@@ -443,10 +443,31 @@ def start_engine(**kwargs: object) -> Any:
 
     started = time.monotonic()
     startlog.record("begin", "sglang-engine", "in-process", detail=str(kwargs.get("model_path")))
+    before = dict(os.environ)
     engine = sglang.Engine(**kwargs)
+    _engine_environ[id(engine)] = {k: (before.get(k), v) for k, v in os.environ.items()
+                                   if before.get(k) != v}
     startlog.record("ready", "sglang-engine", "in-process", time.monotonic() - started,
                     str(kwargs.get("model_path")))
     return engine
+
+
+#: id(engine) -> {variable: (its value before the engine, the engine's)}: `sglang.Engine` sets
+#: about 20 variables in its host process (cache folders, NCCL and CUDA switches, its run id)
+#: and leaves them; `shutdown_engine` puts them back. Left, every launcher the process started
+#: later inherited them and could not fork from a zygote imported without them.
+_engine_environ: dict[int, dict[str, tuple[str | None, str]]] = {}
+
+
+def _restore_environ(engine: object) -> None:
+    """Undo the engine's changes to this process's environment (those nothing changed since)."""
+    for name, (old, new) in _engine_environ.pop(id(engine), {}).items():
+        if os.environ.get(name) != new:
+            continue
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 def cpu_engine_kwargs(extra: Mapping[str, object] | None = None) -> dict[str, object]:
@@ -457,13 +478,15 @@ def cpu_engine_kwargs(extra: Mapping[str, object] | None = None) -> dict[str, ob
 
 
 def shutdown_engine(engine: object) -> list[Path]:
-    """`engine.shutdown()` for an in-process `sglang.Engine`, then remove the shared-memory
+    """`engine.shutdown()` for an in-process `sglang.Engine` started by `start_engine`, put
+    back the variables it set in this process's environment, then remove the shared-memory
     files its processes held (SGLang leaves `sglang_loads_*.shm` and a `sem.mp-*` per engine;
     see fineslab.proctree). Returns the files removed."""
     held = tree_shm_files(descendant_pids(os.getpid()))
     try:
         engine.shutdown()  # type: ignore[attr-defined]
     finally:
+        _restore_environ(engine)
         # Files still in use here or by another engine's processes stay.
         in_use = tree_shm_files([os.getpid(), *descendant_pids(os.getpid())])
         removed = remove_files(held - in_use)

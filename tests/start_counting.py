@@ -33,6 +33,10 @@ class StartCounter:
         self.begun: Counter[tuple[str, str]] = Counter()
         self.seconds: defaultdict[tuple[str, str], float] = defaultdict(float)
         self.by_test: Counter[str] = Counter()
+        #: The tests whose warm starts failed and were started again plainly (a defect to see).
+        self.warm_failed: list[str] = []
+        #: Why launchers started zygotes of their own beside the suite's (conftest.py).
+        self.own_zygotes: Counter[str] = Counter()
         self.workers = 0  # xdist workers whose counts were merged
         os.environ[START_LOG_VAR] = str(self.path)
 
@@ -44,6 +48,10 @@ class StartCounter:
         begins = [r for r in records if r.event == "begin"]
         for r in begins:
             self.begun[(r.what, r.how)] += 1
+            if r.how == "plain-after-warm":
+                self.warm_failed.append(nodeid)
+            if r.what == "zygote" and r.detail:
+                self.own_zygotes[r.detail] += 1
         self.by_test[nodeid] += len(begins)
         return begins
 
@@ -52,7 +60,8 @@ class StartCounter:
         self.new_begins("(after the last test)")
         return json.dumps({"begun": [[w, h, n] for (w, h), n in self.begun.items()],
                            "seconds": [[w, h, s] for (w, h), s in self.seconds.items()],
-                           "by_test": dict(self.by_test)})
+                           "by_test": dict(self.by_test), "warm_failed": self.warm_failed,
+                           "own_zygotes": dict(self.own_zygotes)})
 
     def merge(self, text: str) -> None:
         """Add a worker's counts (`to_json`)."""
@@ -62,6 +71,8 @@ class StartCounter:
         for what, how, seconds in data["seconds"]:
             self.seconds[(what, how)] += seconds
         self.by_test.update(data["by_test"])
+        self.warm_failed += data.get("warm_failed", [])
+        self.own_zygotes.update(data.get("own_zygotes", {}))
         self.workers += 1
 
     def remove(self) -> None:
@@ -76,8 +87,11 @@ class StartCounter:
         busiest = ", ".join(f"{nodeid} {n}" for nodeid, n in self.by_test.most_common(5) if n)
         where = (f"counted by {self.workers} workers, each in a {START_LOG_VAR} of its own"
                  if self.workers else f"{START_LOG_VAR}={self.path}")
+        failed = [f"warm starts started again plainly in: {', '.join(self.warm_failed)}"] \
+            if self.warm_failed else []
+        own = [f"zygotes of their own, {n} x: {why}" for why, n in self.own_zygotes.most_common()]
         return [f"starts: {total} ({where})", *lines,
-                f"most starts: {busiest or 'none'}"]
+                f"most starts: {busiest or 'none'}", *failed, *own]
 
 
 def check_phase(counter: StartCounter, item: pytest.Item, report: pytest.TestReport) -> None:

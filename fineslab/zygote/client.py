@@ -41,6 +41,7 @@ from fineslab.zygote.protocol import (
     request_body,
     send_frame,
 )
+from fineslab.zygote.server import IMPORTED_ENV_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +55,11 @@ MAX_DEATHS = 3
 #: after the fork, and pytest's (which it changes per test). Any other difference (an SGLang or
 #: torch switch a module may read at import) makes that runtime start plainly.
 FORK_SAFE_PREFIXES = ("FINESLAB_", "PYTEST_")
-#: Variables torch reads at import that a fork applies for itself (`child.apply_thread_count`),
-#: and the terminal's size, read when asked (`shutil.get_terminal_size`; pytest sets them).
-FORK_APPLIED = ("OMP_NUM_THREADS", "COLUMNS", "LINES")
+#: Variables torch reads at import that a fork applies for itself (`child.apply_thread_count`:
+#: `torch.set_num_threads` sets OpenMP's and MKL's count; MKL reads its variable at its first
+#: call, after the fork), and the terminal's size, read when asked (`shutil.get_terminal_size`;
+#: pytest sets them).
+FORK_APPLIED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "COLUMNS", "LINES")
 
 
 def fork_safe(name: str) -> bool:
@@ -179,6 +182,8 @@ class Zygote:
         self.preload = preload
         self.served = served is not None
         self.folder = served or Path(tempfile.mkdtemp(prefix="fineslab-zygote-"))
+        #: The variables its imports set, with their values (`server.IMPORTED_ENV_FILE`).
+        self.imported: dict[str, str] = {}
         self.socket_path = self.folder / "zygote.sock"
         self.log_path = self.folder / "zygote.log"
         #: The zygote process (not a child: it leaves its starter's tree), once ready.
@@ -188,8 +193,9 @@ class Zygote:
         self._starter: int | None = None
         self.abandoned = False
 
-    def start(self, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Start the zygote and wait until it has imported SGLang; ZygoteUnavailable if not."""
+    def start(self, timeout_s: float = READY_TIMEOUT_S, why: str = "") -> None:
+        """Start the zygote and wait until it has imported SGLang; ZygoteUnavailable if not.
+        `why`: what the start log says of it (the reason a served zygote did not do)."""
         argv = [sys.executable, "-m", "fineslab.zygote", "--socket", str(self.socket_path),
                 "--lifeline-fd", str(self.lifeline_fd)]
         if self.preload is not None:
@@ -198,7 +204,7 @@ class Zygote:
         started = time.monotonic()
         counted = self.preload is None  # the default: SGLang's modules (a start to count)
         if counted:
-            startlog.record("begin", "zygote", "imports SGLang")
+            startlog.record("begin", "zygote", "imports SGLang", detail=why)
         with open(self.log_path, "wb") as log:
             starter = subprocess.Popen(argv, env={**self.env, **TITLE_ENV, **ENV_ROOM},
                                        stdout=subprocess.PIPE, stderr=log,
@@ -229,11 +235,18 @@ class Zygote:
             raise ZygoteUnavailable(f"the zygote did not start ({line or 'no answer'}); "
                                     f"its log's end:\n{tail}")
         self.identity = ProcessIdentity.of(int(pid))
+        self.imported = self._read_imported()
         self.ready_s = time.monotonic() - started
         if counted:
             startlog.record("ready", "zygote", "imports SGLang", self.ready_s)
         logger.info("zygote pid %s ready in %.1f s (SGLang imported once for every runtime)",
                     pid, self.ready_s)
+
+    def _read_imported(self) -> dict[str, str]:
+        try:
+            return dict(json.loads((self.folder / IMPORTED_ENV_FILE).read_text()))
+        except (OSError, ValueError, TypeError):
+            return {}
 
     @property
     def pid(self) -> int | None:
@@ -246,7 +259,8 @@ class Zygote:
         """Variables `env` sets differently from the zygote's that are not safe to apply after
         the fork (see `FORK_SAFE_PREFIXES`)."""
         names = set(env) ^ set(self.env) | {k for k in env if self.env.get(k) != env[k]}
-        return sorted(n for n in names if not fork_safe(n))
+        return sorted(n for n in names if not fork_safe(n)
+                      and not (n in self.imported and env.get(n) == self.imported[n]))
 
     def fork(self, request: ForkRequest, log_fd: int) -> ForkedProcess:
         """Fork one runtime; ZygoteUnavailable (nothing started) if the zygote cannot."""
@@ -378,9 +392,10 @@ def serve_zygote(env: Mapping[str, str], lifeline_fd: int,
     return zygote
 
 
-def _served_zygote(socket_path: str, env: Mapping[str, str], lifeline_fd: int) -> Zygote | None:
+def _served_zygote(socket_path: str, env: Mapping[str, str],
+                   lifeline_fd: int) -> Zygote | str:
     """The zygote another process serves at `socket_path`, if it runs and a runtime of
-    environment `env` can fork from it; None (the reason logged once) if not."""
+    environment `env` can fork from it; else why not (logged once)."""
     folder = Path(socket_path).parent
     try:
         zygote = _served.get((socket_path, lifeline_fd))
@@ -388,6 +403,7 @@ def _served_zygote(socket_path: str, env: Mapping[str, str], lifeline_fd: int) -
             info = json.loads((folder / SERVED_FILE).read_text())
             zygote = Zygote(info["env"], lifeline_fd, served=folder)
             zygote.identity = ProcessIdentity(int(info["pid"]), int(info["start_ticks"]))
+            zygote.imported = zygote._read_imported()
             _served[(socket_path, lifeline_fd)] = zygote
     except (OSError, ValueError, KeyError, TypeError) as exc:
         reason = f"no zygote is served at {socket_path} ({exc})"
@@ -403,7 +419,7 @@ def _served_zygote(socket_path: str, env: Mapping[str, str], lifeline_fd: int) -
     if reason not in _not_served:
         _not_served.add(reason)
         logger.info("%s: this launcher's own zygote forks it", reason)
-    return None
+    return reason
 
 
 def shared_zygote(cpu: bool, env: Mapping[str, str], lifeline_fd: int) -> Zygote:
@@ -414,10 +430,12 @@ def shared_zygote(cpu: bool, env: Mapping[str, str], lifeline_fd: int) -> Zygote
     process) gets a zygote started with its environment, which replaces the old one (whose
     runtimes serve on)."""
     served = FineslabEnv.from_environ().shared_zygote
+    why = ""
     if served:
-        zygote = _served_zygote(served, env, lifeline_fd)
-        if zygote is not None:
-            return zygote
+        found = _served_zygote(served, env, lifeline_fd)
+        if isinstance(found, Zygote):
+            return found
+        why = found
     key = (cpu, env.get(FLEET_MARKER, ""))
     wanted = zygote_environ(env)
     with _lock:
@@ -441,7 +459,7 @@ def shared_zygote(cpu: bool, env: Mapping[str, str], lifeline_fd: int) -> Zygote
         with _starting_lock:
             _starting.add(zygote)
         try:
-            zygote.start()
+            zygote.start(why=why)
         except ZygoteUnavailable:
             if not zygote.abandoned:  # one that cannot start will not start next time either
                 _deaths[key] = MAX_DEATHS

@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import gc
 import importlib
+import json
 import logging
 import os
 import select
@@ -228,11 +229,21 @@ def main(argv: list[str] | None = None) -> int:
             _after_launcher(args.socket)
 
 
+#: Beside the socket: the variables the zygote's imports set in its environment (`import
+#: sglang` points five third-party caches at SGLang's folder), which a runtime's environment
+#: may then hold with the same values (a plain start's imports set them alike).
+IMPORTED_ENV_FILE = "imported-env.json"
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
+        before = dict(os.environ)
         if not preload(PRELOAD if args.preload is None else tuple(args.preload),
                        args.lifeline_fd):
             return 0
+        imported = {k: v for k, v in os.environ.items() if before.get(k) != v}
+        with open(os.path.join(os.path.dirname(args.socket), IMPORTED_ENV_FILE), "w") as f:
+            json.dump(imported, f)
         if cuda_initialized():
             _tell("error: importing SGLang initialised CUDA; runtimes start plainly")
             return 3

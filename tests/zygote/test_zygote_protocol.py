@@ -8,6 +8,7 @@ The zygote here preloads nothing (`preload=()`) and forks `echo_runtime` instead
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -195,9 +196,10 @@ def test_a_zygote_served_by_one_process_forks_for_another_on_the_others_lifeline
         other_write = -1
         assert proc.wait(30) != 0, "its fork dies with it"
         assert served.alive(), "the served zygote outlives it"
-        assert _served_zygote(str(served.socket_path), {**env, "SGLANG_T": "1"},
-                              other_read) is None
-        assert _served_zygote(str(tmp_path / "none.sock"), env, other_read) is None
+        assert "SGLANG_T" in str(_served_zygote(str(served.socket_path),
+                                                {**env, "SGLANG_T": "1"}, other_read))
+        assert "no zygote is served" in str(_served_zygote(str(tmp_path / "none.sock"), env,
+                                                           other_read))
     finally:
         served.stop()
         for fd in (other_read, other_write):
@@ -242,6 +244,28 @@ def test_a_variable_a_module_may_read_at_import_sends_the_start_down_the_plain_p
         _fork(zygote, request, tmp_path / "r.log")
     time.sleep(0.5)
     assert not (tmp_path / "r.json").exists(), "nothing was forked"
+
+
+def test_a_variable_the_zygotes_own_imports_set_is_taken_with_their_value_only(
+        lifeline: tuple[int, int], tmp_path: Path) -> None:
+    """`import sglang` sets five cache folders in its process's environment: a launcher that
+    imported it passes them on, with the values the zygote's import set too (a plain start's
+    import would set them alike); another value still sends the start down the plain path."""
+    (tmp_path / "sets_at_import.py").write_text(
+        "import os\nos.environ.setdefault('IMPORT_SET_T', 'cache')\n")
+    env = {**BASE_ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), BASE_ENV["PYTHONPATH"]])}
+    z = Zygote(env, lifeline[0], preload=("sets_at_import",))
+    z.start(timeout_s=60)
+    try:
+        assert z.imported == {"IMPORT_SET_T": "cache"}
+        ok = _request(tmp_path / "ok.json", ["exit", "0"], "ok", tmp_path,
+                      PYTHONPATH=env["PYTHONPATH"], IMPORT_SET_T="cache")
+        assert _fork(z, ok, tmp_path / "ok.log").wait(30) == 0
+        other = dataclasses.replace(ok, env={**ok.env, "IMPORT_SET_T": "elsewhere"})
+        with pytest.raises(ZygoteUnavailable, match="IMPORT_SET_T"):
+            _fork(z, other, tmp_path / "other.log")
+    finally:
+        z.stop()
 
 
 def test_a_malformed_request_is_refused_and_the_zygote_serves_on(
