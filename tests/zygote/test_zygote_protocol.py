@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import struct
 import sys
 import time
@@ -156,6 +157,26 @@ def test_proc_shows_each_forks_own_environment_whatever_the_zygotes_marker(
             stop_group(proc.pid, 2.0, reap=proc.poll)
 
 
+def test_an_environment_larger_than_the_block_keeps_the_marker_and_whole_entries() -> None:
+    """`show_environment` in a process whose block is small: the fleet's marker is written
+    first, then only whole entries that fit, NUL-padded (never a cut entry)."""
+    code = (
+        "import os, sys\n"
+        "from fineslab.zygote.child import show_environment\n"
+        "env = {'A_BIG': 'x' * 5000, 'B': '1', 'FINESLAB_FLEET_ID': 'mine'}\n"
+        "os.environ.clear(); os.environ.update(env)\n"
+        "print(show_environment(env), flush=True)\n"
+        "sys.stdout.buffer.write(open('/proc/self/environ', 'rb').read())\n")
+    done = subprocess.run([sys.executable, "-c", code], env={"PATH": os.environ["PATH"],
+                          "PYTHONPATH": BASE_ENV["PYTHONPATH"], "SMALL": "y" * 300},
+                          capture_output=True, timeout=60, check=True)
+    written, block = done.stdout.split(b"\n", 1)
+    assert written == b"True"
+    entries = [e for e in block.split(b"\0") if e]
+    assert entries[0] == f"{FLEET_MARKER}=mine".encode()
+    assert b"B=1" in entries and not any(e.startswith(b"A_BIG") for e in entries), entries
+
+
 def test_a_fork_runs_torch_on_its_own_thread_count_not_the_zygotes(
         lifeline: tuple[int, int], tmp_path: Path) -> None:
     """torch reads OMP_NUM_THREADS at import (the zygote's); a fork applies its own, so fleets
@@ -200,6 +221,10 @@ def test_a_zygote_served_by_one_process_forks_for_another_on_the_others_lifeline
                                                 {**env, "SGLANG_T": "1"}, other_read))
         assert "no zygote is served" in str(_served_zygote(str(tmp_path / "none.sock"), env,
                                                            other_read))
+        assert served.pid is not None
+        os.kill(served.pid, signal.SIGKILL)  # kill -9 of the served zygote: launchers go on
+        assert served.wait_gone(10)
+        assert "is gone" in str(_served_zygote(str(served.socket_path), env, other_read))
     finally:
         served.stop()
         for fd in (other_read, other_write):
