@@ -13,8 +13,8 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import struct
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
