@@ -47,6 +47,7 @@ from fineslab.sglang_plugin.contact import (
     Contact,
 )
 from fineslab.sglang_plugin.contact_check import check_contacts, sglang_version
+from fineslab.sglang_plugin.gloo_device import share_single_rank_devices
 
 if TYPE_CHECKING:
     from fineslab.sglang_plugin.engine_policy import SchedulingSession
@@ -186,7 +187,10 @@ def register() -> None:
     A quantized KV format named by FINESLAB_KV_FORMAT (KV4, scaled FP8) is part of the join
     (`ArenaJoin.kv_format`): the same session, with the quantized pool. An engine schedule
     (FINESLAB_ENGINE_POLICY) rides on the join's session, or gets one of its own without a join.
+    In every SGLang process it loads in, single-rank gloo groups share one device
+    (`gloo_device.py`: one loop thread where a tp=1 scheduler had nine).
     """
+    share_single_rank_devices()
     try:
         if wants_qoq(sys.argv, os.environ):
             from fineslab.sglang_plugin.qoq_method import register_qoq_method
