@@ -70,9 +70,9 @@ def fork_safe(name: str) -> bool:
 #: Room in the zygote's command line for its forks' titles (setproctitle writes them there):
 #: a runtime's command line is 300-800 characters; a longer one is cut at this length.
 TITLE_ROOM_CHARS = 4096
-#: setproctitle keeps to the command line's room and leaves the environment block alone, so
-#: /proc/<pid>/environ of every fork still shows the zygote's environment, fleet marker
-#: included (the launcher's sweep and the chaos benchmark find a fleet's processes by it).
+#: setproctitle keeps to the command line's room and leaves the environment block alone: each
+#: fork writes its own environment there (`ENV_ROOM`), fleet marker first (the launcher's sweep
+#: and the chaos benchmark find a fleet's processes by it).
 TITLE_ENV = {"SPT_NOENV": "1"}
 #: Room in the zygote's environment block for its forks' own environments, which each writes
 #: there (`child.show_environment`): a fork's is the zygote's and its `FINESLAB_*` variables.
@@ -257,7 +257,7 @@ class Zygote:
 
     def unsafe_variables(self, env: Mapping[str, str]) -> list[str]:
         """Variables `env` sets differently from the zygote's that are not safe to apply after
-        the fork (see `FORK_SAFE_PREFIXES`)."""
+        the fork (`fork_safe`), but those its own imports set, with the value they set."""
         names = set(env) ^ set(self.env) | {k for k in env if self.env.get(k) != env[k]}
         return sorted(n for n in names if not fork_safe(n)
                       and not (n in self.imported and env.get(n) == self.imported[n]))
