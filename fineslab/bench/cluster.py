@@ -28,10 +28,12 @@ What an operator sees during the loss, in the same run:
     lost_stream          a long streamed completion at node b when it is lost: whether it had
                          started, how it ended ("finished", or "error: ..." as the client saw
                          it) and `ended_s` after the loss
-    replacing_status, replacing_retry_after, replacing_error_clean
-                         a completion for a lost model sent right after the loss: its status
-                         (502 or 503), its Retry-After, and whether its body is the router's
-                         error shape with no traceback
+    replacing_status, replacing_retry_after, replacing_error_clean, replacing_served
+                         a completion for a lost model sent once the stream at the lost node
+                         ended: its status (502 or 503 while it is re-placed; 200 if its new
+                         runtime is already up), its Retry-After, whether its body is the
+                         router's error shape with no traceback, and whether a 200 held a
+                         completion
     survivor_served_while_replacing
                          node a's model answering while node b's are re-placed
     fleet_id, ray_temp_dir
@@ -138,15 +140,19 @@ def _lose_node_b(client: Any, cluster: Any, front: str, on_a: list[str], on_b: l
     moving = client.post(f"{front}/v1/completions",
                          json={"model": on_b[-1], "prompt": "hi", "max_tokens": 2})
     try:
-        clean = "error" in moving.json() and "Traceback" not in moving.text
+        answer = moving.json()
+        clean = "error" in answer and "Traceback" not in moving.text
+        served = moving.status_code == 200 and bool(answer.get("choices"))
     except ValueError:
-        clean = False
+        clean = served = False
     return lost, {
         "lost_stream": {"started": "first" in ended, "outcome": ended.get("outcome"),
                         "ended_s": round(ended["at"] - lost, 2) if "at" in ended else None},
         "replacing_status": moving.status_code,
         "replacing_retry_after": moving.headers.get("retry-after"),
         "replacing_error_clean": clean,
+        # re-placed already (its new runtime up before the stream at the lost node ended)
+        "replacing_served": served,
         "survivor_served_while_replacing": _serves(client, front, on_a[0])}
 
 

@@ -59,7 +59,11 @@ def test_two_demo_models_on_two_nodes_serve_and_a_lost_nodes_model_is_placed_aga
     assert stream["started"] and str(stream["outcome"]).startswith("error"), (
         f"the stream at the lost node must end with an error, not {stream}")
     assert stream["ended_s"] is not None and stream["ended_s"] < 15, stream
-    assert figures["replacing_status"] in (502, 503) and figures["replacing_error_clean"], figures
+    # A request for the lost node's model: a clean 502/503 while it is re-placed, or served if
+    # its new runtime came up (a warm fork) before the stream at the lost node ended (seen in a
+    # rehearsal, 2026-11-30: 200 with a completion).
+    assert (figures["replacing_status"] in (502, 503) and figures["replacing_error_clean"]) or \
+        (figures["replacing_status"] == 200 and figures["replacing_served"]), figures
     if figures["replacing_status"] == 503:
         assert figures["replacing_retry_after"], "503 while re-placing says when to retry"
     assert figures["survivor_served_while_replacing"] is True, figures

@@ -58,7 +58,8 @@ def test_single_rank_groups_share_one_loop_thread_and_compute_as_before() -> Non
 
 
 def test_groups_of_two_ranks_are_built_as_torch_builds_them() -> None:
-    assert _run("shared", 2) == _run("torch", 2) == ["9 [3.0, 3.0, 3.0]"] * 2
+    """A device per group, as torch alone makes them (above), and the ranks' sum."""
+    assert _run("shared", 2) == ["9 [3.0, 3.0, 3.0]"] * 2
 
 
 @pytest.mark.slow
