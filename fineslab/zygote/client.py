@@ -440,8 +440,8 @@ def shared_zygote(cpu: bool, env: Mapping[str, str], lifeline_fd: int) -> Zygote
     wanted = zygote_environ(env)
     with _lock:
         zygote = _zygotes.get(key)
-        if zygote is not None and zygote.alive() and zygote.env == wanted:
-            return zygote
+        if zygote is not None and zygote.alive() and not zygote.unsafe_variables(wanted):
+            return zygote  # the rule `fork` applies, and a served zygote's (`_served_zygote`)
         if zygote is not None and zygote.alive():
             logger.info("the environment changed in %s: a new zygote replaces pid %s",
                         ", ".join(zygote.unsafe_variables(wanted)[:5]), zygote.pid)
