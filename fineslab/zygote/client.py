@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from fineslab import startlog
@@ -41,7 +41,7 @@ from fineslab.zygote.protocol import (
     request_body,
     send_frame,
 )
-from fineslab.zygote.server import IMPORTED_ENV_FILE
+from fineslab.zygote.server import IMPORTED_ENV_FILE, IMPORTED_MODULES_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +60,26 @@ FORK_SAFE_PREFIXES = ("FINESLAB_", "PYTEST_")
 #: call, after the fork), and the terminal's size, read when asked (`shutil.get_terminal_size`;
 #: pytest sets them).
 FORK_APPLIED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "COLUMNS", "LINES")
+#: How output is shown (a terminal's or a Jupyter kernel's colours and pager), read when output
+#: is written; loguru reads TERM, FORCE_COLOR and NO_COLOR at import for its own sink's colours,
+#: so a fork's log may differ from a plain start's in colour only. Python reads
+#: PYTHONBREAKPOINT at each `breakpoint()`.
+PRESENTATION = ("TERM", "CLICOLOR", "CLICOLOR_FORCE", "FORCE_COLOR", "NO_COLOR", "PAGER",
+                "GIT_PAGER", "PYTHONBREAKPOINT")
+#: The variables of the process a launcher may run in (a Ray worker's, a Jupyter kernel's), by
+#: the package that reads them, which a runtime does not import: a fork applies them, unless its
+#: zygote imported that package (`server.IMPORTED_MODULES_FILE`).
+HOST_VARIABLES = (("RAY_", "ray"), ("JPY_", "jupyter_client"), ("PYDEVD_", "pydevd"),
+                  ("MPLBACKEND", "matplotlib"))
 
 
-def fork_safe(name: str) -> bool:
-    """Whether a runtime may set variable `name` differently from its zygote."""
-    return name.startswith(FORK_SAFE_PREFIXES) or name in FORK_APPLIED
+def fork_safe(name: str, modules: Collection[str] | None = None) -> bool:
+    """Whether a runtime may set variable `name` differently from its zygote, which imported
+    the top-level packages `modules` (None: not known, so no host variable is safe)."""
+    if name.startswith(FORK_SAFE_PREFIXES) or name in FORK_APPLIED or name in PRESENTATION:
+        return True
+    return modules is not None and any(name.startswith(prefix) and package not in modules
+                                       for prefix, package in HOST_VARIABLES)
 
 
 #: Room in the zygote's command line for its forks' titles (setproctitle writes them there):
@@ -184,6 +199,8 @@ class Zygote:
         self.folder = served or Path(tempfile.mkdtemp(prefix="fineslab-zygote-"))
         #: The variables its imports set, with their values (`server.IMPORTED_ENV_FILE`).
         self.imported: dict[str, str] = {}
+        #: The top-level packages it imported (`server.IMPORTED_MODULES_FILE`); None: not known.
+        self.modules: frozenset[str] | None = None
         self.socket_path = self.folder / "zygote.sock"
         self.log_path = self.folder / "zygote.log"
         #: The zygote process (not a child: it leaves its starter's tree), once ready.
@@ -243,6 +260,12 @@ class Zygote:
                     pid, self.ready_s)
 
     def _read_imported(self) -> dict[str, str]:
+        """What its imports did (`imported` returned, `modules` set), from its folder."""
+        try:
+            self.modules = frozenset(json.loads(
+                (self.folder / IMPORTED_MODULES_FILE).read_text()))
+        except (OSError, ValueError, TypeError):
+            self.modules = None
         try:
             return dict(json.loads((self.folder / IMPORTED_ENV_FILE).read_text()))
         except (OSError, ValueError, TypeError):
@@ -259,7 +282,9 @@ class Zygote:
         """Variables `env` sets differently from the zygote's that are not safe to apply after
         the fork (`fork_safe`), but those its own imports set, with the value they set."""
         names = set(env) ^ set(self.env) | {k for k in env if self.env.get(k) != env[k]}
-        return sorted(n for n in names if not fork_safe(n)
+        # the zygote runs with TITLE_ENV whatever its environment says (a Ray worker's has it too)
+        names -= {k for k, v in TITLE_ENV.items() if env.get(k, v) == v}
+        return sorted(n for n in names if not fork_safe(n, self.modules)
                       and not (n in self.imported and env.get(n) == self.imported[n]))
 
     def fork(self, request: ForkRequest, log_fd: int) -> ForkedProcess:

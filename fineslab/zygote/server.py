@@ -233,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
 #: sglang` points five third-party caches at SGLang's folder), which a runtime's environment
 #: may then hold with the same values (a plain start's imports set them alike).
 IMPORTED_ENV_FILE = "imported-env.json"
+#: Beside the socket: the top-level packages it imported, sorted (a variable of a package it
+#: did not import, a Ray worker's or a Jupyter kernel's, is safe to apply after the fork).
+IMPORTED_MODULES_FILE = "imported-modules.json"
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -244,6 +247,8 @@ def _serve(args: argparse.Namespace) -> int:
         imported = {k: v for k, v in os.environ.items() if before.get(k) != v}
         with open(os.path.join(os.path.dirname(args.socket), IMPORTED_ENV_FILE), "w") as f:
             json.dump(imported, f)
+        with open(os.path.join(os.path.dirname(args.socket), IMPORTED_MODULES_FILE), "w") as f:
+            json.dump(sorted({name.partition(".")[0] for name in sys.modules}), f)
         if cuda_initialized():
             _tell("error: importing SGLang initialised CUDA; runtimes start plainly")
             return 3

@@ -1,8 +1,8 @@
 """A stand-in runtime for the zygote's protocol tests: `python -m echo_runtime OUT [sleep|exit N]`.
 
-Writes what it was told (argv, FINESLAB_T, folder, torch's threads where the zygote imported
-torch) and where it runs (pid, group, session, parent) to OUT as JSON, prints a line to its
-log, then sleeps or exits with N.
+Writes what it was told (argv, FINESLAB_T, its host's RAY_* and TERM variables, folder, torch's
+threads where the zygote imported torch) and where it runs (pid, group, session, parent) to OUT
+as JSON, prints a line to its log, then sleeps or exits with N.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ def main() -> int:
     report = {"argv": sys.argv, "t": os.environ.get("FINESLAB_T"), "cwd": os.getcwd(),
               "pid": os.getpid(), "pgid": os.getpgid(0), "sid": os.getsid(0),
               "ppid": os.getppid(), "main": __name__,
+              "host": {k: v for k, v in os.environ.items() if k.startswith(("RAY_", "TERM"))},
               "threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules
               else None}
     with open(out + ".tmp", "w") as f:

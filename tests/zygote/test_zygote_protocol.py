@@ -293,6 +293,38 @@ def test_a_variable_the_zygotes_own_imports_set_is_taken_with_their_value_only(
         z.stop()
 
 
+def test_a_host_processs_variables_are_applied_unless_the_zygote_imported_their_package(
+        lifeline: tuple[int, int], tmp_path: Path) -> None:
+    """A launcher in a Ray worker (or a Jupyter kernel) has its host's variables, which the
+    packages that read them read, not SGLang: a fork from a zygote that did not import `ray`
+    gets them (and a kernel's TERM) as a plain start would; one that imported `ray` refuses.
+    The zygote's own SPT_NOENV=1, which a Ray worker has too, is no difference."""
+    env = {k: v for k, v in BASE_ENV.items() if not k.startswith("RAY_")}
+    host = {"RAY_JOB_ID": "01000000", "RAY_RAYLET_PID": "4242", "TERM": "xterm-color"}
+    plain = Zygote(env, lifeline[0], preload=())
+    plain.start(timeout_s=60)
+    try:
+        assert plain.modules is not None and "ray" not in plain.modules
+        request = _request(tmp_path / "r.json", ["exit", "0"], "r", tmp_path, **host,
+                           SPT_NOENV="1")  # a Ray worker's, as the zygote runs with it
+        assert _fork(plain, request, tmp_path / "r.log").wait(30) == 0
+        assert _report(tmp_path / "r.json")["host"] == host
+    finally:
+        plain.stop()
+    (tmp_path / "ray.py").write_text("import os\n")  # a `ray` the zygote imports
+    with_ray = Zygote({**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])},
+                      lifeline[0], preload=("ray",))
+    with_ray.start(timeout_s=60)
+    try:
+        assert with_ray.modules is not None and "ray" in with_ray.modules
+        request = _request(tmp_path / "s.json", ["exit", "0"], "s", tmp_path, **host,
+                           PYTHONPATH=with_ray.env["PYTHONPATH"])
+        with pytest.raises(ZygoteUnavailable, match="RAY_JOB_ID, RAY_RAYLET_PID"):
+            _fork(with_ray, request, tmp_path / "s.log")
+    finally:
+        with_ray.stop()
+
+
 def test_a_malformed_request_is_refused_and_the_zygote_serves_on(
         zygote: Zygote, tmp_path: Path) -> None:
     for frame in (b"\xff\xff\xff\xff", struct.pack("!I", 5) + b"[1,2]", b"\x00\x00"):
