@@ -394,6 +394,10 @@ class UsageSampler:
 
 #: Stock outputs' folder on disk (see StockOutputs); empty: memory only.
 STOCK_CACHE_VAR = "FINESLAB_STOCK_CACHE"
+#: How the CPU mode computes bf16 products (`sgl_kernel/gemm_cpu.py`), part of a stock
+#: output's key: outputs computed by torch's own bf16 loop are not reused under the fp32 kernel.
+BF16_PRODUCTS = "fp32-rows4-v1" if os.environ.get("FINESLAB_CPU_BF16_GEMM") != "torch" \
+    else "torch"
 
 
 def model_checksum(model_dir: Path) -> str:
@@ -446,7 +450,7 @@ class StockOutputs:
         if model not in self._checksums:
             self._checksums[model] = model_checksum(self.model_cache / model)
         key = json.dumps([metadata.version("sglang"), self._checksums[model], page_size, dtype,
-                          ids, n])
+                          ids, n, BF16_PRODUCTS])
         return self.folder / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
     def _load(self, model: str, page_size: int, dtype: str, ids: tuple[tuple[int, ...], ...],

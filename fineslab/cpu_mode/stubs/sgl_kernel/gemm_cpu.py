@@ -1,0 +1,141 @@
+"""bf16 matrix products in fp32 on CPUs without bf16 instructions (CPU mode only).
+
+On a CPU that oneDNN cannot run bf16 on (no AVX-512: this project's 2-core machines and CI are
+AVX2), torch's bf16 `mm`/`addmm` is a scalar loop: a [64, 576] x [576, 1536] product takes 11.7 ms
+where the same product in fp32, with both operands converted, takes 1.9 ms; SmolLM2-135M's
+forward pass of 32 tokens 923 ms against 188 ms in fp32 (one thread, 2026-11-30). SGLang's CPU
+path (no Intel AMX) runs its linear layers, its logits and AWQ's dequantized weights through
+these two ops, so the CPU mode gives them a CPU kernel that converts the operands to fp32,
+multiplies with torch's own fp32 kernel (`mm.out`/`addmm.out`, which this does not replace) and
+rounds the result to bf16 once. That is what a GPU's bf16 GEMM computes (fp32 accumulation, one
+rounding at the end); against torch's bf16 loop, whose sums run in another order, 0.02% of a
+product's values differ, by one bf16 step. The weights stay bf16: the conversion is a temporary
+per call.
+
+The weight is converted into a scratch buffer this thread keeps (a fresh fp32 tensor per call
+costs more in page faults than the product: 0.88 ms against 0.12 ms for 576 x 1536 values), so a
+product of one row costs what torch's bf16 kernel takes (0.26 ms against 0.23 ms); from four rows
+on it is faster. Weights of more than `MAX_CONVERTED` values (SmolLM2's 49152 x 576 logit
+weights, whose product of one row takes 6 ms in bf16 and 18 ms converted) keep torch's kernel.
+Which kernel a product takes depends on its weight only, never on its number of rows, and the
+rows are padded to a multiple of `ROW_MULTIPLE`, so a request computes alike alone and in a
+batch, as with torch's bf16 loop. Every other dtype goes to torch's own kernel.
+Nothing is registered where oneDNN runs bf16 itself, or with FINESLAB_CPU_BF16_GEMM=torch.
+
+Every SGLang process of the CPU mode registers it (`sgl_kernel`'s stand-in is imported by
+SGLang's own modules), stock SGLang's included, so fineslab's runtimes and their stock
+references compute alike.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+
+import torch
+
+#: FINESLAB_CPU_BF16_GEMM=torch keeps torch's own bf16 kernels (the default: `fp32`).
+SWITCH_VAR = "FINESLAB_CPU_BF16_GEMM"
+
+_BF16 = torch.bfloat16
+_LIBRARY: torch.library.Library | None = None
+
+
+#: The largest weight converted (values): 16 MiB of scratch per thread at most.
+MAX_CONVERTED = 1 << 22
+#: MKL's fp32 product computes a row alike in every product whose row count is a multiple of 4
+#: (on one thread and on two; measured on AVX2 over eight weight shapes and 1-256 rows), but
+#: not in one of 1-3 rows, nor across threads in one of 5-7: products are padded to it.
+ROW_MULTIPLE = 4
+
+
+class _Scratch(threading.local):
+    buffer: torch.Tensor | None = None
+
+
+_scratch = _Scratch()
+
+
+def _converts(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype is _BF16 and b.dtype is _BF16 and a.dim() == 2 and b.dim() == 2
+            and b.numel() <= MAX_CONVERTED and _switched_on())
+
+
+def _fp32(b: torch.Tensor) -> torch.Tensor:
+    """`b` in fp32, in this thread's scratch buffer where its layout allows (row-major, or the
+    transpose of a row-major weight: `F.linear`'s)."""
+    transposed = b.t()
+    if b.is_contiguous():
+        source, flip = b, False
+    elif transposed.is_contiguous():
+        source, flip = transposed, True
+    else:
+        return b.float()
+    buffer = _scratch.buffer
+    if buffer is None or buffer.numel() < source.numel():
+        buffer = _scratch.buffer = torch.empty(source.numel(), dtype=torch.float32)
+    converted = buffer[:source.numel()].view(source.shape).copy_(source)
+    return converted.t() if flip else converted
+
+
+def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b` in fp32, its rows padded to a multiple of `ROW_MULTIPLE` (the padding's rows
+    are not returned)."""
+    rows = a.shape[0]
+    padded = max(ROW_MULTIPLE, -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE)
+    a32 = torch.empty((padded, a.shape[1]), dtype=torch.float32)
+    a32[:rows].copy_(a)
+    a32[rows:].zero_()
+    out = torch.empty((padded, b.shape[1]), dtype=torch.float32)
+    return torch.ops.aten.mm.out(a32, _fp32(b), out=out)[:rows]
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if _converts(a, b):
+        return _product(a, b).to(_BF16)
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.result_type(a, b))
+    return torch.ops.aten.mm.out(a, b, out=out)
+
+
+def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1,
+           alpha: float = 1) -> torch.Tensor:
+    if _converts(a, b) and bias.dtype is _BF16:
+        out = _product(a, b)
+        if alpha != 1:
+            out.mul_(alpha)
+        return out.add_(bias.float(), alpha=beta).to(_BF16)
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.result_type(a, b))
+    return torch.ops.aten.addmm.out(bias, a, b, beta=beta, alpha=alpha, out=out)
+
+
+def wanted() -> bool:
+    """Whether this process should register the kernels (see the module's docstring)."""
+    return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+#: (pid, whether converting is on): the switch as the process that reads it found it. A
+#: runtime forked from a zygote that registered the kernels reads it again for itself.
+_switch: tuple[int, bool] = (0, True)
+
+
+def _switched_on() -> bool:
+    global _switch
+    pid = os.getpid()
+    if _switch[0] != pid:
+        _switch = (pid, os.environ.get(SWITCH_VAR, "fp32") != "torch")
+    return _switch[1]
+
+
+def register_bf16_gemm() -> bool:
+    """Register `_mm` and `_addmm` as the CPU kernels of `aten::mm` and `aten::addmm` where
+    `wanted` (idempotent); whether they are registered."""
+    global _LIBRARY
+    if _LIBRARY is None and wanted():
+        library = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():  # "overriding a previously registered kernel": meant
+            warnings.simplefilter("ignore")
+            library.impl("mm", _mm, "CPU")
+            library.impl("addmm", _addmm, "CPU")
+        _LIBRARY = library
+    return _LIBRARY is not None
