@@ -54,6 +54,20 @@ def test_stand_in_awq_dequantize_matches_reference_exactly() -> None:
     assert torch.equal(got, ql.dequantize()), "the CPU op must reproduce AWQ's dequant exactly"
 
 
+def test_a_dequantized_weight_is_not_changed_by_the_next_dequantization() -> None:
+    """The unpacked values live in a buffer each thread reuses: the weights it returns are
+    the caller's, whatever is dequantized after them (larger or smaller)."""
+    gen = torch.Generator().manual_seed(3)
+    layers = [quantize_linear(torch.randn(n, k, generator=gen), group_size=32)
+              for n, k in ((96, 128), (192, 256), (64, 64))]
+    first = _stub_op()(pack_int4(layers[0].values), layers[0].scales, pack_int4(layers[0].zeros))
+    kept = first.clone()
+    for ql in layers[1:]:
+        got = _stub_op()(pack_int4(ql.values), ql.scales, pack_int4(ql.zeros))
+        assert torch.equal(got, ql.dequantize())
+    assert torch.equal(first, kept)
+
+
 def test_round_to_nearest_error_is_half_a_step() -> None:
     weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(2))
     ql = quantize_linear(weight, group_size=64)
