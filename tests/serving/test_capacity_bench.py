@@ -28,7 +28,7 @@ def test_the_quick_capacity_run_bisects_each_system_on_the_same_requests(
         model_cache: Path) -> None:
     env = dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache))
     done = subprocess.run([sys.executable, "-m", "fineslab.bench.capacity", "--quick", "--json",
-                           "--duration", "16", "--ceiling", "2", "--tolerance", "1",
+                           "--duration", "8", "--ceiling", "2", "--tolerance", "1",
                            "--systems", "fineslab,static", "--settle", "0"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
