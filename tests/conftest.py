@@ -79,6 +79,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if getattr(session.config, "workerinput", None) is None \
             and session.config.getoption("numprocesses", None):
         return  # the xdist controller runs no test
+    if session.config.option.collectonly:
+        return  # nothing runs (scripts/gpu_check.sh --check collects, 30 s with a zygote)
     if any(item.get_closest_marker("slow") is not None for item in session.items):
         zygote = serve_zygote_to_children()
         if zygote is not None:
