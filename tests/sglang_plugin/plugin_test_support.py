@@ -394,10 +394,9 @@ class UsageSampler:
 
 #: Stock outputs' folder on disk (see StockOutputs); empty: memory only.
 STOCK_CACHE_VAR = "FINESLAB_STOCK_CACHE"
-#: How the CPU mode computes bf16 products (`sgl_kernel/gemm_cpu.py`), part of a stock
-#: output's key: outputs computed by torch's own bf16 loop are not reused under the fp32 kernel.
-BF16_PRODUCTS = "fp32-rows4-v1" if os.environ.get("FINESLAB_CPU_BF16_GEMM") != "torch" \
-    else "torch"
+#: How the CPU mode computes half-precision products (`sgl_kernel/gemm_cpu.py`), part of a
+#: stock output's key: outputs computed by torch's own loops are not reused under the fp32 kernel.
+BF16_PRODUCTS = "rows4-v2-" + os.environ.get("FINESLAB_CPU_HALF_GEMM", "default")
 
 
 def model_checksum(model_dir: Path) -> str:

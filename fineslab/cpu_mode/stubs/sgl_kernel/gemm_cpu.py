@@ -1,26 +1,29 @@
-"""bf16 matrix products in fp32 on CPUs without bf16 instructions (CPU mode only).
+"""bf16 and fp16 matrix products in fp32 on CPUs without instructions for them (CPU mode only).
 
-On a CPU that oneDNN cannot run bf16 on (no AVX-512: this project's 2-core machines and CI are
-AVX2), torch's bf16 `mm`/`addmm` is a scalar loop: a [64, 576] x [576, 1536] product takes 11.7 ms
-where the same product in fp32, with both operands converted, takes 1.9 ms; SmolLM2-135M's
-forward pass of 32 tokens 923 ms against 188 ms in fp32 (one thread, 2026-11-30). SGLang's CPU
-path (no Intel AMX) runs its linear layers, its logits and AWQ's dequantized weights through
-these two ops, so the CPU mode gives them a CPU kernel that converts the operands to fp32,
-multiplies with torch's own fp32 kernel (`mm.out`/`addmm.out`, which this does not replace) and
-rounds the result to bf16 once. That is what a GPU's bf16 GEMM computes (fp32 accumulation, one
-rounding at the end); against torch's bf16 loop, whose sums run in another order, 0.02% of a
-product's values differ, by one bf16 step. The weights stay bf16: the conversion is a temporary
-per call.
+On a CPU that oneDNN cannot run bf16 or fp16 on (no AVX-512: this project's 2-core machines and
+CI are AVX2), torch's half-precision `mm`/`addmm` is a scalar loop: a [64, 576] x [576, 1536]
+bf16 product takes 11.7 ms where the same product in fp32, with both operands converted, takes
+1.9 ms; SmolLM2-135M's forward pass of 32 tokens 923 ms against 188 ms in fp32 (one thread,
+2026-11-30). fp16 is as slow, and slower still with a row-major weight (AWQ's dequantized
+[K, N] weight, which SGLang multiplies as `x @ w` in fp16: 12.6 ms for 8 rows of 576 x 1536,
+against 1.7 ms for `F.linear`'s transposed layout). SGLang's CPU path (no Intel AMX) runs its
+linear layers, its logits and AWQ's dequantized weights through these two ops, so the CPU mode
+gives them a CPU kernel that converts the operands to fp32, multiplies with torch's own fp32
+kernel (`mm.out`, which this does not replace) and rounds the result to the operands' dtype
+once. That is what a GPU's half-precision GEMM computes (fp32 accumulation, one rounding at the
+end); against torch's bf16 loop, whose sums run in another order, 0.02% of a product's values
+differ, by one step. The weights stay in their dtype: the conversion is a temporary per call.
 
 The weight is converted into a scratch buffer this thread keeps (a fresh fp32 tensor per call
-costs more in page faults than the product: 0.88 ms against 0.12 ms for 576 x 1536 values), so a
-product of one row costs what torch's bf16 kernel takes (0.26 ms against 0.23 ms); from four rows
-on it is faster. Weights of more than `MAX_CONVERTED` values (SmolLM2's 49152 x 576 logit
+costs more in page faults than the product: 0.88 ms against 0.12 ms for 576 x 1536 values).
+From four rows on this is faster than torch's loop; a product of one row, padded to four (below),
+costs about twice torch's (SmolLM2's one-token pass 89-106 ms against 45-50 ms). Weights of more than `MAX_CONVERTED` values (SmolLM2's 49152 x 576 logit
 weights, whose product of one row takes 6 ms in bf16 and 18 ms converted) keep torch's kernel.
 Which kernel a product takes depends on its weight only, never on its number of rows, and the
 rows are padded to a multiple of `ROW_MULTIPLE`, so a request computes alike alone and in a
 batch, as with torch's bf16 loop. Every other dtype goes to torch's own kernel.
-Nothing is registered where oneDNN runs bf16 itself, or with FINESLAB_CPU_BF16_GEMM=torch.
+Nothing is registered where oneDNN runs both dtypes itself (`slow_dtypes`); at run time
+FINESLAB_CPU_HALF_GEMM picks the dtypes converted (`SWITCH_DTYPES`).
 
 Every SGLang process of the CPU mode registers it (`sgl_kernel`'s stand-in is imported by
 SGLang's own modules), stock SGLang's included, so fineslab's runtimes and their stock
@@ -35,10 +38,13 @@ import warnings
 
 import torch
 
-#: FINESLAB_CPU_BF16_GEMM=torch keeps torch's own bf16 kernels (the default: `fp32`).
-SWITCH_VAR = "FINESLAB_CPU_BF16_GEMM"
+#: Which half-precision products are computed in fp32: `bf16` (the default), `fp32` (bf16 and
+#: fp16) or `torch` (neither: torch's own kernels). fp16 is not the default yet: the whole suite
+#: has run with bf16 converted, not yet with fp16 (its fp16 runtimes' outputs would move).
+SWITCH_VAR = "FINESLAB_CPU_HALF_GEMM"
+SWITCH_DTYPES = {"fp32": (torch.bfloat16, torch.float16), "bf16": (torch.bfloat16,), "torch": ()}
+DEFAULT_SWITCH = "bf16"
 
-_BF16 = torch.bfloat16
 _LIBRARY: torch.library.Library | None = None
 
 
@@ -58,8 +64,8 @@ _scratch = _Scratch()
 
 
 def _converts(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype is _BF16 and b.dtype is _BF16 and a.dim() == 2 and b.dim() == 2
-            and b.numel() <= MAX_CONVERTED and _switched_on())
+    return (a.dtype is b.dtype and a.dim() == 2 and b.dim() == 2 and b.numel() <= MAX_CONVERTED
+            and a.dtype in _switched_on())
 
 
 def _fp32(b: torch.Tensor) -> torch.Tensor:
@@ -93,41 +99,50 @@ def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if _converts(a, b):
-        return _product(a, b).to(_BF16)
+        return _product(a, b).to(a.dtype)
     out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.result_type(a, b))
     return torch.ops.aten.mm.out(a, b, out=out)
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1,
            alpha: float = 1) -> torch.Tensor:
-    if _converts(a, b) and bias.dtype is _BF16:
+    if _converts(a, b) and bias.dtype is a.dtype:
         out = _product(a, b)
         if alpha != 1:
             out.mul_(alpha)
-        return out.add_(bias.float(), alpha=beta).to(_BF16)
+        return out.add_(bias.float(), alpha=beta).to(a.dtype)
     out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.result_type(a, b))
     return torch.ops.aten.addmm.out(bias, a, b, beta=beta, alpha=alpha, out=out)
 
 
+def slow_dtypes() -> tuple[torch.dtype, ...]:
+    """The half-precision dtypes oneDNN cannot multiply on this CPU (torch's loop does)."""
+    return tuple(dtype for dtype, native in (
+        (torch.bfloat16, torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        (torch.float16, torch.ops.mkldnn._is_mkldnn_fp16_supported())) if not native)
+
+
 def wanted() -> bool:
     """Whether this process should register the kernels (see the module's docstring)."""
-    return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return bool(slow_dtypes())
 
 
-#: (pid, whether converting is on): the switch as the process that reads it found it. A
-#: runtime forked from a zygote that registered the kernels reads it again for itself.
-_switch: tuple[int, bool] = (0, True)
+#: (pid, the dtypes converted): the switch as the process that reads it found it. A runtime
+#: forked from a zygote that registered the kernels reads it again for itself.
+_switch: tuple[int, frozenset[torch.dtype]] = (0, frozenset())
 
 
-def _switched_on() -> bool:
+def _switched_on() -> frozenset[torch.dtype]:
     global _switch
     pid = os.getpid()
     if _switch[0] != pid:
-        _switch = (pid, os.environ.get(SWITCH_VAR, "fp32") != "torch")
+        asked = SWITCH_DTYPES.get(os.environ.get(SWITCH_VAR, DEFAULT_SWITCH),
+                                  SWITCH_DTYPES[DEFAULT_SWITCH])
+        _switch = (pid, frozenset(asked) & frozenset(slow_dtypes()))
     return _switch[1]
 
 
-def register_bf16_gemm() -> bool:
+def register_half_gemm() -> bool:
     """Register `_mm` and `_addmm` as the CPU kernels of `aten::mm` and `aten::addmm` where
     `wanted` (idempotent); whether they are registered."""
     global _LIBRARY

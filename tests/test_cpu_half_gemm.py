@@ -1,6 +1,6 @@
-"""CPU mode's bf16 products (`sgl_kernel/gemm_cpu.py`): computed in fp32 and rounded once, by
-the weight alone (alike for one row and many), torch's own kernel for other dtypes, for weights
-over the limit and with FINESLAB_CPU_BF16_GEMM=torch.
+"""CPU mode's bf16 and fp16 products (`sgl_kernel/gemm_cpu.py`): computed in fp32 and rounded
+once, by the weight alone (alike for one row and many), torch's own kernel for other dtypes,
+for weights over the limit and as FINESLAB_CPU_HALF_GEMM says.
 
 Each check runs in a child of the CPU mode (as SGLang's processes do: importing `sgl_kernel`'s
 stand-in registers the kernels), so that this process's torch is left as it is.
@@ -18,22 +18,22 @@ import pytest
 from fineslab import cpu_mode
 
 CHECKS = r"""
-import json, os, torch
+import json, os, sys, torch
 import torch.nn.functional as F
-native_before = {}
+DT = getattr(torch, sys.argv[1])
 torch.manual_seed(0)
-x = torch.randn(64, 576).bfloat16()
-w = torch.randn(1536, 576).bfloat16()        # F.linear's layout: the product takes w.t()
-bias = torch.randn(1536).bfloat16()
-row_major = torch.randn(576, 1536).bfloat16()  # AWQ's dequantized weight: x @ w
-big = torch.randn(4200, 1024).bfloat16()        # over MAX_CONVERTED (4,194,304 values)
-xb = torch.randn(8, 1024).bfloat16()
+x = torch.randn(64, 576).to(DT)
+w = torch.randn(1536, 576).to(DT)        # F.linear's layout: the product takes w.t()
+bias = torch.randn(1536).to(DT)
+row_major = torch.randn(576, 1536).to(DT)  # AWQ's dequantized weight: x @ w
+big = torch.randn(4200, 1024).to(DT)        # over MAX_CONVERTED (4,194,304 values)
+xb = torch.randn(8, 1024).to(DT)
 native = {"linear": F.linear(x, w), "biased": F.linear(x, w, bias), "row": x @ row_major,
           "big": F.linear(xb, big)}
 import sgl_kernel
 from sgl_kernel import gemm_cpu
-registered = gemm_cpu.register_bf16_gemm()
-fp32 = lambda a, b: (a.float() @ b.float()).bfloat16()
+registered = gemm_cpu.register_half_gemm()
+fp32 = lambda a, b: (a.float() @ b.float()).to(DT)
 got = {"linear": F.linear(x, w), "biased": F.linear(x, w, bias), "row": x @ row_major,
        "big": F.linear(xb, big), "three_d": F.linear(x.view(4, 16, 576), w)}
 alike = []
@@ -45,10 +45,10 @@ for threads in (1, 2):
 f = torch.randn(16, 576) @ torch.randn(576, 32)
 print(json.dumps({
     "registered": registered,
-    "wanted": gemm_cpu.wanted(),
+    "slow": DT in gemm_cpu.slow_dtypes(),
     "linear_is_fp32": bool(torch.equal(got["linear"], fp32(x, w.t()))),
     "biased_is_fp32": bool(torch.equal(got["biased"],
-                                       (x.float() @ w.float().t() + bias.float()).bfloat16())),
+                                       (x.float() @ w.float().t() + bias.float()).to(DT))),
     "row_major_is_fp32": bool(torch.equal(got["row"], fp32(x, row_major))),
     "three_d_is_fp32": bool(torch.equal(got["three_d"].view(64, 1536), fp32(x, w.t()))),
     "differs_from_torch": int((got["linear"] != native["linear"]).sum()),
@@ -60,18 +60,20 @@ print(json.dumps({
 """
 
 
-def _run(code: str, **env: str) -> dict[str, Any]:
-    result = subprocess.run([sys.executable, "-c", code], env={**cpu_mode.child_environ(), **env},
+def _run(code: str, dtype: str, **env: str) -> dict[str, Any]:
+    result = subprocess.run([sys.executable, "-c", code, dtype],
+                            env={**cpu_mode.child_environ(), **env},
                             capture_output=True, text=True, check=False, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     return dict(json.loads(result.stdout.strip().splitlines()[-1]))
 
 
-@pytest.fixture(scope="module")
-def checks() -> dict[str, Any]:
-    found = _run(CHECKS)
-    if not found["wanted"]:
-        pytest.skip("oneDNN runs bf16 on this CPU: the kernels are not registered")
+@pytest.fixture(scope="module", params=["bfloat16", "float16"])
+def checks(request: pytest.FixtureRequest) -> dict[str, Any]:
+    found = _run(CHECKS, request.param, FINESLAB_CPU_HALF_GEMM="fp32")
+    if not found["slow"]:
+        pytest.skip(f"oneDNN runs {request.param} on this CPU: its products are left to it")
+    found["dtype_asked"] = request.param
     return found
 
 
@@ -79,7 +81,7 @@ def test_bf16_products_are_fp32_products_rounded_once(checks: dict[str, Any]) ->
     assert checks["registered"]
     assert checks["linear_is_fp32"] and checks["biased_is_fp32"] and checks["three_d_is_fp32"]
     assert checks["row_major_is_fp32"], "a row-major weight (AWQ's) is converted too"
-    assert checks["dtype"] == "torch.bfloat16" and checks["fp32_unchanged"]
+    assert checks["dtype"] == f"torch.{checks['dtype_asked']}" and checks["fp32_unchanged"]
     # and the check can tell: torch's own bf16 loop sums in another order
     assert checks["differs_from_torch"] > 0
 
@@ -95,6 +97,18 @@ def test_a_weight_over_the_limit_keeps_torchs_kernel(checks: dict[str, Any]) -> 
 
 
 def test_the_switch_keeps_torchs_kernels(checks: dict[str, Any]) -> None:
-    off = _run(CHECKS, FINESLAB_CPU_BF16_GEMM="torch")
+    off = _run(CHECKS, checks["dtype_asked"], FINESLAB_CPU_HALF_GEMM="torch")
     assert off["registered"], "registered, and each call asks the switch"
     assert off["differs_from_torch"] == 0 and not off["linear_is_fp32"]
+    bf16_only = _run(CHECKS, checks["dtype_asked"], FINESLAB_CPU_HALF_GEMM="bf16")
+    assert bf16_only["linear_is_fp32"] == (checks["dtype_asked"] == "bfloat16")
+
+
+def test_the_default_converts_bf16_only() -> None:
+    """fp16 waits for a whole suite run with it (gemm_cpu.DEFAULT_SWITCH)."""
+    environ = {k: v for k, v in cpu_mode.child_environ().items() if k != "FINESLAB_CPU_HALF_GEMM"}
+    result = subprocess.run([sys.executable, "-c", "from sgl_kernel import gemm_cpu; import torch; "
+                             "print(sorted(str(d) for d in gemm_cpu._switched_on()))"],
+                            env=environ, capture_output=True, text=True, check=False, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[0] in ("['torch.bfloat16']", "[]"), result.stdout
