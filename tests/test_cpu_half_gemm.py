@@ -104,11 +104,11 @@ def test_the_switch_keeps_torchs_kernels(checks: dict[str, Any]) -> None:
     assert bf16_only["linear_is_fp32"] == (checks["dtype_asked"] == "bfloat16")
 
 
-def test_the_default_converts_bf16_only() -> None:
-    """fp16 waits for a whole suite run with it (gemm_cpu.DEFAULT_SWITCH)."""
+def test_the_default_converts_both() -> None:
+    """bf16 and fp16, where oneDNN runs neither (gemm_cpu.DEFAULT_SWITCH)."""
     environ = {k: v for k, v in cpu_mode.child_environ().items() if k != "FINESLAB_CPU_HALF_GEMM"}
     result = subprocess.run([sys.executable, "-c", "from sgl_kernel import gemm_cpu; import torch; "
                              "print(sorted(str(d) for d in gemm_cpu._switched_on()))"],
                             env=environ, capture_output=True, text=True, check=False, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split("\n")[0] in ("['torch.bfloat16']", "[]"), result.stdout
+    assert result.stdout.split("\n")[0] == "['torch.bfloat16', 'torch.float16']", result.stdout
