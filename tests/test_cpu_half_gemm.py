@@ -43,6 +43,7 @@ for threads in (1, 2):
     alike += [torch.equal(torch.cat([F.linear(x[i:i + n], w, bias) for i in range(0, 64, n)]),
                           batch) for n in (1, 2, 3, 5, 6, 7, 16)]
 f = torch.randn(16, 576) @ torch.randn(576, 32)
+nan_bias = torch.full((1536,), float("nan")).to(DT)
 print(json.dumps({
     "registered": registered,
     "slow": DT in gemm_cpu.slow_dtypes(),
@@ -56,6 +57,8 @@ print(json.dumps({
     "big_is_torch": bool(torch.equal(got["big"], native["big"])),
     "dtype": str(got["linear"].dtype),
     "fp32_unchanged": f.dtype == torch.float32,
+    "beta0_ignores_bias": bool(torch.equal(torch.addmm(nan_bias, x, w.t(), beta=0),
+                                           got["linear"])),
 }))
 """
 
@@ -82,6 +85,7 @@ def test_bf16_products_are_fp32_products_rounded_once(checks: dict[str, Any]) ->
     assert checks["linear_is_fp32"] and checks["biased_is_fp32"] and checks["three_d_is_fp32"]
     assert checks["row_major_is_fp32"], "a row-major weight (AWQ's) is converted too"
     assert checks["dtype"] == f"torch.{checks['dtype_asked']}" and checks["fp32_unchanged"]
+    assert checks["beta0_ignores_bias"], "addmm with beta=0 ignores its bias, NaNs included"
     # and the check can tell: torch's own bf16 loop sums in another order
     assert checks["differs_from_torch"] > 0
 
@@ -102,6 +106,16 @@ def test_the_switch_keeps_torchs_kernels(checks: dict[str, Any]) -> None:
     assert off["differs_from_torch"] == 0 and not off["linear_is_fp32"]
     bf16_only = _run(CHECKS, checks["dtype_asked"], FINESLAB_CPU_HALF_GEMM="bf16")
     assert bf16_only["linear_is_fp32"] == (checks["dtype_asked"] == "bfloat16")
+
+
+def test_an_unknown_switch_value_is_named_and_the_default_taken() -> None:
+    environ = {**cpu_mode.child_environ(), "FINESLAB_CPU_HALF_GEMM": "fp64"}
+    result = subprocess.run([sys.executable, "-c", "from sgl_kernel import gemm_cpu; "
+                             "print(sorted(str(d) for d in gemm_cpu._switched_on()))"],
+                            env=environ, capture_output=True, text=True, check=False, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "FINESLAB_CPU_HALF_GEMM='fp64' is not one of fp32, bf16, torch" in result.stderr
+    assert result.stdout.split("\n")[0] == "['torch.bfloat16', 'torch.float16']"
 
 
 def test_the_default_converts_both() -> None:

@@ -109,7 +109,9 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float 
         out = _product(a, b)
         if alpha != 1:
             out.mul_(alpha)
-        return out.add_(bias.float(), alpha=beta).to(a.dtype)
+        if beta != 0:  # addmm ignores the bias then, NaNs included
+            out.add_(bias.float(), alpha=beta)
+        return out.to(a.dtype)
     out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.result_type(a, b))
     return torch.ops.aten.addmm.out(bias, a, b, beta=beta, alpha=alpha, out=out)
 
@@ -135,9 +137,12 @@ def _switched_on() -> frozenset[torch.dtype]:
     global _switch
     pid = os.getpid()
     if _switch[0] != pid:
-        asked = SWITCH_DTYPES.get(os.environ.get(SWITCH_VAR, DEFAULT_SWITCH),
-                                  SWITCH_DTYPES[DEFAULT_SWITCH])
-        _switch = (pid, frozenset(asked) & frozenset(slow_dtypes()))
+        value = os.environ.get(SWITCH_VAR, DEFAULT_SWITCH)
+        if value not in SWITCH_DTYPES:
+            warnings.warn(f"{SWITCH_VAR}={value!r} is not one of {', '.join(SWITCH_DTYPES)}: "
+                          f"taking {DEFAULT_SWITCH!r}", stacklevel=1)
+            value = DEFAULT_SWITCH
+        _switch = (pid, frozenset(SWITCH_DTYPES[value]) & frozenset(slow_dtypes()))
     return _switch[1]
 
 
