@@ -67,6 +67,7 @@ headline cell's `fineslab_capacity`, `shared_fcfs_capacity`, `static_capacity`,
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -93,11 +94,16 @@ from fineslab.loadgen.metrics import RequestOutcome
 from fineslab.loadgen.run import BenchConfig, BenchResult, run_benchmark
 from fineslab.scheduler.placement import GpuSpec
 from fineslab.scheduler.predictors import ChunkedPrefillPredictor
-from fineslab.scheduler.profile_schema import ModelProfile, save_profile
+from fineslab.scheduler.profile_schema import (
+    ModelProfile,
+    profile_from_dict,
+    profile_to_dict,
+    save_profile,
+)
 from fineslab.sim.config import SimConfig, SystemSpec
 from fineslab.sim.experiments.calibrate import calibrate, load_average
 from fineslab.sim.experiments.capacity import Bisection, Search
-from fineslab.sim.simulator import FleetModel, simulate
+from fineslab.sim.simulator import FleetModel, place, simulate
 from fineslab.tables import add_json_flag, emit
 from fineslab.workload import ModelLoad, Request, WorkloadSpec, build_workload
 from fineslab.workload.traces import AZURE_CONV, SHAREGPT_STATS, load_lengths
@@ -172,6 +178,8 @@ class CapacityBenchConfig:
     ceiling: float = 16.0
     #: Before each probe, wait up to this long for the machine to settle (bench/settle.py).
     settle_s: float = 30.0
+    #: The cores the simulator's CPU device has (None: this machine's, recorded at the run).
+    cpu_cores: int | None = None
     mix: tuple[MixModel, ...] = MIX
 
 
@@ -453,33 +461,37 @@ def interleave(searches: Sequence[SystemSearch],
 
 def sim_searches(cfg: CapacityBenchConfig, calibration: Calibration, kind: str, seed: int,
                  arena_bytes: int) -> dict[str, SystemSearch]:
-    """The simulator's capacity for the same fleet and requests: one device whose memory is
-    the models' weights and activations plus the arena."""
+    """The simulator's capacity for the same fleet and requests: one CPU device whose memory
+    is the models' weights and activations plus the arena and whose runtimes take turns on
+    this machine's cores (`SimConfig.cpu_cores`). Each system is placed once, at the base
+    rates, as its live fleet was: a placement redone at every rate scale left a model unplaced
+    above x5.5, and that, not scheduling, set all four systems' simulated capacity."""
     models = [FleetModel(m.name, calibration.profiles[m.name], calibration.rates[m.name],
                          calibration.slo_s[m.name]) for m in cfg.mix]
     fixed = sum(p.weights_bytes + int(p.activation_bytes(1))
                 for p in calibration.profiles.values())
     gpus = [GpuSpec(0, fixed + arena_bytes, "cpu")]
-    config = SimConfig(max_running_requests=cfg.max_running, min_slab_bytes=SIM_SLAB_BYTES)
-    out = {}
-    for system in cfg.systems:
-        search = new_search(cfg, system)
+    config = SimConfig(max_running_requests=cfg.max_running, min_slab_bytes=SIM_SLAB_BYTES,
+                       cpu_cores=cfg.cpu_cores or os.cpu_count() or 1)
+    plans = {system: place(models, gpus, SIM_SYSTEMS[system].placer, config)
+             for system in cfg.systems}
 
-        def simulated(system: str, rate: float) -> Probe:
-            requests = workload(cfg, kind, calibration.rates, rate, seed)
-            scaled = [replace(m, rate_per_s=m.rate_per_s * rate) for m in models]
-            summary = simulate(scaled, gpus, SIM_SYSTEMS[system], requests, cfg.duration_s,
-                               config).summary()
-            return Probe(rate, round(summary.slo_attainment or 0.0, 4), {})
+    def simulated(system: str, rate: float) -> Probe:
+        requests = workload(cfg, kind, calibration.rates, rate, seed)
+        scaled = [replace(m, rate_per_s=m.rate_per_s * rate) for m in models]
+        summary = simulate(scaled, gpus, SIM_SYSTEMS[system], requests, cfg.duration_s,
+                           config, plans[system]).summary()
+        return Probe(rate, round(summary.slo_attainment or 0.0, 4), {})
 
-        interleave([search], simulated)
-        out[system] = search
+    out = {system: new_search(cfg, system) for system in cfg.systems}
+    interleave(list(out.values()), simulated)
     return out
 
 
 # -- the run ------------------------------------------------------------------------------------
 
 def run(cfg: CapacityBenchConfig) -> dict[str, Any]:
+    cfg = replace(cfg, cpu_cores=cfg.cpu_cores or os.cpu_count() or 1)
     folder = Path(tempfile.mkdtemp(prefix="fineslab-capacity-"))
     fleets: dict[str, ChaosFleet] = {}
     started = time.monotonic()
@@ -588,6 +600,8 @@ def summarize(cfg: CapacityBenchConfig, calibration: Calibration, limits: dict[s
                        "mix": [m.__dict__ for m in cfg.mix]},
             "headline": f"{cells[0]['workload']}-{cells[0]['seed']}",
             "slo_s": calibration.slo_s, "base_rates_per_s": calibration.rates,
+            # what `--resimulate` needs to run the simulator again on this run's machine
+            "profiles": {name: profile_to_dict(p) for name, p in calibration.profiles.items()},
             "saturation_per_s": round(calibration.saturation_per_s, 3),
             "static_kv_limits_bytes": limits, "cells": cells,
             "fineslab_capacity": ours, "shared_fcfs_capacity": cap("shared-fcfs"),
@@ -601,6 +615,63 @@ def summarize(cfg: CapacityBenchConfig, calibration: Calibration, limits: dict[s
             "margin_over_fineslab_by_cell": margin,
             "sim_capacity_error": max(errors) if errors else None,
             "wall_s": round(wall_s, 1)}
+
+
+# -- the simulator again on a stored run -------------------------------------------------------
+
+def config_from_dict(data: dict[str, Any]) -> CapacityBenchConfig:
+    """A stored run's `config` (lists back to tuples, the mix to `MixModel`s)."""
+    known = set(CapacityBenchConfig.__dataclass_fields__)
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown config keys {unknown}")
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    fields["mix"] = tuple(MixModel(**m) for m in data["mix"])
+    return CapacityBenchConfig(**fields)
+
+
+def resimulate(path: Path) -> dict[str, Any]:
+    """Today's simulator on a stored run (its `--json` output): the run's config, calibrated
+    profiles, SLOs and base rates, each cell's searches again; the live capacity, the stored
+    prediction and the new one side by side. No fleet is launched."""
+    try:
+        stored = json.loads(path.read_text().strip().splitlines()[-1])
+        profiles = {name: profile_from_dict(d, f"{path}: {name}")
+                    for name, d in stored["profiles"].items()}
+        cfg = config_from_dict(stored["config"])
+        calibration = Calibration(profiles, {}, stored["slo_s"], stored["saturation_per_s"],
+                                  stored["base_rates_per_s"])
+        cells = stored["cells"]
+    except (OSError, ValueError, IndexError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path}: not the JSON of a capacity run that recorded its profiles "
+                          f"({type(exc).__name__}: {exc})") from None
+    out_cells, errors = [], {}
+    for cell in cells:
+        live = cell["systems"]
+        sim = sim_searches(replace(cfg, systems=tuple(live)), calibration, cell["workload"],
+                           cell["seed"], cfg.arena_mib << 20)
+        systems = {}
+        for name, found in live.items():
+            predicted = sim[name].results()
+            systems[name] = {"capacity": found["capacity"],
+                             "stored_sim_capacity": found["sim_capacity"],
+                             "sim_capacity": predicted[0.99].capacity,
+                             "sim_capacity_90": predicted[0.90].capacity,
+                             "error": _error(found["capacity"], predicted[0.99].capacity)}
+        name = f"{cell['workload']}-{cell['seed']}"
+        cell_errors = [e for s in systems.values() if (e := s["error"]) is not None]
+        errors[name] = max(cell_errors) if cell_errors else None
+        out_cells.append({"workload": cell["workload"], "seed": cell["seed"],
+                          "systems": systems})
+    return {"source": str(path), "cpu_cores": cfg.cpu_cores or os.cpu_count(),
+            "cells": out_cells, "sim_capacity_error_by_cell": errors,
+            "sim_capacity_error": errors.get(stored.get("headline", ""))}
+
+
+def resimulated_rows(out: dict[str, Any]) -> list[list[object]]:
+    return [[cell["workload"], cell["seed"], system, s["capacity"], s["stored_sim_capacity"],
+             s["sim_capacity"], s["error"]]
+            for cell in out["cells"] for system, s in cell["systems"].items()]
 
 
 # -- the command --------------------------------------------------------------------------------
@@ -688,8 +759,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle", type=_non_negative, default=None, metavar="S",
                         help="before each probe, wait up to S s for the CPUs to be under "
                              f"{SETTLED_BUSY * 100:.0f}%% busy (default 30; 0: one reading)")
+    parser.add_argument("--resimulate", type=Path, default=None, metavar="FILE",
+                        help="launch nothing: run today's simulator on a stored run (a "
+                             "--json output that recorded its profiles) and print its live "
+                             "capacities beside the stored and the new predictions")
     add_json_flag(parser)
     args = parser.parse_args(argv)
+    if args.resimulate is not None:
+        try:
+            again = resimulate(args.resimulate)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        emit(f"the simulator again on {args.resimulate} ({again['cpu_cores']} cores)",
+             ["workload", "seed", "system", "live 99%", "stored sim", "sim 99%", "error"],
+             resimulated_rows(again), again, args.json)
+        return 0
     cfg = QUICK if args.quick else CapacityBenchConfig()
     changes = {"seeds": args.seeds, "workloads": args.workloads, "systems": args.systems,
                "duration_s": args.duration, "tolerance": args.tolerance,

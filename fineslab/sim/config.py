@@ -71,6 +71,12 @@ class SimConfig:
         "pages" KV mode pays them (`sim.pages`).
     page_reserve_min, page_reserve_max: kvcached's pre-mapped reserve, in page groups (one
         2 MB page per layer, K and V): KVCACHED_MIN_RESERVED_PAGES / _MAX_ defaults, 5 and 10.
+    cpu_cores: the cores of each CPU device (kind "cpu"); None models a CPU like a GPU, with
+        the interference factor. Set, a CPU replica's step lasts alone_s * max(1, threads x
+        busy replicas on the device, itself included / cores), each replica running
+        max(1, cores // replicas on the device) compute threads as the live fleet gives them
+        (`fleet.runtimes.cpu_threads_env`): runtimes on a CPU take turns on its cores, they do
+        not share SMs. `bench.capacity` sets it to the machine's cores.
     gpu_memory_fraction: the part of each GPU's memory the fleet may use. Above 1 (at most
         MAX_MEMORY_FRACTION) it describes a GPU with that much more memory and the same
         compute: `fineslab.sim capacity-parts` uses 1.8 for a fleet whose KV space never binds.
@@ -87,6 +93,7 @@ class SimConfig:
     page_set_access_s: float = 36e-6
     page_reserve_min: int = 5
     page_reserve_max: int = 10
+    cpu_cores: int | None = None
 
     def __post_init__(self) -> None:
         if self.interference_per_neighbor < 0:
@@ -98,5 +105,7 @@ class SimConfig:
             raise ConfigError(f"gpu_memory_fraction must be in (0, {MAX_MEMORY_FRACTION:g}]")
         if min(self.page_map_s, self.page_set_access_s) < 0:
             raise ConfigError("page map times must be >= 0")
+        if self.cpu_cores is not None and self.cpu_cores < 1:
+            raise ConfigError("cpu_cores must be >= 1 (or None)")
         if not 0 <= self.page_reserve_min <= self.page_reserve_max:
             raise ConfigError("page reserve sizes must satisfy 0 <= min <= max")

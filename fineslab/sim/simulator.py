@@ -146,6 +146,7 @@ class Simulator:
         self.window_output_tokens = 0
         self._heap: list[tuple[float, int, int]] = []
         self._seq = 0
+        self._cpu_ids = {g.gpu_id for g in self.plan.gpus if g.device == "cpu"}
 
     def _build(self) -> list[ReplicaEngine]:
         profiles = {name: m.profile for name, m in self.models.items()}
@@ -221,9 +222,15 @@ class Simulator:
         heapq.heappush(self._heap, (end_s, self._seq, index))
 
     def _interference(self, index: int) -> float:
-        """1 + f * (other replicas busy on this replica's GPUs)."""
-        neighbors = {i for g in self.engines[index].gpu_ids for i in self.by_gpu[g]} - {index}
+        """1 + f * (other replicas busy on this replica's GPUs); on a CPU device with
+        `cpu_cores` set, the busy replicas' threads over its cores (`SimConfig`)."""
+        gpu_ids = self.engines[index].gpu_ids
+        neighbors = {i for g in gpu_ids for i in self.by_gpu[g]} - {index}
         busy = sum(self.engines[i].busy for i in neighbors)
+        cores = self.config.cpu_cores
+        if cores is not None and all(g in self._cpu_ids for g in gpu_ids):
+            threads = max(1, cores // (len(neighbors) + 1))
+            return max(1.0, threads * (busy + 1) / cores)
         return 1.0 + self.config.interference_per_neighbor * busy
 
     def _collect(self) -> tuple[RequestOutcome, ...]:
