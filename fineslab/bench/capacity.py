@@ -51,11 +51,19 @@ scale (same seed, same scale: the same list).
 
 Capacity is the largest rate scale at which TTFT attainment (requests whose first token came
 within their model's SLO / all requests) stays >= the target, found by the simulator's
-bisection (`sim.experiments.capacity.Bisection`: bracket by doubling, bisect to `tolerance`),
+bisection (`sim.experiments.capacity.Bisection`: bracket by doubling, or by halving down to
+`floor` when rate scale 1 misses, then bisect to `tolerance`),
 for targets 0.99 and 0.90. The systems' searches are interleaved, one probe each in turn, so a
 slow moment of the shared machine meets all of them. `sim` is the simulator's capacity for the
-same fleet, workload and calibrated profiles (one "GPU" with the arena as its KV space);
-`sim_capacity_error` is the largest relative error over the three systems.
+same fleet, workload and calibrated profiles: one CPU device with the arena as its KV space,
+each system placed once at the base rates as its live fleet is, its runtimes taking turns on
+this machine's cores (`SimConfig.cpu_cores`); `sim_capacity_error` is the largest relative
+error over the three systems. A run records its calibrated profiles, so that
+
+    python -m fineslab.bench.capacity --resimulate RUN.json [--json]
+
+runs today's simulator on it again (no fleet) and prints its live capacities beside the stored
+and the new predictions.
 
 Figures (last line with --json): per cell (workload, seed) and system every probe (rate scale,
 attainment, goodput, drops, late, TTFT p99), capacities at 0.99 and 0.90, and at the top the
@@ -174,6 +182,9 @@ class CapacityBenchConfig:
     max_output_tokens: int = 8
     max_running: int = 16
     start: float = 1.0
+    #: When the start misses, the search halves down to this rate scale (a shift probe at x1
+    #: can miss 99% for every system: capacity 0 for all says nothing).
+    floor: float = 0.25
     tolerance: float = 0.25
     ceiling: float = 16.0
     #: Before each probe, wait up to this long for the machine to settle (bench/settle.py).
@@ -442,7 +453,8 @@ class SystemSearch:
 
 
 def new_search(cfg: CapacityBenchConfig, system: str) -> SystemSearch:
-    return SystemSearch(system, {t: Bisection(cfg.start, cfg.tolerance, cfg.ceiling, t)
+    return SystemSearch(system, {t: Bisection(cfg.start, cfg.tolerance, cfg.ceiling, t,
+                                              cfg.floor)
                                  for t in TARGETS})
 
 
@@ -642,7 +654,7 @@ def resimulate(path: Path) -> dict[str, Any]:
         calibration = Calibration(profiles, {}, stored["slo_s"], stored["saturation_per_s"],
                                   stored["base_rates_per_s"])
         cells = stored["cells"]
-    except (OSError, ValueError, IndexError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, IndexError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"{path}: not the JSON of a capacity run that recorded its profiles "
                           f"({type(exc).__name__}: {exc})") from None
     out_cells, errors = [], {}
@@ -756,6 +768,9 @@ def main(argv: list[str] | None = None) -> int:
                              "machine's jitter: docs/evaluation.md)")
     parser.add_argument("--ceiling", type=_positive, default=None,
                         help="the highest rate scale probed (default 16)")
+    parser.add_argument("--floor", type=_positive, default=None,
+                        help="when rate scale 1 misses, the search halves down to this one "
+                             "(default 0.25)")
     parser.add_argument("--settle", type=_non_negative, default=None, metavar="S",
                         help="before each probe, wait up to S s for the CPUs to be under "
                              f"{SETTLED_BUSY * 100:.0f}%% busy (default 30; 0: one reading)")
@@ -778,10 +793,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = QUICK if args.quick else CapacityBenchConfig()
     changes = {"seeds": args.seeds, "workloads": args.workloads, "systems": args.systems,
                "duration_s": args.duration, "tolerance": args.tolerance,
-               "ceiling": args.ceiling, "slo_scale": args.slo_scale, "settle_s": args.settle}
+               "ceiling": args.ceiling, "floor": args.floor, "slo_scale": args.slo_scale,
+               "settle_s": args.settle}
     cfg = replace(cfg, **{k: v for k, v in changes.items() if v is not None})
     if cfg.ceiling < cfg.start:
         parser.error(f"--ceiling {cfg.ceiling:g} is below the first rate scale probed "
+                     f"({cfg.start:g})")
+    if cfg.floor > cfg.start:
+        parser.error(f"--floor {cfg.floor:g} is above the first rate scale probed "
                      f"({cfg.start:g})")
     try:
         out = run(cfg)

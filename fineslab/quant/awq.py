@@ -28,12 +28,12 @@ Embeddings, norms and `lm_head` stay in float16, as in AutoAWQ's output.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from fineslab.cpu_mode.scratch import scratch
 from fineslab.errors import ConfigError
 from fineslab.quant.checkpoint import convert_checkpoint, is_quantized_linear
 
@@ -83,22 +83,12 @@ def unpack_int4(words: torch.Tensor) -> torch.Tensor:
     return out.reshape(rows, cols * VALUES_PER_WORD)
 
 
-class _Scratch(threading.local):
-    values: torch.Tensor | None = None
-
-
-#: Per thread: the unpacked int32 values of the last CPU dequantization, reused by the next (a
-#: fresh [K, N] int32 tensor per call cost more in page faults than the unpacking itself).
-_scratch = _Scratch()
-
-
 def _values_buffer(numel: int, device: torch.device) -> torch.Tensor:
+    """Room for the unpacked int32 values: on CPU this thread's scratch, reused by the next
+    dequantization (`fineslab.cpu_mode.scratch`)."""
     if device.type != "cpu":
         return torch.empty(numel, dtype=torch.int32, device=device)
-    buffer = _scratch.values
-    if buffer is None or buffer.numel() < numel:
-        buffer = _scratch.values = torch.empty(numel, dtype=torch.int32)
-    return buffer[:numel]
+    return scratch(numel, torch.int32)
 
 
 def dequantize_packed(qweight: torch.Tensor, scales: torch.Tensor,

@@ -53,8 +53,8 @@ def test_the_quick_capacity_run_bisects_each_system_on_the_same_requests(
         # the 99% search replayed over the reported probes: every rate it asks for is there,
         # and it ends where the benchmark's did (attainment need not fall monotonically with
         # the rate on a loaded machine: a miss at x1 and a hit at x2, asked by the 90% search,
-        # is capacity 0 at 99%)
-        replay = Bisection(1.0, 1.0, 2.0, 0.99)
+        # leaves the 99% search below x1, halving toward the floor)
+        replay = Bisection(1.0, 1.0, 2.0, 0.99, figures["config"]["floor"])
         by_rate = {p["rate_scale"]: p["attainment"] for p in probes}
         while (rate := replay.next_rate()) is not None:
             assert rate in by_rate, (name, rate, probes)

@@ -79,6 +79,23 @@ def test_bisection_reports_zero_when_even_the_start_misses() -> None:
     assert search.probes == ((1.0, 0.98),), "one probe: nothing lower is tried"
 
 
+def test_with_a_floor_a_missed_start_is_followed_down_and_bracketed() -> None:
+    search = bisect_capacity(_step(0.3), 1.0, 0.05, 64.0, floor=0.25)
+    assert [r for r, _ in search.probes][:3] == [1.0, 0.5, 0.25], "halved from the start"
+    assert search.missed_at is not None
+    assert search.capacity <= 0.3 < search.missed_at <= search.capacity + 0.05
+    # negative control: without the floor the same attainment ends at the start, capacity 0
+    assert bisect_capacity(_step(0.3), 1.0, 0.05, 64.0).capacity == 0.0
+
+
+def test_with_a_floor_nothing_met_down_to_it_is_capacity_zero() -> None:
+    search = bisect_capacity(lambda rate: 0.5, 1.0, 0.25, 64.0, floor=0.25)
+    assert search.capacity == 0.0 and search.missed_at == 0.25
+    assert [r for r, _ in search.probes] == [1.0, 0.5, 0.25], "not below the floor"
+    with pytest.raises(ValueError, match="floor"):
+        bisect_capacity(lambda rate: 1.0, 1.0, 0.25, 64.0, floor=2.0)
+
+
 def test_bisection_stops_at_the_ceiling_when_every_rate_meets() -> None:
     search = bisect_capacity(lambda rate: 1.0, 1.0, 0.25, 10.0)
     assert search.capacity == 10.0 and search.missed_at is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from fineslab.scheduler.placement import GpuSpec
@@ -10,6 +11,7 @@ from fineslab.scheduler.predictors import ChunkedPrefillPredictor
 from fineslab.scheduler.profile_schema import Workload
 from fineslab.scheduler.roofline import analytical_profile
 
+from fineslab.errors import ConfigError
 from fineslab.sim.config import SYSTEMS, SimConfig
 from fineslab.sim.simulator import FleetModel, Simulator, simulate
 from fineslab.workload import SHAREGPT_STATS, ModelLoad, Request, WorkloadSpec, build_workload
@@ -118,3 +120,32 @@ def test_token_throughput_counts_decode_tokens_of_every_request(system: str) -> 
     result = simulate(models, _gpus(), SYSTEMS[system], requests, window_s=1e9)
     completed = [o for o in result.outcomes if o.completed]
     assert result.window_output_tokens == sum(o.output_tokens - 1 for o in completed)
+
+
+def _cpu_fleet(cpu_cores: int | None) -> list[float]:
+    """Three replicas of one CPU model on one CPU device, one 256-token prompt each at t=0:
+    the prefill times in the order they started (each a multiple of the alone time)."""
+    profile = analytical_profile("llama-3.1-8b", "fp16", "h100", workload=Workload(256, 8))
+    profile = replace(profile, device="cpu")
+    models = [FleetModel(f"m{i}", profile, 0.1, 1e6) for i in range(3)]
+    gpus = [GpuSpec(0, 3 * profile.weights_bytes + 8 * GIB, "cpu")]
+    requests = [Request(f"r{i}", f"m{i}", 0.0, 256, 1) for i in range(3)]
+    config = SimConfig(cpu_cores=cpu_cores, interference_per_neighbor=0.2)
+    outcomes = simulate(models, gpus, SYSTEMS["static"], requests, 10.0, config).outcomes
+    alone = profile.prefill_s(256)
+    return sorted(round(o.ttft_s / alone, 3) for o in outcomes if o.ttft_s is not None)
+
+
+def test_cpu_replicas_take_turns_on_the_cores() -> None:
+    # Two cores, three runtimes of one thread each: the third to start shares the cores with
+    # the two busy ones (3 threads / 2 cores); the first two each have a core.
+    assert _cpu_fleet(cpu_cores=2) == [1.0, 1.0, 1.5]
+    # Sixty cores: 20 threads each, 60 busy: no slowdown at all.
+    assert _cpu_fleet(cpu_cores=60) == [1.0, 1.0, 1.0]
+    # Negative control: without cores the device is a GPU, 1 + 0.2 x busy neighbours.
+    assert _cpu_fleet(cpu_cores=None) == [1.0, 1.2, 1.4]
+
+
+def test_cpu_cores_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="cpu_cores"):
+        SimConfig(cpu_cores=0)

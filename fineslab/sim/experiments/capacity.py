@@ -11,8 +11,9 @@ and 20, for Poisson arrivals with ShareGPT lengths and for the Azure conversatio
 
 The bisection, on rate scale r:
 
-    bracket   probe r = start (1); if it misses, capacity is 0 (below the lowest rate tried);
-              else double r until a probe misses or r reaches the ceiling (64)
+    bracket   probe r = start (1); if it misses, capacity is 0 (below the lowest rate tried),
+              or, given a floor, halve r until a probe meets (capacity 0 if none does down to
+              the floor); else double r until a probe misses or r reaches the ceiling (64)
     bisect    lo = the highest rate that met, hi = the lowest that missed; probe (lo + hi) / 2
               until hi - lo <= tolerance
     answer    capacity = lo; the true threshold t of a monotone attainment lies in [lo, hi)
@@ -87,11 +88,14 @@ class Bisection:
     live systems' probes so that a slow moment of the machine meets each of them)."""
 
     def __init__(self, start: float, tolerance: float, ceiling: float,
-                 target: float = TARGET) -> None:
+                 target: float = TARGET, floor: float | None = None) -> None:
+        """`floor`: when the start misses, halve down to it (None: capacity 0 at once)."""
         if not 0 < start <= ceiling or tolerance <= 0:
             raise ValueError(f"need 0 < start <= ceiling and tolerance > 0, got start {start}, "
                              f"ceiling {ceiling}, tolerance {tolerance}")
-        self.tolerance, self.ceiling, self.target = tolerance, ceiling, target
+        if floor is not None and not 0 < floor <= start:
+            raise ValueError(f"need 0 < floor <= start, got floor {floor}, start {start}")
+        self.tolerance, self.ceiling, self.target, self.floor = tolerance, ceiling, target, floor
         self.probes: list[tuple[float, float]] = []
         self.lo: float | None = None  # the highest rate that met
         self.hi: float | None = None  # the lowest rate above lo that missed
@@ -112,8 +116,10 @@ class Bisection:
         self._next = self._decide()
 
     def _decide(self) -> float | None:
-        if self.lo is None:
-            return None  # the start missed: capacity 0
+        if self.lo is None:  # the start missed (so hi is set): halve down to the floor, if any
+            if self.floor is None or self.hi is None or self.hi / 2 < self.floor:
+                return None
+            return self.hi / 2
         if self.hi is None:
             return None if self.lo >= self.ceiling else min(2 * self.lo, self.ceiling)
         return (self.lo + self.hi) / 2 if self.hi - self.lo > self.tolerance else None
@@ -123,10 +129,11 @@ class Bisection:
 
 
 def bisect_capacity(attainment_at: Callable[[float], float], start: float, tolerance: float,
-                    ceiling: float, target: float = TARGET) -> Search:
-    """The largest rate meeting `target`: bracket by doubling from `start`, then bisect until
-    the bracket is at most `tolerance` wide (module docstring)."""
-    search = Bisection(start, tolerance, ceiling, target)
+                    ceiling: float, target: float = TARGET, floor: float | None = None) -> Search:
+    """The largest rate meeting `target`: bracket by doubling from `start` (by halving down to
+    `floor` when the start misses), then bisect until the bracket is at most `tolerance` wide
+    (module docstring)."""
+    search = Bisection(start, tolerance, ceiling, target, floor)
     while (rate := search.next_rate()) is not None:
         search.record(attainment_at(rate))
     return search.result()

@@ -33,10 +33,11 @@ references compute alike.
 from __future__ import annotations
 
 import os
-import threading
 import warnings
 
 import torch
+
+from fineslab.cpu_mode.scratch import scratch
 
 #: Which half-precision products are computed in fp32: `fp32` (bf16 and fp16, the default),
 #: `bf16` (bf16 only) or `torch` (neither: torch's own kernels).
@@ -55,13 +56,6 @@ MAX_CONVERTED = 1 << 22
 ROW_MULTIPLE = 4
 
 
-class _Scratch(threading.local):
-    buffer: torch.Tensor | None = None
-
-
-_scratch = _Scratch()
-
-
 def _converts(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.dtype is b.dtype and a.dim() == 2 and b.dim() == 2 and b.numel() <= MAX_CONVERTED
             and a.dtype in _switched_on())
@@ -77,10 +71,7 @@ def _fp32(b: torch.Tensor) -> torch.Tensor:
         source, flip = transposed, True
     else:
         return b.float()
-    buffer = _scratch.buffer
-    if buffer is None or buffer.numel() < source.numel():
-        buffer = _scratch.buffer = torch.empty(source.numel(), dtype=torch.float32)
-    converted = buffer[:source.numel()].view(source.shape).copy_(source)
+    converted = scratch(source.numel(), torch.float32).view(source.shape).copy_(source)
     return converted.t() if flip else converted
 
 
