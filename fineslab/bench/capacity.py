@@ -637,20 +637,24 @@ def config_from_dict(data: dict[str, Any]) -> CapacityBenchConfig:
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown config keys {unknown}")
-    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                              for k, v in data.items()}
     fields["mix"] = tuple(MixModel(**m) for m in data["mix"])
     return CapacityBenchConfig(**fields)
 
 
-def resimulate(path: Path) -> dict[str, Any]:
+def resimulate(path: Path, cpu_cores: int | None = None) -> dict[str, Any]:
     """Today's simulator on a stored run (its `--json` output): the run's config, calibrated
-    profiles, SLOs and base rates, each cell's searches again; the live capacity, the stored
-    prediction and the new one side by side. No fleet is launched."""
+    profiles, SLOs and base rates (`cpu_cores`, if given, for the run's), each cell's searches
+    again; the live capacity, the stored prediction and the new one side by side. No fleet is
+    launched."""
     try:
         stored = json.loads(path.read_text().strip().splitlines()[-1])
         profiles = {name: profile_from_dict(d, f"{path}: {name}")
                     for name, d in stored["profiles"].items()}
         cfg = config_from_dict(stored["config"])
+        if cpu_cores is not None:
+            cfg = replace(cfg, cpu_cores=cpu_cores)
         calibration = Calibration(profiles, {}, stored["slo_s"], stored["saturation_per_s"],
                                   stored["base_rates_per_s"])
         cells = stored["cells"]
@@ -724,6 +728,16 @@ def _positive(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= value <= 4096:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 4096, got {text}")
+    return value
+
+
 def _non_negative(text: str) -> float:
     value = _number(text)
     if not 0 <= value <= 3600:
@@ -778,11 +792,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="launch nothing: run today's simulator on a stored run (a "
                              "--json output that recorded its profiles) and print its live "
                              "capacities beside the stored and the new predictions")
+    parser.add_argument("--cpu-cores", type=_count, default=None, metavar="N",
+                        help="the simulated CPU device's cores (default: this machine's; with "
+                             "--resimulate, the stored run's)")
     add_json_flag(parser)
     args = parser.parse_args(argv)
     if args.resimulate is not None:
         try:
-            again = resimulate(args.resimulate)
+            again = resimulate(args.resimulate, args.cpu_cores)
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -794,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
     changes = {"seeds": args.seeds, "workloads": args.workloads, "systems": args.systems,
                "duration_s": args.duration, "tolerance": args.tolerance,
                "ceiling": args.ceiling, "floor": args.floor, "slo_scale": args.slo_scale,
-               "settle_s": args.settle}
+               "settle_s": args.settle, "cpu_cores": args.cpu_cores}
     cfg = replace(cfg, **{k: v for k, v in changes.items() if v is not None})
     if cfg.ceiling < cfg.start:
         parser.error(f"--ceiling {cfg.ceiling:g} is below the first rate scale probed "

@@ -98,7 +98,7 @@ def _stored_run(folder: Path) -> tuple[Path, CapacityBenchConfig, Calibration]:
 
 
 def test_a_stored_run_is_simulated_again_from_its_own_config_and_profiles(
-        tmp_path: Path) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path, cfg, calibration = _stored_run(tmp_path)
     stored = json.loads(path.read_text().splitlines()[-1])
     assert config_from_dict(stored["config"]) == cfg, "the config survives its JSON"
@@ -113,6 +113,10 @@ def test_a_stored_run_is_simulated_again_from_its_own_config_and_profiles(
     assert fineslab["error"] == round(abs(fineslab["sim_capacity"] - 2.0) / 2.0, 3)
     assert cell["systems"]["static"]["error"] is None, "no relative error from a zero"
     assert again["sim_capacity_error"] == fineslab["error"] and again["cpu_cores"] == 2
+    capsys.readouterr()
+    assert main(["--resimulate", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == again
+    assert resimulate(path, cpu_cores=1)["cpu_cores"] == 1, "--cpu-cores overrides the run's"
 
 
 @pytest.mark.parametrize("text", ["", "not json\n", '{"cells": []}\n'])
