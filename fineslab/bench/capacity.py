@@ -3,9 +3,11 @@
 Issue #38: a multi-model fleet on real SGLang, fineslab against SGLang's own scheduling over
 the same shared arena and against static partitions of it.
 
-    python -m fineslab.bench.capacity [--json] [--quick] [--seed N ...] [--workload W ...]
+    python -m fineslab.bench.capacity [--json] [--quick] [--seeds N,...] [--workloads W,...]
                                       [--systems fineslab,shared-fcfs,static]
                                       (or fineslab-router, fineslab-margin)
+                                      [--floor R] [--cpu-cores N]
+    python -m fineslab.bench.capacity --resimulate RUN.json [--cpu-cores N] [--json]
 
 The fleet: three generated models of different sizes and precisions (llama-tiny BF16,
 qwen2-tiny BF16, llama-small FP16) in one slab arena small enough that KV memory binds at the
