@@ -6,7 +6,7 @@ the same shared arena and against static partitions of it.
     python -m fineslab.bench.capacity [--json] [--quick] [--seeds N,...] [--workloads W,...]
                                       [--systems fineslab,shared-fcfs,static]
                                       (or fineslab-router, fineslab-margin)
-                                      [--floor R] [--cpu-cores N]
+                                      [--floor R] [--cpu-cores N] [--keep-logs DIR]
     python -m fineslab.bench.capacity --resimulate RUN.json [--cpu-cores N] [--json]
 
 The fleet: three generated models of different sizes and precisions (llama-tiny BF16,
@@ -504,7 +504,9 @@ def sim_searches(cfg: CapacityBenchConfig, calibration: Calibration, kind: str, 
 
 # -- the run ------------------------------------------------------------------------------------
 
-def run(cfg: CapacityBenchConfig) -> dict[str, Any]:
+def run(cfg: CapacityBenchConfig, keep_logs: Path | None = None) -> dict[str, Any]:
+    """The whole benchmark (module docstring). `keep_logs`: a folder, not there yet, that the
+    fleets' configs, launcher output and runtime logs are moved to at the end (else deleted)."""
     cfg = replace(cfg, cpu_cores=cfg.cpu_cores or os.cpu_count() or 1)
     folder = Path(tempfile.mkdtemp(prefix="fineslab-capacity-"))
     fleets: dict[str, ChaosFleet] = {}
@@ -542,7 +544,12 @@ def run(cfg: CapacityBenchConfig) -> dict[str, Any]:
         for fleet in fleets.values():
             fleet.interrupt()
             fleet.cleanup()
-        shutil.rmtree(folder, ignore_errors=True)
+        if keep_logs is None:
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            keep_logs.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(folder), str(keep_logs))
+            logger.info("the fleets' configs and logs: %s", keep_logs)
     return summarize(cfg, calibration, limits, cells, time.monotonic() - started)
 
 
@@ -797,8 +804,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-cores", type=_count, default=None, metavar="N",
                         help="the simulated CPU device's cores (default: this machine's; with "
                              "--resimulate, the stored run's)")
+    parser.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",
+                        help="move the fleets' configs, launcher output and runtime logs to DIR "
+                             "(a new folder) at the end instead of deleting them")
     add_json_flag(parser)
     args = parser.parse_args(argv)
+    if args.keep_logs is not None and args.keep_logs.exists():
+        parser.error(f"--keep-logs {args.keep_logs} exists: name a new folder")
     if args.resimulate is not None:
         try:
             again = resimulate(args.resimulate, args.cpu_cores)
@@ -822,7 +834,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--floor {cfg.floor:g} is above the first rate scale probed "
                      f"({cfg.start:g})")
     try:
-        out = run(cfg)
+        out = run(cfg, args.keep_logs)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -25,11 +25,13 @@ SYSTEMS = {"fineslab", "static"}
 
 
 def test_the_quick_capacity_run_bisects_each_system_on_the_same_requests(
-        model_cache: Path) -> None:
+        model_cache: Path, tmp_path: Path) -> None:
     env = dict(os.environ, FINESLAB_MODEL_CACHE=str(model_cache))
+    kept = tmp_path / "kept" / "logs"
     done = subprocess.run([sys.executable, "-m", "fineslab.bench.capacity", "--quick", "--json",
                            "--duration", "8", "--ceiling", "2", "--tolerance", "1",
-                           "--systems", "fineslab,static", "--settle", "0"],
+                           "--systems", "fineslab,static", "--settle", "0",
+                           "--keep-logs", str(kept)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     figures = json.loads(done.stdout.strip().splitlines()[-1])
@@ -69,6 +71,11 @@ def test_the_quick_capacity_run_bisects_each_system_on_the_same_requests(
     assert figures["fineslab_router_capacity"] is None
     assert figures["engine_over_router_by_cell"] == {}
     assert "sim_capacity_error" in figures and "fineslab_over_best_baseline" in figures
+    # --keep-logs: each system's fleet config, launcher output and every runtime's log
+    for name in SYSTEMS:
+        assert (kept / f"{name}.yaml").is_file() and (kept / f"{name}.out").is_file(), name
+        logs = {p.name for p in (kept / f"{name}-logs").glob("*.log")}
+        assert logs == {f"{m}-r0.log" for m in figures["slo_s"]}, (name, logs)
 
 
 def test_a_probe_that_offers_no_request_is_a_clear_error_not_a_traceback() -> None:
