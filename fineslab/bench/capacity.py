@@ -672,17 +672,20 @@ def resimulate(path: Path, cpu_cores: int | None = None) -> dict[str, Any]:
                           f"({type(exc).__name__}: {exc})") from None
     out_cells, errors = [], {}
     for cell in cells:
-        live = cell["systems"]
-        sim = sim_searches(replace(cfg, systems=tuple(live)), calibration, cell["workload"],
-                           cell["seed"], cfg.arena_mib << 20)
-        systems = {}
-        for name, found in live.items():
-            predicted = sim[name].results()
-            systems[name] = {"capacity": found["capacity"],
-                             "stored_sim_capacity": found["sim_capacity"],
-                             "sim_capacity": predicted[0.99].capacity,
-                             "sim_capacity_90": predicted[0.90].capacity,
-                             "error": _error(found["capacity"], predicted[0.99].capacity)}
+        try:
+            live = cell["systems"]
+            sim = sim_searches(replace(cfg, systems=tuple(live)), calibration, cell["workload"],
+                               cell["seed"], cfg.arena_mib << 20)
+            systems = {}
+            for name, found in live.items():
+                predicted = sim[name].results()
+                systems[name] = {"capacity": found["capacity"],
+                                 "stored_sim_capacity": found["sim_capacity"],
+                                 "sim_capacity": predicted[0.99].capacity,
+                                 "sim_capacity_90": predicted[0.90].capacity,
+                                 "error": _error(found["capacity"], predicted[0.99].capacity)}
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"{path}: a malformed cell ({type(exc).__name__}: {exc})") from None
         name = f"{cell['workload']}-{cell['seed']}"
         cell_errors = [e for s in systems.values() if (e := s["error"]) is not None]
         errors[name] = max(cell_errors) if cell_errors else None

@@ -129,3 +129,14 @@ def test_a_file_that_is_no_stored_run_is_a_one_line_error(
     assert err[-1].startswith("error: ") and "recorded its profiles" in err[-1], err
     assert not any("Traceback" in line for line in err)
     assert main(["--resimulate", str(tmp_path / "missing.json")]) == 2
+
+
+def test_a_stored_run_with_a_malformed_cell_is_a_one_line_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path, _, _ = _stored_run(tmp_path)
+    stored = json.loads(path.read_text().splitlines()[-1])
+    del stored["cells"][0]["systems"]["static"]["sim_capacity"]
+    path.write_text(json.dumps(stored) + "\n")
+    assert main(["--resimulate", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "malformed cell" in err[-1], err

@@ -15,7 +15,8 @@ end); against torch's bf16 loop, whose sums run in another order, 0.02% of a pro
 differ, by one step. The weights stay in their dtype: the conversion is a temporary per call.
 
 The weight is converted into a scratch buffer this thread keeps (`fineslab.cpu_mode.scratch`; a
-fresh fp32 tensor per call costs more in page faults than the product: 0.88 ms against 0.12 ms for 576 x 1536 values).
+fresh fp32 tensor per call costs more in page faults than the product: 0.88 ms against 0.12 ms
+for 576 x 1536 values).
 From four rows on this is faster than torch's loop; a product of one row, padded to four (below),
 costs about twice torch's (SmolLM2's one-token pass 89-106 ms against 45-50 ms). Weights of more than `MAX_CONVERTED` values (SmolLM2's 49152 x 576 logit
 weights, whose product of one row takes 6 ms in bf16 and 18 ms converted) keep torch's kernel.
