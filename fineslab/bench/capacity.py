@@ -59,7 +59,8 @@ for targets 0.99 and 0.90. The systems' searches are interleaved, one probe each
 slow moment of the shared machine meets all of them. `sim` is the simulator's capacity for the
 same fleet, workload and calibrated profiles: one CPU device with the arena as its KV space,
 each system placed once at the base rates as its live fleet is, its runtimes taking turns on
-this machine's cores (`SimConfig.cpu_cores`); `sim_capacity_error` is the largest relative
+this machine's cores (`SimConfig.cpu_cores`) and keeping finished requests' KV as their prefix
+caches do (`SimConfig.prefix_cache`); `sim_capacity_error` is the largest relative
 error over the three systems. A run records its calibrated profiles, so that
 
     python -m fineslab.bench.capacity --resimulate RUN.json [--json]
@@ -477,7 +478,9 @@ def sim_searches(cfg: CapacityBenchConfig, calibration: Calibration, kind: str, 
                  arena_bytes: int) -> dict[str, SystemSearch]:
     """The simulator's capacity for the same fleet and requests: one CPU device whose memory
     is the models' weights and activations plus the arena and whose runtimes take turns on
-    this machine's cores (`SimConfig.cpu_cores`). Each system is placed once, at the base
+    this machine's cores (`SimConfig.cpu_cores`) and keep finished requests' KV as SGLang's
+    prefix cache does, until their own requests or the reclaim rule take it back
+    (`SimConfig.prefix_cache`). Each system is placed once, at the base
     rates, as its live fleet was: a placement redone at every rate scale left a model unplaced
     above x5.5, and that, not scheduling, set all four systems' simulated capacity."""
     models = [FleetModel(m.name, calibration.profiles[m.name], calibration.rates[m.name],
@@ -486,7 +489,7 @@ def sim_searches(cfg: CapacityBenchConfig, calibration: Calibration, kind: str, 
                 for p in calibration.profiles.values())
     gpus = [GpuSpec(0, fixed + arena_bytes, "cpu")]
     config = SimConfig(max_running_requests=cfg.max_running, min_slab_bytes=SIM_SLAB_BYTES,
-                       cpu_cores=cfg.cpu_cores or os.cpu_count() or 1)
+                       cpu_cores=cfg.cpu_cores or os.cpu_count() or 1, prefix_cache=True)
     plans = {system: place(models, gpus, SIM_SYSTEMS[system].placer, config)
              for system in cfg.systems}
 

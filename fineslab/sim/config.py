@@ -14,9 +14,10 @@ KV mode); the paper's systems are peers in `SYSTEMS`:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fineslab.errors import ConfigError
+from fineslab.scheduler.reclaim import ReclaimConfig
 
 KV_MODES = ("shared", "static", "pages")
 MIB = 1 << 20
@@ -77,6 +78,12 @@ class SimConfig:
         max(1, cores // replicas on the device) compute threads as the live fleet gives them
         (`fleet.runtimes.cpu_threads_env`): runtimes on a CPU take turns on its cores, they do
         not share SMs. `bench.capacity` sets it to the machine's cores.
+    prefix_cache: a replica keeps a finished request's blocks, as SGLang's radix cache keeps
+        its KV (no workload here shares a prefix, so the cache is never hit: it only holds
+        memory). They go back when the replica's own allocation is short (oldest first) or
+        when the launcher's reclaim rule flushes the replica, idle, for a neighbour
+        (`scheduler.reclaim`, its thresholds `reclaim`, decided every `reclaim.interval_s` on
+        each shared arena). Off (every GPU experiment), blocks are freed when a request ends.
     gpu_memory_fraction: the part of each GPU's memory the fleet may use. Above 1 (at most
         MAX_MEMORY_FRACTION) it describes a GPU with that much more memory and the same
         compute: `fineslab.sim capacity-parts` uses 1.8 for a fleet whose KV space never binds.
@@ -94,6 +101,8 @@ class SimConfig:
     page_reserve_min: int = 5
     page_reserve_max: int = 10
     cpu_cores: int | None = None
+    prefix_cache: bool = False
+    reclaim: ReclaimConfig = field(default_factory=ReclaimConfig)
 
     def __post_init__(self) -> None:
         if self.interference_per_neighbor < 0:

@@ -35,7 +35,7 @@ added after the co-location factor: it is driver work, which co-located kernels 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -112,6 +112,8 @@ class ReplicaEngine:
     inputs_version: int = 0
     #: The inputs_version of the last decision that admitted and dropped nothing, if any.
     idle_version: int | None = None
+    #: Finished requests' blocks kept as the prefix cache, oldest first (SimConfig.prefix_cache).
+    cached: deque[list[list[int]]] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         self.predictor = MemoTtftPredictor(ChunkedPrefillPredictor.from_profile(self.profile))
@@ -119,6 +121,27 @@ class ReplicaEngine:
     @property
     def busy(self) -> bool:
         return self.step is not None
+
+    @property
+    def has_work(self) -> bool:
+        """Requests waiting or running (the reclaim rule's demand)."""
+        return bool(self.waiting or self.prefilling or self.decoding)
+
+    def flush_cache(self) -> int:
+        """Give every cached block back (SGLang's `/flush_cache`); the requests' count."""
+        flushed = len(self.cached)
+        while self.cached:
+            self.kv.free(self.cached.popleft())
+        return flushed
+
+    def _alloc(self, num_blocks: int) -> list[list[int]] | None:
+        """Blocks for a request, evicting this replica's own cache (oldest first) as SGLang
+        evicts its radix cache for its own requests; None when still short."""
+        blocks = self.kv.try_alloc(num_blocks)
+        while blocks is None and self.cached:
+            self.kv.free(self.cached.popleft())
+            blocks = self.kv.try_alloc(num_blocks)
+        return blocks
 
     @property
     def load(self) -> int:
@@ -157,7 +180,7 @@ class ReplicaEngine:
             del self.waiting[request.request_id]
             self._drop(request, "larger than this replica's KV space")
             return True
-        blocks = self.kv.try_alloc(num_blocks)
+        blocks = self._alloc(num_blocks)
         if blocks is None:
             return False
         del self.waiting[request.request_id]
@@ -195,7 +218,8 @@ class ReplicaEngine:
 
     # -- 3 finish -------------------------------------------------------------------------------
     def finish_step(self, now_s: float) -> bool:
-        """Apply the step in flight at `now_s`; True when KV blocks were freed."""
+        """Apply the step in flight at `now_s`; True when KV blocks were freed (with the
+        prefix cache they are kept: False)."""
         step, self.step = self.step, None
         assert step is not None, "finish_step without a step in flight"
         if step.kind == "prefill":
@@ -220,10 +244,13 @@ class ReplicaEngine:
                              if r.generated_tokens < r.request.output_tokens]
             for running in finished:
                 self._finish(running, now_s)
-        return bool(finished)
+        return bool(finished) and not self.config.prefix_cache
 
     def _finish(self, running: Running, now_s: float) -> None:
-        self.kv.free(running.blocks)
+        if self.config.prefix_cache:
+            self.cached.append(running.blocks)
+        else:
+            self.kv.free(running.blocks)
         request = running.request
         assert running.first_token_s is not None
         self.outcomes.append(RequestOutcome(

@@ -161,6 +161,10 @@ class FleetKv:
         self._leases.append(slabs)
         return slabs
 
+    def shared_table(self, gpu_id: int) -> SlabTable | None:
+        """The shared slab table of `gpu_id` (None: none there, as in static mode)."""
+        return self._shared.get(gpu_id)
+
     def _page_lease(self, gpu: GpuKvPlan, key: str, fmt: BlockFormat) -> PageLease:
         """kvcached: the GPU's page pool holds the KV space the shared slab table would."""
         if gpu.gpu_id not in self.pools:

@@ -37,12 +37,17 @@ from fineslab.scheduler.placement import (
     get_placement_policy,
 )
 from fineslab.scheduler.profile_schema import ModelProfile
+from fineslab.scheduler.reclaim import ArenaUse, CacheReclaimPolicy
 from fineslab.sim.config import SimConfig, SystemSpec
 from fineslab.sim.engine import ReplicaEngine
 from fineslab.sim.kv import FleetKv, GpuKvPlan, ReplicaKv, gpu_slab_plan
+from fineslab.slabs.integrity import snapshot
 from fineslab.workload import Request
 
 logger = logging.getLogger(__name__)
+
+#: The heap's index for a round of the reclaim loop (a step's end carries its replica's index).
+RECLAIM = -1
 
 
 @dataclass(frozen=True)
@@ -146,6 +151,8 @@ class Simulator:
         self.window_output_tokens = 0
         self._heap: list[tuple[float, int, int]] = []
         self._seq = 0
+        self._reclaim = CacheReclaimPolicy(config.reclaim)
+        self._quiet_since: float | None = None
         self._cpu_ids = {g.gpu_id for g in self.plan.gpus if g.device == "cpu"}
 
     def _build(self) -> list[ReplicaEngine]:
@@ -169,11 +176,17 @@ class Simulator:
     def run(self, requests: Sequence[Request]) -> tuple[RequestOutcome, ...]:
         arrivals = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
         next_arrival = 0
+        if self.config.prefix_cache:
+            self._push(self.config.reclaim.interval_s, RECLAIM)
         while next_arrival < len(arrivals) or self._heap:
             if self._heap and (next_arrival == len(arrivals)
                                or self._heap[0][0] <= arrivals[next_arrival].arrival_s):
                 now_s, _, index = heapq.heappop(self._heap)
-                self._on_step_end(index, now_s)
+                if index == RECLAIM:
+                    if self._on_reclaim(now_s, next_arrival < len(arrivals)):
+                        self._push(now_s + self.config.reclaim.interval_s, RECLAIM)
+                else:
+                    self._on_step_end(index, now_s)
             else:
                 request = arrivals[next_arrival]
                 next_arrival += 1
@@ -217,9 +230,45 @@ class Simulator:
         if step is None:
             return
         engine.step = step
-        end_s = now_s + step.alone_s * self._interference(index) + step.map_s
+        self._push(now_s + step.alone_s * self._interference(index) + step.map_s, index)
+
+    def _push(self, at_s: float, index: int) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (end_s, self._seq, index))
+        heapq.heappush(self._heap, (at_s, self._seq, index))
+
+    def _on_reclaim(self, now_s: float, arrivals_left: bool) -> bool:
+        """One round of the launcher's reclaim loop on each shared arena (`SimConfig.
+        prefix_cache`): the idle replicas the rule names give their cache back, and the
+        replicas waiting there try again. True while a later round may still matter: arrivals
+        are left, a step is in flight, or a flush came less than the rule's longest wait
+        ago (its stall time and gap: a request that waits with nothing running and nothing the
+        rule will flush would otherwise keep the rounds going for ever)."""
+        flushed_any = False
+        for gpu_id, indices in self.by_gpu.items():
+            table = self.kv.shared_table(gpu_id)
+            if table is None:
+                continue
+            snap = snapshot(table)
+            engines = {self.engines[i].key: self.engines[i] for i in indices}
+            use = ArenaUse(str(gpu_id), tuple(engines), snap.free_slabs, snap.num_slabs,
+                           {k: e.kv.used_blocks() for k, e in engines.items()},
+                           {k: e.load for k, e in engines.items()})
+            flushed = [k for k in self._reclaim.decide(use, now_s).flush
+                       if engines[k].flush_cache()]
+            if flushed:
+                flushed_any = True
+                for index in indices:
+                    if self.engines[index].waiting:
+                        self._try_start(index, now_s)
+        if flushed_any or arrivals_left or any(e.busy for e in self.engines):
+            self._quiet_since = None
+            return True
+        if self._quiet_since is None:
+            self._quiet_since = now_s
+        cfg = self.config.reclaim
+        waited = now_s - self._quiet_since
+        return (any(e.has_work for e in self.engines)
+                and waited <= cfg.stall_s + cfg.min_gap_s + 2 * cfg.interval_s)
 
     def _interference(self, index: int) -> float:
         """1 + f * (other replicas busy on this replica's GPUs); on a CPU device with

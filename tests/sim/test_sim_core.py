@@ -12,7 +12,7 @@ from fineslab.scheduler.profile_schema import Workload
 from fineslab.scheduler.roofline import analytical_profile
 
 from fineslab.errors import ConfigError
-from fineslab.sim.config import SYSTEMS, SimConfig
+from fineslab.sim.config import SYSTEMS, SimConfig, SystemSpec
 from fineslab.sim.simulator import FleetModel, Simulator, simulate
 from fineslab.workload import SHAREGPT_STATS, ModelLoad, Request, WorkloadSpec, build_workload
 
@@ -149,3 +149,31 @@ def test_cpu_replicas_take_turns_on_the_cores() -> None:
 def test_cpu_cores_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="cpu_cores"):
         SimConfig(cpu_cores=0)
+
+
+def _cached_fleet(prefix_cache: bool) -> dict[str, float]:
+    """Two 8B models sharing a 2 GiB arena: model a's four 4,000-token requests finish by
+    t = 5 s and, with the prefix cache, keep their blocks (the arena nearly full); a asks again
+    at 6.3 s, b at 10.3 s. TTFT by request."""
+    profile = analytical_profile("llama-3.1-8b", "fp16", "h100", workload=Workload(4000, 1))
+    models = [FleetModel(name, profile, 0.1, 1e6) for name in ("a", "b")]
+    fixed = 2 * (profile.weights_bytes + int(profile.activation_bytes(1)))
+    gpus = [GpuSpec(0, fixed + 2 * GIB, "h100")]
+    requests = [Request(f"a{i}", "a", 0.5 * i, 4000, 1) for i in range(4)]
+    requests += [Request("b", "b", 10.3, 4000, 1), Request("a-again", "a", 6.3, 4000, 1)]
+    config = SimConfig(prefix_cache=prefix_cache)
+    system = SystemSpec("shared-fcfs", "mme", "fcfs", "shared")
+    outcomes = simulate(models, gpus, system, requests, 30.0, config).outcomes
+    assert all(o.completed for o in outcomes), outcomes
+    return {o.request_id: o.ttft_s for o in outcomes if o.ttft_s is not None}
+
+
+def test_a_neighbours_cache_holds_the_arena_until_the_reclaim_round_flushes_it() -> None:
+    alone = _cached_fleet(prefix_cache=False)
+    cached = _cached_fleet(prefix_cache=True)
+    prefill = alone["b"]
+    assert prefill < 0.5, "the arena had room at once without the cache"
+    # b waits for the next round (every second: at 11 s), which flushes idle a's cache
+    assert cached["b"] == pytest.approx(11.0 - 10.3 + prefill, abs=1e-6)
+    # a's own request evicts a's own cache at once, as SGLang evicts for its own requests
+    assert cached["a-again"] == pytest.approx(alone["a-again"], rel=1e-6)
