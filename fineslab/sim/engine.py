@@ -13,7 +13,8 @@ Each replica runs one step at a time, like an SGLang scheduler process:
                lasts profile.decode.step_s(batch, mean context)
     3 finish   at the end of a step its effects land: a prompt fully prefilled emits its first
                token (TTFT), a decode step emits one token per running request, a request with
-               all its output tokens frees its blocks
+               all its output tokens frees its blocks (or, with `SimConfig.prefix_cache`, leaves
+               them to the replica's cache, which its own allocations evict oldest first)
 
 The step duration is multiplied by the co-location factor the simulator passes in (see
 `SimConfig.interference_per_neighbor`). The policy is consulted at every step boundary unless
