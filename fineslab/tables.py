@@ -8,7 +8,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TextIO
 
 
@@ -32,15 +32,21 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
                         help="print one JSON object with the results as the last line")
 
 
-def repeats_arg(text: str) -> int:
-    """argparse type of a benchmark's `--repeats`: a whole number from 1 to 50."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= value <= 50:
-        raise argparse.ArgumentTypeError(f"must be between 1 and 50, got {value}")
-    return value
+def whole_number(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from `low` to `high`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {value}")
+        return value
+    return parse
+
+
+#: argparse type of a benchmark's `--repeats`: a whole number from 1 to 50.
+repeats_arg = whole_number(1, 50)
 
 
 def emit(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]],

@@ -115,7 +115,7 @@ from fineslab.sim.config import SimConfig, SystemSpec
 from fineslab.sim.experiments.calibrate import calibrate, load_average
 from fineslab.sim.experiments.capacity import Bisection, Search
 from fineslab.sim.simulator import FleetModel, place, simulate
-from fineslab.tables import add_json_flag, emit
+from fineslab.tables import add_json_flag, emit, whole_number
 from fineslab.workload import ModelLoad, Request, WorkloadSpec, build_workload
 from fineslab.workload.traces import AZURE_CONV, SHAREGPT_STATS, load_lengths
 
@@ -665,8 +665,7 @@ def resimulate(path: Path, cpu_cores: int | None = None) -> dict[str, Any]:
         profiles = {name: profile_from_dict(d, f"{path}: {name}")
                     for name, d in stored["profiles"].items()}
         cfg = config_from_dict(stored["config"])
-        if cpu_cores is not None:
-            cfg = replace(cfg, cpu_cores=cpu_cores)
+        cfg = replace(cfg, cpu_cores=cpu_cores or cfg.cpu_cores or os.cpu_count() or 1)
         calibration = Calibration(profiles, {}, stored["slo_s"], stored["saturation_per_s"],
                                   stored["base_rates_per_s"])
         cells = stored["cells"]
@@ -694,7 +693,7 @@ def resimulate(path: Path, cpu_cores: int | None = None) -> dict[str, Any]:
         errors[name] = max(cell_errors) if cell_errors else None
         out_cells.append({"workload": cell["workload"], "seed": cell["seed"],
                           "systems": systems})
-    return {"source": str(path), "cpu_cores": cfg.cpu_cores or os.cpu_count(),
+    return {"source": str(path), "cpu_cores": cfg.cpu_cores,
             "cells": out_cells, "sim_capacity_error_by_cell": errors,
             "sim_capacity_error": errors.get(stored.get("headline", ""))}
 
@@ -740,16 +739,6 @@ def _positive(text: str) -> float:
     value = _number(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= value <= 4096:
-        raise argparse.ArgumentTypeError(f"must be between 1 and 4096, got {text}")
     return value
 
 
@@ -807,7 +796,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="launch nothing: run today's simulator on a stored run (a "
                              "--json output that recorded its profiles) and print its live "
                              "capacities beside the stored and the new predictions")
-    parser.add_argument("--cpu-cores", type=_count, default=None, metavar="N",
+    parser.add_argument("--cpu-cores", type=whole_number(1, 4096), default=None, metavar="N",
                         help="the simulated CPU device's cores (default: this machine's; with "
                              "--resimulate, the stored run's)")
     parser.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",

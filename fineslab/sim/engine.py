@@ -123,11 +123,6 @@ class ReplicaEngine:
     def busy(self) -> bool:
         return self.step is not None
 
-    @property
-    def has_work(self) -> bool:
-        """Requests waiting or running (the reclaim rule's demand)."""
-        return bool(self.waiting or self.prefilling or self.decoding)
-
     def flush_cache(self) -> int:
         """Give every cached block back (SGLang's `/flush_cache`); the requests' count."""
         flushed = len(self.cached)

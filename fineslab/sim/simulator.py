@@ -240,9 +240,10 @@ class Simulator:
         """One round of the launcher's reclaim loop on each shared arena (`SimConfig.
         prefix_cache`): the idle replicas the rule names give their cache back, and the
         replicas waiting there try again. True while a later round may still matter: arrivals
-        are left, a step is in flight, or a flush came less than the rule's longest wait
-        ago (its stall time and gap: a request that waits with nothing running and nothing the
-        rule will flush would otherwise keep the rounds going for ever)."""
+        are left, a step is in flight or this round flushed; else, while requests wait, until
+        the rounds have been quiet longer than the rule's longest wait (its stall time and
+        gap): a request that waits with nothing running and nothing the rule will flush would
+        otherwise keep the rounds going for ever."""
         flushed_any = False
         for gpu_id, indices in self.by_gpu.items():
             table = self.kv.shared_table(gpu_id)
@@ -267,7 +268,7 @@ class Simulator:
             self._quiet_since = now_s
         cfg = self.config.reclaim
         waited = now_s - self._quiet_since
-        return (any(e.has_work for e in self.engines)
+        return (any(e.load for e in self.engines)
                 and waited <= cfg.stall_s + cfg.min_gap_s + 2 * cfg.interval_s)
 
     def _interference(self, index: int) -> float:
