@@ -82,7 +82,11 @@ DIAGNOSTICS = "Sleeping 5 seconds before crash diagnostics"
 
 @pytest.mark.slow
 def test_a_runtime_whose_port_is_taken_at_start_up_comes_up_on_a_fresh_port(
-        squatted: ServerSpec, tmp_path: Path) -> None:
+        squatted: ServerSpec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The stop waits as long as start_server's does, so that the negative control below is not
+    # a race: with the fleet's 1 s grace, a loaded machine SIGKILLs the tree before SGLang has
+    # logged that it sleeps for its diagnostics (CI, 2026-11-30).
+    monkeypatch.setattr("fineslab.fleet.supervisor.STOP_GRACE_S", 15.0)
     taken = squatted.port
     messages: list[str] = []
     asked = dataclasses.replace(squatted, env={"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "1"})
