@@ -55,6 +55,10 @@ ZYGOTE_VAR = "FINESLAB_ZYGOTE"
 #: zygote of their launcher's own (the test suite starts one per test process, which every
 #: fleet it launches shares). Unset: each launcher its own.
 SHARED_ZYGOTE_VAR = "FINESLAB_SHARED_ZYGOTE"
+#: "0": this runtime neither asks its neighbours for their prefix cache when the arena is short
+#: nor gives its own back when they ask (the cache squeeze, fineslab.sglang_plugin.
+#: cache_squeeze); on by default. The launcher sets it for a model with `cache_squeeze: false`.
+CACHE_SQUEEZE_VAR = "FINESLAB_CACHE_SQUEEZE"
 #: A file to append a JSON line to for each SGLang runtime, engine and Ray cluster started
 #: (fineslab.startlog; the test suite sets it to count its starts). Unset: nothing written.
 START_LOG_VAR = "FINESLAB_START_LOG"
@@ -102,6 +106,7 @@ class FineslabEnv:
     shared_zygote: str | None = None
     start_log: str | None = None
     contract_path: str | None = None
+    cache_squeeze: bool = True
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> FineslabEnv:
@@ -124,4 +129,6 @@ class FineslabEnv:
             shared_zygote=env.get(SHARED_ZYGOTE_VAR) or None,
             start_log=env.get(START_LOG_VAR) or None,
             contract_path=env.get(CONTRACT_VAR) or None,
+            cache_squeeze=_parse_tristate(CACHE_SQUEEZE_VAR, env.get(CACHE_SQUEEZE_VAR))
+            is not False,
         )

@@ -60,7 +60,8 @@ slow moment of the shared machine meets all of them. `sim` is the simulator's ca
 same fleet, workload and calibrated profiles: one CPU device with the arena as its KV space,
 each system placed once at the base rates as its live fleet is, its runtimes taking turns on
 this machine's cores (`SimConfig.cpu_cores`) and keeping finished requests' KV as their prefix
-caches do (`SimConfig.prefix_cache`); `sim_capacity_error` is the largest relative
+caches do, until a neighbour's cache squeeze asks for it (`SimConfig.prefix_cache`,
+`cache_squeeze`); `sim_capacity_error` is the largest relative
 error over the three systems. A run records its calibrated profiles, so that
 
     python -m fineslab.bench.capacity --resimulate RUN.json [--json]
@@ -194,6 +195,9 @@ class CapacityBenchConfig:
     settle_s: float = 30.0
     #: The cores the simulator's CPU device has (None: this machine's, recorded at the run).
     cpu_cores: int | None = None
+    #: The runtimes' cache squeeze (`sglang_plugin.cache_squeeze`), live and in the simulator.
+    #: A stored run without the key ran before it existed: `config_from_dict` reads False.
+    cache_squeeze: bool = True
     mix: tuple[MixModel, ...] = MIX
 
 
@@ -216,6 +220,8 @@ def fleet_config(cfg: CapacityBenchConfig, system: str, fleet_id: str,
                                  "request_rate_per_s": round(rate, 4)}
         if calibration:
             model["profile"] = str(calibration.profile_paths[m.name])
+        if not cfg.cache_squeeze:
+            model["cache_squeeze"] = False
         models.append(model)
     batch_policy, local_scheduler = FLEET_POLICIES[system]
     return {"fleet_id": fleet_id, "kv_pool": "arena", "placement": "mme",
@@ -479,17 +485,19 @@ def sim_searches(cfg: CapacityBenchConfig, calibration: Calibration, kind: str, 
     """The simulator's capacity for the same fleet and requests: one CPU device whose memory
     is the models' weights and activations plus the arena and whose runtimes take turns on
     this machine's cores (`SimConfig.cpu_cores`) and keep finished requests' KV as SGLang's
-    prefix cache does, until their own requests or the reclaim rule take it back
-    (`SimConfig.prefix_cache`). Each system is placed once, at the base
-    rates, as its live fleet was: a placement redone at every rate scale left a model unplaced
-    above x5.5, and that, not scheduling, set all four systems' simulated capacity."""
+    prefix cache does, until their own requests, a neighbour's cache squeeze or the reclaim
+    rule take it back (`SimConfig.prefix_cache`, `cache_squeeze`). Each system is placed
+    once, at the base rates, as its live fleet was: a placement redone at every rate scale
+    left a model unplaced above x5.5, and that, not scheduling, set all four systems'
+    simulated capacity."""
     models = [FleetModel(m.name, calibration.profiles[m.name], calibration.rates[m.name],
                          calibration.slo_s[m.name]) for m in cfg.mix]
     fixed = sum(p.weights_bytes + int(p.activation_bytes(1))
                 for p in calibration.profiles.values())
     gpus = [GpuSpec(0, fixed + arena_bytes, "cpu")]
     config = SimConfig(max_running_requests=cfg.max_running, min_slab_bytes=SIM_SLAB_BYTES,
-                       cpu_cores=cfg.cpu_cores or os.cpu_count() or 1, prefix_cache=True)
+                       cpu_cores=cfg.cpu_cores or os.cpu_count() or 1, prefix_cache=True,
+                       cache_squeeze=cfg.cache_squeeze)
     plans = {system: place(models, gpus, SIM_SYSTEMS[system].placer, config)
              for system in cfg.systems}
 
@@ -652,6 +660,7 @@ def config_from_dict(data: dict[str, Any]) -> CapacityBenchConfig:
     fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
                               for k, v in data.items()}
     fields["mix"] = tuple(MixModel(**m) for m in data["mix"])
+    fields.setdefault("cache_squeeze", False)  # runs before the squeeze had none
     return CapacityBenchConfig(**fields)
 
 
@@ -799,6 +808,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-cores", type=whole_number(1, 4096), default=None, metavar="N",
                         help="the simulated CPU device's cores (default: this machine's; with "
                              "--resimulate, the stored run's)")
+    parser.add_argument("--no-cache-squeeze", action="store_true",
+                        help="run the fleets, and the simulator, without the runtimes' cache "
+                             "squeeze (as before 2026-11-30): the reclaim rounds alone give "
+                             "cached memory back")
     parser.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",
                         help="move the fleets' configs, launcher output and runtime logs to DIR "
                              "(a new folder) at the end instead of deleting them")
@@ -820,7 +833,8 @@ def main(argv: list[str] | None = None) -> int:
     changes = {"seeds": args.seeds, "workloads": args.workloads, "systems": args.systems,
                "duration_s": args.duration, "tolerance": args.tolerance,
                "ceiling": args.ceiling, "floor": args.floor, "slo_scale": args.slo_scale,
-               "settle_s": args.settle, "cpu_cores": args.cpu_cores}
+               "settle_s": args.settle, "cpu_cores": args.cpu_cores,
+               "cache_squeeze": False if args.no_cache_squeeze else None}
     cfg = replace(cfg, **{k: v for k, v in changes.items() if v is not None})
     if cfg.ceiling < cfg.start:
         parser.error(f"--ceiling {cfg.ceiling:g} is below the first rate scale probed "

@@ -41,6 +41,9 @@ byte properties beside them; relative paths are resolved against the file's fold
                                     #   cap: 2, priority: 0} (docs/streaming.md)
         prefix_lending: null        # {cap: 0.5, window_s: 10, check_s: 1}: evicted prefix
                                     #   pages kept in the arena's free slabs (docs/prefix.md)
+        cache_squeeze: true         # false: keeps its prefix cache when a neighbour's request
+                                    #   is short of arena memory, and never asks for theirs
+                                    #   (docs/plugin.md, "The cache squeeze")
     supervision: {probe_interval_s: 5, probe_timeout_s: 20, probe_failures: 2,
                   backoff_max_s: 60, stable_after_s: 300, health_timeout_s: 600}
     cluster: null                   # {engine: ray, address: auto, min_nodes: 1, wait_nodes_s: 60}:
@@ -250,6 +253,8 @@ class ModelConfig(_Strict):
     pinned: bool = False
     layer_streaming: StreamingConfig | None = None
     prefix_lending: PrefixLendingConfig | None = None
+    #: The cache squeeze (sglang_plugin/cache_squeeze.py) for this model's runtimes.
+    cache_squeeze: bool = True
 
     @field_validator("path")
     @classmethod

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from fineslab.env import ARENA_VAR, CONTRACT_VAR, RUNTIME_ID_VAR, FineslabEnv
+from fineslab.env import ARENA_VAR, CACHE_SQUEEZE_VAR, CONTRACT_VAR, RUNTIME_ID_VAR, FineslabEnv
 from fineslab.errors import EnvironmentSetupError
 from fineslab.fleet.config import flag_value
 from fineslab.fleet.plan import RuntimePlan, prefill_chunk_args
@@ -117,5 +117,7 @@ def server_spec(plan: RuntimePlan, prepared: PrecisionRuntime, fleet_id: str, us
                         CONTRACT_VAR: str(path)})
         if model.prefix_lending is not None:
             args += ["--radix-cache-backend", LENT_RADIX_BACKEND]
+        if not model.cache_squeeze:
+            env[CACHE_SQUEEZE_VAR] = "0"
     return ServerSpec(str(prepared.model_path), port or free_port(), cpu=cpu,
                       extra_args=(*args, *model.extra_args), env=env)

@@ -70,6 +70,7 @@ from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 from sglang.srt.utils import get_num_new_pages
 
 from fineslab.errors import ArenaExhausted, InvalidBlockError
+from fineslab.sglang_plugin.cache_squeeze import CacheSqueeze, evictable_tokens
 from fineslab.slabs.table import SlabTable
 
 logger = logging.getLogger(__name__)
@@ -135,15 +136,17 @@ class SlabPrefillBudget(PrefillBudget):
     allocator: SlabAllocator
 
     def _evictable(self) -> int:
-        cache = self.tree_cache
-        return int(cache.full_evictable_size() if cache.supports_mamba()
-                   else cache.evictable_size())
+        return evictable_tokens(self.tree_cache)
 
     def _hold(self, tokens: int) -> bool:
         """Reserve the arena pages for `tokens` tokens of this step's prefills, less what this
         runtime's own prefix cache can free (no neighbour can take those pages, and
         `evict_to_free_tokens` keeps what it evicts); False at once when the arena is short."""
-        return self.allocator.reserve_tokens(max(0, tokens - self._evictable()))
+        tokens = max(0, tokens - self._evictable())
+        if self.allocator.reserve_tokens(tokens):
+            return True
+        self.allocator.ask_neighbours(tokens)
+        return False
 
     def _step_tokens(self, extend_tokens: int) -> int:
         """Everything admitted so far in this step plus this prefill, and the page it may open
@@ -161,8 +164,12 @@ class SlabPrefillBudget(PrefillBudget):
             max_new_tokens=max_new_tokens, input_tokens=input_tokens,
             swa_host_hit_length=swa_host_hit_length, chunk_limit=chunk_limit,
             auxiliary_swa_host_hit_length=auxiliary_swa_host_hit_length)
+        if not fits:  # SGLang's own check refuses on memory only (its prefill_budget.py)
+            self.allocator.ask_neighbours(
+                self.total_offset + total_tokens + self.page_size - self._evictable())
+            return fits, limit
         first = extend_input_len if limit is None else min(extend_input_len, limit)
-        if fits and not self._hold(self._step_tokens(first)):
+        if not self._hold(self._step_tokens(first)):
             return False, None
         return fits, limit
 
@@ -200,7 +207,7 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, device: str,
                  kvcache: Any, need_sort: bool, *, source: BlockSource,
-                 page_bytes: torch.Tensor | None = None) -> None:
+                 page_bytes: torch.Tensor | None = None, squeeze: bool = True) -> None:
         # clear() runs inside the base constructor and needs these.
         self._source = source
         self._keep_freed = False
@@ -215,6 +222,8 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         self._parked: list[int] = []
         self._full_at_tokens: int | None = None  # see admission_reopens
         self._tree_cache: Any = None  # SGLang's prefix cache, for _evict_for
+        #: the cache squeeze, both ways (None: `FINESLAB_CACHE_SQUEEZE=0`)
+        self._squeeze = CacheSqueeze(source.table) if squeeze else None
         super().__init__(size, page_size, dtype, device, kvcache, need_sort=False)
         uses_triton: bool = self.use_triton_kernels  # type: ignore[has-type]
         self.use_triton_kernels = uses_triton and triton_pages_ok(page_size)
@@ -315,6 +324,30 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         self._release_surplus(num_pages)
         return True
 
+    def ask_neighbours(self, num_tokens: int) -> bool:
+        """A reservation of `num_tokens` (this runtime's own prefix cache counted already)
+        found the arena short: post a cache squeeze for the free slabs it lacks, where this
+        runtime's cap and KV limit allow the tokens (else the neighbours' memory would not
+        help). Returns whether it posted (`cache_squeeze.py`)."""
+        if self._squeeze is None:
+            return False
+        pages = _ceil_div(num_tokens, self.page_size)
+        deficit = pages - self.available_size() // self.page_size
+        if deficit <= 0 or not self.cap_allows(pages * self.page_size):
+            return False
+        wanted = self._source.table.free_slab_count() + \
+            _ceil_div(deficit, self._source.blocks_per_slab)
+        return self._squeeze.post(wanted)
+
+    def give_cache_back(self, tree_cache: Any) -> int:
+        """At the start of a scheduler turn: if a neighbour posted a cache squeeze, evict this
+        runtime's unreferenced prefix cache until the arena has the free slabs it wanted;
+        returns the tokens evicted (`cache_squeeze.py`)."""
+        self._tree_cache = tree_cache
+        if self._squeeze is None:
+            return 0
+        return self._squeeze.obey(tree_cache, self.page_size, self._source.blocks_per_slab)
+
     def _release_surplus(self, num_pages: int) -> None:
         """Give back what a draw for the padding slab brought beyond `num_pages` (the cap
         bounds used + reserved pages)."""
@@ -370,6 +403,7 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
                        "back", num_pages, STARVED_WAIT_S)
         deadline = time.monotonic() + STARVED_WAIT_S
         while time.monotonic() < deadline:
+            self.ask_neighbours(num_pages * self.page_size)  # spaced by cache_squeeze's gap
             time.sleep(STARVED_POLL_S)
             if self._top_up(num_pages):
                 return True
@@ -448,7 +482,10 @@ class SlabAllocator(PagedTokenToKVPoolAllocator):
         SGLang retracts (a lone starved request is held by the scheduler hook, `starvation.py`,
         before SGLang gets here)."""
         self.evict_to_free_tokens(tree_cache, num_tokens)
-        return self.reserve_tokens(num_tokens)
+        if self.reserve_tokens(num_tokens):
+            return True
+        self.ask_neighbours(num_tokens)  # its own cache is evicted: the neighbours hold it
+        return False
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         pages = self._take(need_size // self.page_size)

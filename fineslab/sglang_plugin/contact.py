@@ -266,6 +266,9 @@ _ALLOCATOR_CONTACTS = (
               "and an allocation's last resort (SlabAllocator._evict_for)"),
     *_members(_BUDGET, _ATTRIBUTE, ("allocator", "current_offset", "page_size", "tree_cache"),
               "the tokens admitted so far in this step", in_source_of=("__init__",)),
+    Contact(f"{_BUDGET}.total_offset", _ATTRIBUTE,
+            "the tokens (with their new tokens) admitted so far: what a refused admission "
+            "asks the neighbours for (the cache squeeze)", in_source_of=("__init__",)),
 )
 
 _POOL_CONTACTS = (
@@ -489,6 +492,9 @@ ENGINE_POLICY_CONTACTS: tuple[Contact, ...] = (
             in_source_of=("__init__",)),
     Contact("sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.evictable_size", _METHOD,
             "T_max: KV tokens the prefix cache would give back"),
+    Contact("sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.evict", _METHOD,
+            "the cache squeeze: least recently used prefixes given back for a neighbour",
+            ("params",)),
     Contact("sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator.available_size",
             _METHOD, "T_max: free KV tokens now"),
     Contact(f"{_SCHEDULER}.forward_ct", _ATTRIBUTE,

@@ -15,7 +15,9 @@ order:
     _resolve_kv_pool_class    -> SlabKVPool over the arena views (kind "mha")
     _build_token_to_kv_pool_allocator -> SlabAllocator over this runtime's blocks
     _check_full_pool (idle)   -> SGLang's leak check, with the neighbours' memory accounted for
-    _get_new_batch_prefill_raw (every step) -> reopen admission after a neighbour freed memory;
+    _get_new_batch_prefill_raw (every step) -> give back the prefix cache a neighbour's cache
+                                 squeeze asks for (`cache_squeeze.py`); reopen admission after
+                                 a neighbour freed memory;
                                  with an engine schedule, Algorithm 2 over the waiting queue
                                  (`engine_policy.py`)
     update_running_batch (every decode step) -> skip the step while the neighbours starve a lone
@@ -37,7 +39,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from fineslab.env import KV_FORMAT_VAR, PREFIX_LENDING_VAR
+from fineslab.env import KV_FORMAT_VAR, PREFIX_LENDING_VAR, FineslabEnv
 from fineslab.errors import ConfigError
 from fineslab.sglang_plugin.allocator import SlabAllocator, needs_zeroed_pages
 from fineslab.sglang_plugin.config import LENT_RADIX_BACKEND, ArenaJoin
@@ -299,7 +301,8 @@ class PluginSession:
         return SlabAllocator(
             kwargs["sizes"].max_total_num_tokens, configurator.page_size,
             configurator.kv_cache_dtype, device, pool, need_sort=False, source=link.source,
-            page_bytes=link.page_bytes() if needs_zeroed_pages(device) else None)
+            page_bytes=link.page_bytes() if needs_zeroed_pages(device) else None,
+            squeeze=FineslabEnv.from_environ().cache_squeeze)
 
     def tree_cache(self, ctx: Any) -> Any:
         """The `fineslab_lent` radix-cache backend: SGLang's radix cache over a lent tier in
@@ -319,11 +322,14 @@ class PluginSession:
 
     def new_batch_prefill(self, original: Callable[..., Any], scheduler: Any, *args: Any,
                           **kwargs: Any) -> Any:
-        """Reopen SGLang's admission when a neighbour gave memory back (see
+        """Give back the prefix cache a neighbour's cache squeeze asks for (`cache_squeeze.py`),
+        reopen SGLang's admission when a neighbour gave memory back (see
         `SlabAllocator.admission_reopens`), then run SGLang's own prefill admission (on what
         the engine policy admitted, when there is one); a turn that admitted nothing while
         requests wait and none runs sleeps STARVED_BACKOFF_S."""
         allocator = scheduler.token_to_kv_pool_allocator
+        if isinstance(allocator, SlabAllocator):
+            allocator.give_cache_back(scheduler.tree_cache)  # a neighbour's cache squeeze
         running_batch = kwargs.get("running_batch", args[1] if len(args) > 1 else None)
         if isinstance(allocator, SlabAllocator) and running_batch is not None and \
                 allocator.admission_reopens(bool(running_batch.batch_is_full)):

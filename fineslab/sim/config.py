@@ -84,6 +84,12 @@ class SimConfig:
         when the launcher's reclaim rule flushes the replica, idle, for a neighbour
         (`scheduler.reclaim`, its thresholds `reclaim`, decided every `reclaim.interval_s` on
         each shared arena). Off (every GPU experiment), blocks are freed when a request ends.
+    cache_squeeze: with prefix_cache, the runtimes' own cache squeeze as well
+        (`sglang_plugin.cache_squeeze`): a replica whose request finds its arena short asks the
+        replicas beside it, and each gives back its oldest cached requests until the asker's
+        blocks are free, at its next turn: a busy one when its step ends, an idle one after
+        `squeeze_idle_s` on a CPU device (SGLang's idle sleeper wakes once a second: half of
+        that on average) and at once on a GPU (its scheduler loop does not sleep).
     gpu_memory_fraction: the part of each GPU's memory the fleet may use. Above 1 (at most
         MAX_MEMORY_FRACTION) it describes a GPU with that much more memory and the same
         compute: `fineslab.sim capacity-parts` uses 1.8 for a fleet whose KV space never binds.
@@ -103,6 +109,8 @@ class SimConfig:
     cpu_cores: int | None = None
     prefix_cache: bool = False
     reclaim: ReclaimConfig = field(default_factory=ReclaimConfig)
+    cache_squeeze: bool = False
+    squeeze_idle_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.interference_per_neighbor < 0:

@@ -115,6 +115,8 @@ class ReplicaEngine:
     idle_version: int | None = None
     #: Finished requests' blocks kept as the prefix cache, oldest first (SimConfig.prefix_cache).
     cached: deque[list[list[int]]] = field(default_factory=deque)
+    #: The blocks the last admission lacked (0: it was not short), for the cache squeeze.
+    short_blocks: int = 0
 
     def __post_init__(self) -> None:
         self.predictor = MemoTtftPredictor(ChunkedPrefillPredictor.from_profile(self.profile))
@@ -129,6 +131,15 @@ class ReplicaEngine:
         while self.cached:
             self.kv.free(self.cached.popleft())
         return flushed
+
+    def give_cache_for(self, asker: ReplicaEngine) -> int:
+        """The cache squeeze (`SimConfig.cache_squeeze`): give back this replica's oldest
+        cached requests until `asker` has the blocks its admission lacked; the count given."""
+        given = 0
+        while self.cached and asker.kv.available_blocks() < asker.short_blocks:
+            self.kv.free(self.cached.popleft())
+            given += 1
+        return given
 
     def _alloc(self, num_blocks: int) -> list[list[int]] | None:
         """Blocks for a request, evicting this replica's own cache (oldest first) as SGLang
@@ -178,7 +189,9 @@ class ReplicaEngine:
             return True
         blocks = self._alloc(num_blocks)
         if blocks is None:
+            self.short_blocks = num_blocks
             return False
+        self.short_blocks = 0
         del self.waiting[request.request_id]
         self.prefilling.append(Running(request, blocks, request.prompt_tokens))
         return True

@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 #: The heap's index for a round of the reclaim loop (a step's end carries its replica's index).
 RECLAIM = -1
+#: An idle replica's turn for the cache squeeze carries SQUEEZE - its index.
+SQUEEZE = -2
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,8 @@ class Simulator:
         self._heap: list[tuple[float, int, int]] = []
         self._seq = 0
         self._reclaim = CacheReclaimPolicy(config.reclaim)
+        #: replica -> the replicas whose cache squeeze it obeys at its next turn
+        self._asked: dict[int, set[int]] = {}
         self._quiet_since: float | None = None
         self._cpu_ids = {g.gpu_id for g in self.plan.gpus if g.device == "cpu"}
 
@@ -185,6 +189,8 @@ class Simulator:
                 if index == RECLAIM:
                     if self._on_reclaim(now_s, next_arrival < len(arrivals)):
                         self._push(now_s + self.config.reclaim.interval_s, RECLAIM)
+                elif index <= SQUEEZE:
+                    self._obey(SQUEEZE - index, now_s)
                 else:
                     self._on_step_end(index, now_s)
             else:
@@ -215,6 +221,7 @@ class Simulator:
         freed = engine.finish_step(now_s)
         if decode and now_s <= self.window_s:
             self.window_output_tokens += engine.tokens_emitted - before
+        self._obey(index, now_s)
         self._try_start(index, now_s)
         if freed:
             for gpu_id in engine.gpu_ids:
@@ -227,10 +234,38 @@ class Simulator:
         if engine.busy:
             return
         step = engine.plan_step(now_s)
+        if engine.short_blocks and self.config.prefix_cache and self.config.cache_squeeze:
+            self._squeeze(index, now_s)
         if step is None:
             return
         engine.step = step
         self._push(now_s + step.alone_s * self._interference(index) + step.map_s, index)
+
+    def _squeeze(self, index: int, now_s: float) -> None:
+        """Replica `index` found its arena short: each replica beside it with a cache obeys at
+        its next turn (`SimConfig.cache_squeeze`): a busy one when its step ends, an idle one
+        after squeeze_idle_s on a CPU device, at once on a GPU."""
+        for gpu_id in self.engines[index].gpu_ids:
+            if self.kv.shared_table(gpu_id) is None:
+                continue
+            for other in self.by_gpu[gpu_id]:
+                neighbour = self.engines[other]
+                if other == index or not neighbour.cached or index in self._asked.get(other, ()):
+                    continue
+                first = other not in self._asked
+                self._asked.setdefault(other, set()).add(index)
+                if first and not neighbour.busy:
+                    wait_s = self.config.squeeze_idle_s if gpu_id in self._cpu_ids else 0.0
+                    self._push(now_s + wait_s, SQUEEZE - other)
+
+    def _obey(self, index: int, now_s: float) -> None:
+        """Replica `index`'s turn: give its cache back to the replicas that asked, and let
+        each of them try again."""
+        askers = self._asked.pop(index, set())
+        for asker in sorted(askers):
+            engine = self.engines[asker]
+            if engine.short_blocks and self.engines[index].give_cache_for(engine):
+                self._try_start(asker, now_s)
 
     def _push(self, at_s: float, index: int) -> None:
         self._seq += 1

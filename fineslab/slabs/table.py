@@ -35,6 +35,10 @@ Glossary
                 the free space came up short: every pooled runtime gives the blocks it caches
                 back at its next call (pool_cache.py; advisory, so it is the one word a refused
                 pooled allocation changes)
+    cache squeeze a header counter (and the free slabs wanted) a runtime moves, without the
+                lock, when a request of its own was short of free slabs: every runtime that sees
+                it move evicts unreferenced prefix cache until that many slabs are free
+                (sglang_plugin/cache_squeeze.py; advisory)
 
 Invariants (check_integrity verifies each; T3 and T4 only for owners that are quiescent)
     T1  state[s] == FREE  <=>  owner[s] == NO_OWNER
@@ -129,6 +133,8 @@ class _Hdr(enum.IntEnum):
     READY = 11
     SLAB_EPOCH = 12  # +1 whenever a slab changes owner or key (carve, free): see slab_epoch
     POOL_SQUEEZE = 13  # +1 when a key-pool runtime came up short: see pool_squeeze
+    CACHE_SQUEEZE = 14  # +1 when a runtime's request was short of free slabs: cache_squeeze
+    CACHE_WANT = 15  # the free slabs that request wanted: cache_squeeze
 
 
 _HEADER_WORDS = 16
@@ -319,6 +325,29 @@ class SlabTable(KVLimitRows):
         lock); returns the counter's new value."""
         self.header[_Hdr.POOL_SQUEEZE] += 1
         return int(self.header[_Hdr.POOL_SQUEEZE])
+
+    @property
+    def cache_squeeze(self) -> tuple[int, int]:
+        """(counter, wanted free slabs): the counter moves whenever a runtime's request was
+        short of free slabs that its own cap allowed; every runtime that sees it move evicts
+        its unreferenced prefix cache until that many slabs are free (`squeeze_caches`)."""
+        return int(self.header[_Hdr.CACHE_SQUEEZE]), int(self.header[_Hdr.CACHE_WANT])
+
+    def squeeze_caches(self, wanted_slabs: int) -> int:
+        """Ask every runtime to give back the prefix cache that holds `wanted_slabs` slabs;
+        returns the counter's new value. Without the lock: advisory, like the pool squeeze.
+        Two posts that race write the same value, which still differs from what each reader
+        saw before; the wanted count is the last poster's."""
+        self.header[_Hdr.CACHE_WANT] = max(1, wanted_slabs)
+        value = int(self.header[_Hdr.CACHE_SQUEEZE]) + 1
+        self.header[_Hdr.CACHE_SQUEEZE] = value
+        return value
+
+    def free_slab_count(self, but_padding: bool = True) -> int:
+        """FREE slabs now (lock-free, so a best-effort view), without the padding slab unless
+        asked: whoever draws it first parks it whole (sglang_plugin/allocator.py)."""
+        free = int(np.count_nonzero(self.state == SlabState.FREE))
+        return free - int(but_padding and self.state[PADDING_SLAB] == SlabState.FREE)
 
     # -- the lock -------------------------------------------------------------------------------
     def lock(self) -> _TableLock:

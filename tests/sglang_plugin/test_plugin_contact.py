@@ -61,6 +61,7 @@ TYPED_NAMES = {
     "req": "sglang.srt.managers.schedule_batch.Req",
     "chunked": "sglang.srt.managers.schedule_batch.Req",
     "other": "sglang.srt.managers.schedule_batch.Req",
+    "tree_cache": "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache",
 }
 #: SGLang objects reached through one more step: (variable, attribute or subscript) -> class.
 CHAINED_NAMES = {

@@ -151,17 +151,19 @@ def test_cpu_cores_must_be_positive() -> None:
         SimConfig(cpu_cores=0)
 
 
-def _cached_fleet(prefix_cache: bool) -> dict[str, float]:
+def _cached_fleet(prefix_cache: bool, squeeze: bool = False, device: str = "h100"
+                  ) -> dict[str, float]:
     """Two 8B models sharing a 2 GiB arena: model a's four 4,000-token requests finish by
     t = 5 s and, with the prefix cache, keep their blocks (the arena nearly full); a asks again
     at 6.3 s, b at 10.3 s. TTFT by request."""
     profile = analytical_profile("llama-3.1-8b", "fp16", "h100", workload=Workload(4000, 1))
+    profile = replace(profile, device=device) if device == "cpu" else profile
     models = [FleetModel(name, profile, 0.1, 1e6) for name in ("a", "b")]
     fixed = 2 * (profile.weights_bytes + int(profile.activation_bytes(1)))
-    gpus = [GpuSpec(0, fixed + 2 * GIB, "h100")]
+    gpus = [GpuSpec(0, fixed + 2 * GIB, device)]
     requests = [Request(f"a{i}", "a", 0.5 * i, 4000, 1) for i in range(4)]
     requests += [Request("b", "b", 10.3, 4000, 1), Request("a-again", "a", 6.3, 4000, 1)]
-    config = SimConfig(prefix_cache=prefix_cache)
+    config = SimConfig(prefix_cache=prefix_cache, cache_squeeze=squeeze)
     system = SystemSpec("shared-fcfs", "mme", "fcfs", "shared")
     outcomes = simulate(models, gpus, system, requests, 30.0, config).outcomes
     assert all(o.completed for o in outcomes), outcomes
@@ -177,3 +179,19 @@ def test_a_neighbours_cache_holds_the_arena_until_the_reclaim_round_flushes_it()
     assert cached["b"] == pytest.approx(11.0 - 10.3 + prefill, abs=1e-6)
     # a's own request evicts a's own cache at once, as SGLang evicts for its own requests
     assert cached["a-again"] == pytest.approx(alone["a-again"], rel=1e-6)
+
+
+def test_with_the_cache_squeeze_a_neighbours_cache_comes_back_at_its_next_turn() -> None:
+    alone = _cached_fleet(prefix_cache=False)
+    prefill = alone["b"]
+    # On a GPU the idle neighbour's scheduler loop turns at once: b waits for nothing.
+    assert _cached_fleet(prefix_cache=True, squeeze=True)["b"] == pytest.approx(prefill,
+                                                                                rel=1e-6)
+    # On a CPU SGLang's idle sleeper wakes once a second: squeeze_idle_s (0.5 s) on average,
+    # before the 0.7 s the reclaim round costs.
+    cpu_alone = _cached_fleet(prefix_cache=False, device="cpu")["b"]
+    cpu = _cached_fleet(prefix_cache=True, squeeze=True, device="cpu")["b"]
+    assert cpu == pytest.approx(0.5 + cpu_alone, abs=1e-6)
+    # The control: without the squeeze, the round at 11 s.
+    assert _cached_fleet(prefix_cache=True, device="cpu")["b"] == pytest.approx(
+        11.0 - 10.3 + cpu_alone, abs=1e-6)
