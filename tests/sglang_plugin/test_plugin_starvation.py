@@ -72,6 +72,7 @@ class FakeScheduler:
     token_to_kv_pool_allocator: SlabAllocator
     decoded: list[FakeBatch] = field(default_factory=list)
     waiting_queue: list[object] = field(default_factory=list)
+    tree_cache: object = None  # SGLang's prefix cache: none here, nothing to give back
 
     def update_running_batch(self, batch: FakeBatch) -> FakeBatch:
         """Stands for SGLang's own update (decode, retract or abort)."""
