@@ -98,6 +98,7 @@ class CacheSqueeze:
         evicted = before - evictable
         if evicted:
             self.evicted_tokens += evicted
-            logger.info("a neighbour was short of %d free slab(s): evicted %d token(s) of "
-                        "this runtime's prefix cache; %d slab(s) free now", wanted, evicted, free)
+            logger.info("a neighbour's request needs %d free slab(s) in the arena: evicted %d "
+                        "token(s) of this runtime's prefix cache; %d slab(s) free now",
+                        wanted, evicted, free)
         return evicted
