@@ -124,5 +124,7 @@ class SimConfig:
             raise ConfigError("page map times must be >= 0")
         if self.cpu_cores is not None and self.cpu_cores < 1:
             raise ConfigError("cpu_cores must be >= 1 (or None)")
+        if not self.squeeze_idle_s >= 0:
+            raise ConfigError("squeeze_idle_s must be >= 0")
         if not 0 <= self.page_reserve_min <= self.page_reserve_max:
             raise ConfigError("page reserve sizes must satisfy 0 <= min <= max")

@@ -149,6 +149,8 @@ def test_cpu_replicas_take_turns_on_the_cores() -> None:
 def test_cpu_cores_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="cpu_cores"):
         SimConfig(cpu_cores=0)
+    with pytest.raises(ConfigError, match="squeeze_idle_s"):
+        SimConfig(squeeze_idle_s=-0.5)  # an obey before the post would run time backwards
 
 
 def _cached_fleet(prefix_cache: bool, squeeze: bool = False, device: str = "h100"
