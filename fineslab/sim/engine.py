@@ -125,11 +125,15 @@ class ReplicaEngine:
     def busy(self) -> bool:
         return self.step is not None
 
+    def _evict_oldest(self) -> None:
+        """Give the oldest cached request's blocks back."""
+        self.kv.free(self.cached.popleft())
+
     def flush_cache(self) -> int:
         """Give every cached block back (SGLang's `/flush_cache`); the requests' count."""
         flushed = len(self.cached)
         while self.cached:
-            self.kv.free(self.cached.popleft())
+            self._evict_oldest()
         return flushed
 
     def give_cache_for(self, asker: ReplicaEngine) -> int:
@@ -137,7 +141,7 @@ class ReplicaEngine:
         cached requests until `asker` has the blocks its admission lacked; the count given."""
         given = 0
         while self.cached and asker.kv.available_blocks() < asker.short_blocks:
-            self.kv.free(self.cached.popleft())
+            self._evict_oldest()
             given += 1
         return given
 
@@ -146,7 +150,7 @@ class ReplicaEngine:
         evicts its radix cache for its own requests; None when still short."""
         blocks = self.kv.try_alloc(num_blocks)
         while blocks is None and self.cached:
-            self.kv.free(self.cached.popleft())
+            self._evict_oldest()
             blocks = self.kv.try_alloc(num_blocks)
         return blocks
 
